@@ -1,0 +1,8 @@
+"""Noria: reinforcement-learning post-training of large language models.
+
+Top-level packages are runtime roles: ``models`` (native model definitions shared by engine and
+trainer), ``data`` (prompt sources and synthetic tasks), ``rewards`` (scoring), ``eval``
+(accuracy on a task's test split). ``types`` and ``config`` are leaves that every role imports.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,345 @@
+"""Typed, closed configuration: one dataclass per component, loaded from YAML plus dotted overrides.
+
+How a config is built: the YAML file is read into a plain dict, each ``--a.b value`` override is
+parsed as a YAML scalar and written into that dict, and only then is the dict turned into typed
+dataclasses. That order means overrides get exactly the same checks as the file:
+
+- closed: an unknown key raises ``ConfigError`` naming its full dotted path and the closest valid
+  key (``rollout.n_sample`` -> did you mean ``rollout.n_samples``?);
+- typed: every value is checked against its field's annotation (int, float, bool, str, Literal,
+  Optional, list, dict, nested section);
+- validated: each section's ``validate()`` runs, then cross-section checks, all before any model or
+  data is loaded.
+
+``to_dict`` / ``save_config`` write the resolved config (every default filled in) into a run folder.
+This module is a leaf: it imports nothing from Noria, so components import their section from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key path."""
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
+    """A config field with its documentation; ``default`` may be a callable via ``factory``."""
+    factory = kwargs.pop("factory", dataclasses.MISSING)
+    if kwargs:
+        raise TypeError(f"unknown option() arguments {sorted(kwargs)}")
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+# --------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str = option("", "A catalog name (see `noria models list`) or an HF model folder (config.json + safetensors).")
+    dtype: Literal["bfloat16", "float32"] = option("bfloat16", "Compute dtype of the model weights.")
+    impl: Literal["auto", "native", "hf"] = option(
+        "auto", "auto: Noria's native model when the architecture is supported, else transformers'."
+    )
+    device: str = option("cpu", "torch device for the model: cpu, cuda, cuda:1, ...")
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("model.path is required: a catalog name such as smollm2-135m-instruct or a folder")
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from: a file (JSONL, Parquet, HF datasets folder) or a built-in task."""
+
+    task: str | None = option(None, "Built-in synthetic task (arithmetic, countdown); exclusive with `path`.")
+    task_args: dict[str, Any] = option(
+        factory=dict, help="Task-specific arguments (e.g. n_train, n_test, seed); each task rejects unknown ones."
+    )
+    path: str | None = option(None, "Training data file or folder (.jsonl, .parquet, or a saved HF dataset).")
+    test_path: str | None = option(None, "Held-out data for evaluation, same format as `path`.")
+    format: Literal["auto", "jsonl", "parquet", "hf"] = option("auto", "File format; auto picks it from the extension.")
+    prompt_key: str = option("prompt", "Field holding the prompt: a string, or a list of chat messages.")
+    label_key: str | None = option("label", "Field holding the reference answer; null if the data has none.")
+    metadata_keys: list[str] = option(factory=list, help="Extra fields copied into each prompt's metadata.")
+    chat_template: bool = option(True, "Render prompts with the tokenizer's chat template.")
+    system_prompt: str | None = option(None, "System message prepended when rendering string prompts as chat.")
+    shuffle: bool = option(True, "Shuffle the training prompts each epoch (seeded).")
+    seed: int = option(0, "Seed of the shuffle.")
+    epochs: int = option(1, "Passes over the training data; the source stops after this many.")
+    max_prompt_tokens: int | None = option(None, "Drop prompts longer than this many tokens at load (count logged).")
+    skip_bad_rows: bool = option(False, "Skip malformed rows (counted and reported) instead of failing.")
+
+    def validate(self) -> None:
+        if (self.task is None) == (self.path is None):
+            raise ConfigError("data: set exactly one of data.task (a built-in task) or data.path (a data file)")
+        if self.epochs < 1:
+            raise ConfigError(f"data.epochs must be >= 1, got {self.epochs}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+@dataclass
+class RewardConfig:
+    """How a sample is scored."""
+
+    name: str = option(
+        "math", "A registered reward (exact_match, numeric, math, format, ...) or a user function `pkg.module:fn`."
+    )
+    kwargs: dict[str, Any] = option(factory=dict, help="Keyword arguments passed to the reward function.")
+    timeout_s: float = option(10.0, "Seconds one reward call may take; past that the sample is marked failed.")
+
+    def validate(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of training trajectories."""
+
+    n_samples: int = option(8, "Samples per prompt (the group size).")
+    max_new_tokens: int = option(256, "Maximum generated tokens per sample.")
+    temperature: float = option(1.0, "Sampling temperature; 0 is greedy.")
+    top_p: float = option(1.0, "Nucleus sampling: keep the smallest token set with this much probability.")
+    top_k: int = option(-1, "Keep only the k most likely tokens; -1 keeps all.")
+    min_p: float = option(0.0, "Drop tokens whose probability is below min_p times the top token's.")
+    stop: list[str] = option(factory=list, help="Stop strings; generation ends after the first one produced.")
+
+    def validate(self) -> None:
+        _check_sampling("rollout", self.temperature, self.top_p, self.top_k, self.min_p, self.max_new_tokens)
+        if self.n_samples < 1:
+            raise ConfigError(f"rollout.n_samples must be >= 1, got {self.n_samples}")
+
+
+@dataclass
+class EvalConfig:
+    """Accuracy of the model on a task's held-out split."""
+
+    split: Literal["train", "test"] = option("test", "Which split to evaluate.")
+    limit: int | None = option(None, "Evaluate only the first N prompts of the split.")
+    batch_size: int = option(32, "Prompts generated together.")
+    max_new_tokens: int = option(256, "Maximum generated tokens per answer.")
+    temperature: float = option(0.0, "Sampling temperature; 0 is greedy (the usual choice for accuracy).")
+    top_p: float = option(1.0, "Nucleus sampling threshold (ignored when greedy).")
+    n_samples: int = option(1, "Answers per prompt; accuracy averages over all of them (pass@1 estimate).")
+    seed: int = option(0, "Seed for sampled evaluation.")
+
+    def validate(self) -> None:
+        _check_sampling("eval", self.temperature, self.top_p, -1, 0.0, self.max_new_tokens)
+        for key in ("batch_size", "n_samples"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"eval.limit must be >= 1, got {self.limit}")
+
+
+@dataclass
+class RunConfig:
+    """A whole job: model, data, reward, rollout and evaluation settings."""
+
+    name: str = option("noria", "Run name; the default run folder is runs/<name>-<time>.")
+    seed: int = option(0, "Global seed (torch, python, numpy).")
+    run_dir: str | None = option(None, "Run folder; default runs/<name>-<time>.")
+    model: ModelConfig = option(factory=ModelConfig, help="The policy model.")
+    data: DataConfig = option(factory=DataConfig, help="Prompt source.")
+    reward: RewardConfig = option(factory=RewardConfig, help="Reward function.")
+    rollout: RolloutConfig = option(factory=RolloutConfig, help="Rollout sampling.")
+    eval: EvalConfig = option(factory=EvalConfig, help="Evaluation.")
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                section.validate()
+
+
+def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, min_p: float, max_new: int) -> None:
+    if temperature < 0:
+        raise ConfigError(f"{prefix}.temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"{prefix}.top_p must be in (0, 1], got {top_p}")
+    if top_k == 0 or top_k < -1:
+        raise ConfigError(f"{prefix}.top_k must be -1 (off) or >= 1, got {top_k}")
+    if not 0 <= min_p < 1:
+        raise ConfigError(f"{prefix}.min_p must be in [0, 1), got {min_p}")
+    if max_new < 1:
+        raise ConfigError(f"{prefix}.max_new_tokens must be >= 1, got {max_new}")
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = RunConfig) -> Any:
+    """Read YAML ``path`` (optional), apply ``--a.b value`` overrides, type-check, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(raw, key, value)
+    config = from_dict(cls, raw)
+    config.validate()
+    return config
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``; values are parsed as YAML."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"expected an override like --section.key VALUE, got {arg!r}")
+        if "=" in arg:
+            key, text = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            key, text = arg[2:], args[i + 1]
+            i += 2
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text  # not YAML: take the string as given
+        pairs.append((key.replace("-", "_"), value))
+    return pairs
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
+    where = path or "config"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_unknown_key_message(str(key), path, list(fields)))
+    kwargs = {}
+    for key, value in data.items():
+        kwargs[key] = _coerce(hints[key], value, f"{path}.{key}" if path else key)
+    return cls(**kwargs)
+
+
+def _unknown_key_message(key: str, path: str, valid: list[str]) -> str:
+    full = f"{path}.{key}" if path else key
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{path + '.' if path else ''}{close[0]}'?" if close else ""
+    return f"unknown config key '{full}'{hint} (valid keys{' of ' + path if path else ''}: {', '.join(valid)})"
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option_tp in options:
+            if option_tp is type(None):
+                continue
+            try:
+                return _coerce(option_tp, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of {tp}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # a YAML-parsed override like `--name 123` is still a name
+    if tp in (int, float, bool, str) and (type(value) is not tp):
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The resolved config as plain data (every default filled in)."""
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Any, path: str | Path) -> Path:
+    """Write the resolved config as YAML (into a run folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    return path
+
+
+def field_docs(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default, help) for every leaf field: the configuration reference."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(field_docs(tp, key + "."))
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        rows.append((key, _type_name(tp), default, f.metadata.get("help", "")))
+    return rows
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(c) for c in typing.get_args(tp))
+    return str(tp).replace("typing.", "") if not isinstance(tp, type) else tp.__name__

@@ -1,0 +1,151 @@
+"""Typed records that cross every boundary of the loop.
+
+``Prompt`` leaves the data source, ``Sample`` is one trajectory produced by rollout and scored by a
+reward, ``Group`` holds all samples of one prompt, and ``TrainBatch`` is the packed tensor form the
+trainer consumes. Every record carries weight versions so that staleness is computed from data,
+never assumed.
+
+This module is a leaf: it imports nothing from Noria. Records are slotted dataclasses; ``Sample``
+is mutable because rollout appends to it turn by turn, the others are frozen.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    """How a trajectory ended."""
+
+    PENDING = "pending"  # not finished yet (in flight)
+    COMPLETED = "completed"  # the policy stopped by itself (EOS or a stop string)
+    TRUNCATED = "truncated"  # hit the token limit
+    ABORTED = "aborted"  # cancelled by the system (shutdown, abort, weight update with retract)
+    FAILED = "failed"  # generation, environment or reward raised; ``status_reason`` says why
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt record from a data source."""
+
+    prompt: str | tuple[dict[str, str], ...]
+    """The prompt as text, or as chat messages (``{"role", "content"}`` dicts) to be rendered."""
+    label: Any = None
+    """Reference answer the reward compares against (string, number, or task-specific)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Extra per-row fields kept from the source (task name, difficulty, ...)."""
+    index: int = -1
+    """Position of the row in its source (0-based), stable across shuffles and epochs."""
+    source: str = ""
+    """Where the row came from: a file path or ``task:<name>/<split>``."""
+
+
+@dataclass(slots=True)
+class Sample:
+    """One trajectory: a prompt, everything after it, and how it was produced and scored.
+
+    Lengths: ``len(response_ids) == len(loss_mask) == len(rollout_logprobs)``; tokens the policy did
+    not sample (tool and environment output) have ``loss_mask`` 0 and logprob 0.0.
+    """
+
+    prompt_ids: list[int]
+    """Token ids of the rendered prompt, shape [P]."""
+    response_ids: list[int] = field(default_factory=list)
+    """Every token after the prompt, tool and environment tokens included, shape [R]."""
+    loss_mask: list[int] = field(default_factory=list)
+    """Per response token: 1 if sampled by the policy (trained on), 0 otherwise. Shape [R]."""
+    rollout_logprobs: list[float] = field(default_factory=list)
+    """Per response token: log-probability under the behaviour policy (natural log). Shape [R]."""
+    weight_versions: list[int] = field(default_factory=list)
+    """Per response token: weight version of the policy that produced it (-1 for non-policy tokens)."""
+    response_text: str = ""
+    """Decoded response, for rewards and inspection."""
+    reward: float | None = None
+    """Scalar reward; None until scored."""
+    status: Status = Status.PENDING
+    """How the trajectory ended."""
+    status_reason: str = ""
+    """Why it failed or was aborted (empty otherwise)."""
+    group_id: int = -1
+    """Id of the group (prompt) this sample belongs to."""
+    index: int = 0
+    """Index of this sample within its group, 0..n_samples-1."""
+    session_id: str | None = None
+    """Session (multi-turn conversation) id, also the routing key; None for single-turn work."""
+    routed_experts: Any = None
+    """Optional MoE routing record (layers x tokens x top-k expert ids) for routing replay."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free-form per-sample data (prompt metadata, reward details, timings)."""
+
+    @property
+    def n_policy_tokens(self) -> int:
+        """Number of response tokens sampled by the policy."""
+        return sum(self.loss_mask)
+
+    @property
+    def min_version(self) -> int | None:
+        """Oldest weight version of any policy token; None if the sample has none."""
+        versions = [v for v, m in zip(self.weight_versions, self.loss_mask) if m]
+        return min(versions) if versions else None
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """All samples of one prompt; the unit the buffer stores and advantages normalise over."""
+
+    group_id: int
+    """Unique id within a run."""
+    prompt: Prompt
+    """The source prompt record."""
+    samples: tuple[Sample, ...]
+    """The trajectories, in sample-index order."""
+
+    @property
+    def min_version(self) -> int | None:
+        """Oldest weight version of any policy token in the group (for staleness)."""
+        versions = [v for s in self.samples if (v := s.min_version) is not None]
+        return min(versions) if versions else None
+
+    @property
+    def rewards(self) -> list[float | None]:
+        """Rewards of the samples, in order."""
+        return [s.reward for s in self.samples]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainBatch:
+    """Samples packed into flat token tensors for the trainer.
+
+    All per-token tensors have shape [N], N being the total number of tokens of all packed
+    sequences (prompt and response). Sequence boundaries are ``cu_seqlens``; nothing is reshaped by
+    group size, so groups of different sizes and lengths pack the same way.
+    """
+
+    input_ids: Any
+    """LongTensor [N]: the tokens of every sequence, concatenated."""
+    positions: Any
+    """LongTensor [N]: position of each token within its own sequence (restarts at 0)."""
+    cu_seqlens: Any
+    """IntTensor [S+1]: cumulative sequence lengths; sequence i is tokens cu[i]:cu[i+1]."""
+    loss_mask: Any
+    """FloatTensor [N]: 1 where the token's log-probability is trained (policy response tokens)."""
+    rollout_logprobs: Any
+    """FloatTensor [N]: behaviour-policy log-probability of each token (0 where loss_mask is 0)."""
+    advantages: Any
+    """FloatTensor [N]: per-token advantage (0 where loss_mask is 0)."""
+    sample_ids: Any
+    """LongTensor [S]: index of each packed sequence in the step's list of samples."""
+    weight_versions: Any = None
+    """LongTensor [N] or None: weight version of each token (-1 for prompt and non-policy tokens)."""
+
+    @property
+    def n_tokens(self) -> int:
+        """Total number of packed tokens N."""
+        return int(self.input_ids.numel())
+
+    @property
+    def n_sequences(self) -> int:
+        """Number of packed sequences S."""
+        return int(self.cu_seqlens.numel()) - 1
