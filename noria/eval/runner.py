@@ -1,0 +1,233 @@
+"""``run_eval``: the body of ``noria eval`` (see the package docstring for the flow)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from noria.config import RunConfig, save_config
+from noria.types import Prompt, Sample, Status
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class EvalResult:
+    """Figures of one evaluation (written to eval.json)."""
+
+    model: str
+    data: str
+    split: str
+    n_prompts: int
+    n_samples: int
+    n_scored: int
+    n_failed: int
+    accuracy: float | None
+    dropped_long_prompts: int
+    truncated: int
+    generated_tokens: int
+    seconds: float
+    tokens_per_s: float
+    failed_reasons: dict[str, int] = field(default_factory=dict)
+    run_dir: str = ""
+
+
+def run_eval(config: RunConfig, run_dir: str | None = None, output: str | None = None, progress: bool = True) -> EvalResult:
+    """Evaluate ``config.model`` on ``config.data``'s ``config.eval.split``; print and save the result."""
+    from noria.data import load_prompts
+    from noria.models import load_tokenizer
+    from noria.models.catalog import model_path
+
+    cfg = config.eval
+    prompts = load_prompts(config.data, cfg.split)  # validates every row before any model loads
+    if cfg.limit is not None:
+        prompts = prompts[: cfg.limit]
+    folder = model_path(config.model.path)
+    tokenizer = load_tokenizer(folder)
+    prompt_ids, kept, dropped = _render(prompts, tokenizer, config)
+    out_dir = _run_dir(config, run_dir)
+    save_config(config, out_dir / "config.yaml")
+
+    model = _load_hf_model(folder, config)
+    torch.manual_seed(cfg.seed)
+    start = time.perf_counter()
+    samples = _generate(model, tokenizer, prompt_ids, kept, config, progress)
+    seconds = time.perf_counter() - start
+    counts = _score(samples, config)
+
+    result = _summarise(config, samples, counts, len(kept), dropped, seconds, out_dir)
+    _write(result, samples, kept, out_dir, output)
+    _print_table(result)
+    return result
+
+
+def _render(prompts: list[Prompt], tokenizer, config: RunConfig):
+    from noria.data.chat import drop_long_prompts, render_prompt
+
+    ids = [render_prompt(p, tokenizer, config.data) for p in prompts]
+    kept_pairs, dropped = drop_long_prompts(list(zip(ids, prompts)), config.data.max_prompt_tokens)
+    if dropped:
+        log.warning("dropped %d prompts longer than data.max_prompt_tokens=%s", dropped, config.data.max_prompt_tokens)
+    if not kept_pairs:
+        from noria.errors import NoriaError
+
+        raise NoriaError(f"no prompts left to evaluate ({len(prompts)} loaded, {dropped} over data.max_prompt_tokens)")
+    return [i for i, _ in kept_pairs], [p for _, p in kept_pairs], dropped
+
+
+def _run_dir(config: RunConfig, run_dir: str | None) -> Path:
+    folder = run_dir or config.run_dir or f"runs/eval-{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _load_hf_model(folder: Path, config: RunConfig):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[config.model.dtype])
+    return model.to(config.model.device).eval()
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.inference_mode()
+def _generate(model, tokenizer, prompt_ids: list[list[int]], prompts: list[Prompt], config: RunConfig, progress: bool):
+    """Batched left-padded generation; prompts are sorted by length so batches pad little."""
+    from tqdm import tqdm
+
+    cfg = config.eval
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    jobs = [(g, k) for g in range(len(prompt_ids)) for k in range(cfg.n_samples)]
+    jobs.sort(key=lambda job: len(prompt_ids[job[0]]))
+    samples: list[Sample | None] = [None] * len(jobs)
+    bar = tqdm(total=len(jobs), desc="eval", unit="answer", disable=not progress, file=sys.stderr)
+    for start in range(0, len(jobs), cfg.batch_size):
+        batch = jobs[start : start + cfg.batch_size]
+        rows = [prompt_ids[g] for g, _ in batch]
+        outputs = _generate_batch(model, rows, pad, eos, cfg, config.model.device)
+        for (g, k), (job_index, out) in zip(batch, enumerate(outputs, start)):
+            samples[job_index] = _to_sample(prompt_ids[g], out, eos, tokenizer, g, k, prompts[g])
+        bar.update(len(batch))
+    bar.close()
+    return sorted(samples, key=lambda s: (s.group_id, s.index))
+
+
+def _generate_batch(model, rows: list[list[int]], pad: int, eos: list[int], cfg, device: str) -> list[list[int]]:
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 else {"do_sample": False}
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=cfg.max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        top_k=None,
+        **sampling,
+    )
+    return out[:, width:].tolist()
+
+
+def _to_sample(prompt: list[int], generated: list[int], eos: list[int], tokenizer, group: int, index: int, record: Prompt) -> Sample:
+    stop = next((i for i, t in enumerate(generated) if t in eos), None)
+    response = generated if stop is None else generated[: stop + 1]
+    text_ids = response if stop is None else response[:-1]
+    return Sample(
+        prompt_ids=prompt,
+        response_ids=response,
+        loss_mask=[1] * len(response),
+        response_text=tokenizer.decode(text_ids, skip_special_tokens=True),
+        status=Status.TRUNCATED if stop is None else Status.COMPLETED,
+        group_id=group,
+        index=index,
+        metadata={"label": record.label, **record.metadata},
+    )
+
+
+def _score(samples: list[Sample], config: RunConfig):
+    from noria.rewards import score
+
+    return score(samples, config.reward, labels=[s.metadata.get("label") for s in samples])
+
+
+def _summarise(config, samples, counts, n_prompts, dropped, seconds, out_dir) -> EvalResult:
+    scored = [s.reward for s in samples if s.reward is not None]
+    failed_reasons = Counter(s.status_reason.split(":")[0] for s in samples if s.status is Status.FAILED)
+    tokens = sum(len(s.response_ids) for s in samples)
+    return EvalResult(
+        model=config.model.path,
+        data=config.data.task or config.data.test_path or config.data.path or "",
+        split=config.eval.split,
+        n_prompts=n_prompts,
+        n_samples=len(samples),
+        n_scored=len(scored),
+        n_failed=len(samples) - len(scored),
+        accuracy=sum(scored) / len(scored) if scored else None,
+        dropped_long_prompts=dropped,
+        truncated=sum(s.status is Status.TRUNCATED for s in samples),
+        generated_tokens=tokens,
+        seconds=round(seconds, 3),
+        tokens_per_s=round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        failed_reasons=dict(failed_reasons),
+        run_dir=str(out_dir),
+    )
+
+
+def _write(result: EvalResult, samples: list[Sample], prompts: list[Prompt], out_dir: Path, output: str | None) -> None:
+    text = json.dumps(asdict(result), indent=2)
+    (out_dir / "eval.json").write_text(text + "\n")
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text + "\n")
+    with open(out_dir / "samples.jsonl", "w") as f:
+        for s in samples:
+            row = {
+                "group_id": s.group_id,
+                "index": s.index,
+                "prompt": prompts[s.group_id].prompt if isinstance(prompts[s.group_id].prompt, str) else list(prompts[s.group_id].prompt),
+                "label": s.metadata.get("label"),
+                "response": s.response_text,
+                "reward": s.reward,
+                "status": s.status.value,
+                "status_reason": s.status_reason,
+                "response_tokens": len(s.response_ids),
+            }
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+def _print_table(r: EvalResult) -> None:
+    accuracy = "n/a" if r.accuracy is None else f"{100 * r.accuracy:.1f}%"
+    rows = [
+        ("model", r.model),
+        ("data", f"{r.data} ({r.split})"),
+        ("prompts", r.n_prompts),
+        ("answers", r.n_samples),
+        ("accuracy", accuracy),
+        ("reward failed", f"{r.n_failed} {r.failed_reasons or ''}".strip()),
+        ("truncated", r.truncated),
+        ("dropped (too long)", r.dropped_long_prompts),
+        ("generated tokens", r.generated_tokens),
+        ("seconds", f"{r.seconds:.1f}"),
+        ("tokens/s", f"{r.tokens_per_s:.1f}"),
+        ("written to", r.run_dir),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))

@@ -1,0 +1,55 @@
+"""The `noria` command: help for every subcommand, one-line errors for bad input."""
+
+import subprocess
+import sys
+
+import pytest
+
+from noria.cli import build_parser, main
+
+
+def _subcommands(parser, prefix=()):
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            for name, sub in action.choices.items():
+                yield prefix + (name,)
+                yield from _subcommands(sub, prefix + (name,))
+
+
+@pytest.mark.parametrize("command", list(_subcommands(build_parser())), ids=" ".join)
+def test_every_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: noria" in out and len(out.splitlines()) > 3
+
+
+def test_console_script_runs():
+    out = subprocess.run([sys.executable, "-m", "noria.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for name in ("eval", "models", "config"):
+        assert name in out
+
+
+def test_config_error_is_one_line(capsys):
+    code = main(["config", "--model.path", "m", "--data.task", "arithmetic", "--rollout.n_sampels", "3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "unknown config key 'rollout.n_sampels'" in err and "rollout.n_samples" in err
+    assert "Traceback" not in err
+
+
+def test_config_prints_resolved(capsys):
+    assert main(["config", "--model.path", "m", "--data.task", "arithmetic", "--rollout.n_samples", "3"]) == 0
+    assert "n_samples: 3" in capsys.readouterr().out
+
+
+def test_config_reference_lists_every_key(capsys):
+    assert main(["config", "--reference"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout.n_samples" in out and "data.max_prompt_tokens" in out
+
+
+def test_overrides_refused_where_not_taken(capsys):
+    with pytest.raises(SystemExit):
+        main(["models", "list", "--x", "1"])

@@ -1,0 +1,110 @@
+"""Config: closed, typed, validated, dotted overrides, every shipped example parses."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from noria.config import ConfigError, RunConfig, field_docs, load_config, parse_overrides, save_config, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+BASE = ["--model.path", "some-model", "--data.task", "arithmetic"]
+
+
+def test_examples_exist():
+    assert EXAMPLES, "examples/ holds no configs"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_shipped_example_parses(path):
+    config = load_config(path)
+    assert isinstance(config, RunConfig)
+    assert config.model.path
+
+
+def test_overrides_are_typed_and_applied():
+    config = load_config(None, BASE + ["--rollout.n_samples", "4", "--eval.temperature=0.5", "--data.metadata_keys", "[a, b]"])
+    assert config.rollout.n_samples == 4
+    assert config.eval.temperature == 0.5
+    assert config.data.metadata_keys == ["a", "b"]
+
+
+def test_override_beats_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "m"}, "data": {"task": "arithmetic"}, "rollout": {"n_samples": 2}}))
+    assert load_config(path, ["--rollout.n_samples", "16"]).rollout.n_samples == 16
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (["--rollout.n_sample", "8"], ["rollout.n_sample", "rollout.n_samples"]),
+        (["--modle.path", "x"], ["modle", "'model'"]),
+        (["--eval.max_new_token", "8"], ["eval.max_new_token", "eval.max_new_tokens"]),
+    ],
+)
+def test_misspelled_key_names_path_and_closest(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, BASE + override)
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_misspelled_key_in_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  path: m\n  dtyp: float32\ndata:\n  task: arithmetic\n")
+    with pytest.raises(ConfigError, match=r"model\.dtyp.*did you mean 'model\.dtype'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (["--rollout.n_samples", "many"], "rollout.n_samples: expected int"),
+        (["--model.dtype", "bf16"], "did you mean 'bfloat16'"),
+        (["--rollout.temperature", "-1"], "rollout.temperature must be >= 0"),
+        (["--rollout.top_p", "0"], "rollout.top_p"),
+        (["--data.path", "x.jsonl"], "exactly one of data.task"),
+        (["--eval.batch_size", "0"], "eval.batch_size"),
+        (["--data.shuffle", "3"], "data.shuffle: expected bool"),
+        (["--rollout", "5"], "rollout must be a mapping"),
+    ],
+)
+def test_bad_values_rejected(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, BASE + override)
+
+
+def test_missing_model_path_rejected():
+    with pytest.raises(ConfigError, match="model.path is required"):
+        load_config(None, ["--data.task", "arithmetic"])
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="has no value"):
+        parse_overrides(["--rollout.n_samples"])
+    with pytest.raises(ConfigError, match="expected an override"):
+        parse_overrides(["rollout.n_samples", "3"])
+
+
+def test_resolved_config_roundtrips(tmp_path):
+    config = load_config(None, BASE + ["--rollout.stop", "['</answer>']"])
+    path = save_config(config, tmp_path / "run" / "config.yaml")
+    again = load_config(path)
+    assert to_dict(again) == to_dict(config)
+    assert yaml.safe_load(path.read_text())["rollout"]["max_new_tokens"] == 256  # defaults are written out
+
+
+def test_every_field_is_documented():
+    for key, _type, _default, help_text in field_docs():
+        assert help_text, f"config key {key} has no help text"
