@@ -1,0 +1,89 @@
+"""Rendering prompts to token ids, and dropping the ones that are too long.
+
+What this module owns: the one place where a ``Prompt`` becomes the ``prompt_ids`` a rollout starts
+from. With ``chat_template`` on and a tokenizer that has a template, a string prompt becomes
+``[system?, user]`` messages and a message prompt is used as is; both are rendered with
+``add_generation_prompt=True``. Otherwise a string prompt is tokenized as plain text (the system
+prompt, if any, prepended with a blank line). A message prompt without a usable template is an
+error, as is a prompt that renders to no tokens.
+
+The template is rendered to text and then tokenized without adding special tokens, because the
+template already writes the ones it wants (a BOS added on top would be doubled).
+
+Not guaranteed: the rendered ids equal what a chat server would produce for the same messages only
+if it uses the same tokenizer and template; ``system_prompt`` is not added to message prompts
+(they carry their own system message if they want one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from noria.data.source import DataError
+from noria.types import Prompt
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt and its token ids."""
+
+    prompt: Prompt
+    ids: list[int]
+    """Token ids of the rendered prompt, shape [P], P >= 1."""
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def prompt_messages(prompt: Prompt, system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The chat messages of ``prompt``: its own, or ``[system?, user]`` for a string prompt."""
+    if not isinstance(prompt.prompt, str):
+        return [dict(m) for m in prompt.prompt]
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return messages + [{"role": "user", "content": prompt.prompt}]
+
+
+def render_text(prompt: Prompt, tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None) -> str:
+    """The exact text the model sees before generating its answer."""
+    if chat_template and has_chat_template(tokenizer):
+        messages = prompt_messages(prompt, system_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(prompt.prompt, str):
+        why = "chat_template is off" if not chat_template else "the tokenizer has no chat template"
+        raise DataError(f"{_where(prompt)}: prompt is a list of chat messages but {why}")
+    return f"{system_prompt}\n\n{prompt.prompt}" if system_prompt else prompt.prompt
+
+
+def render_prompt(
+    prompt: Prompt, tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None
+) -> list[int]:
+    """Token ids of ``prompt`` ready for generation; an empty rendering raises ``DataError``."""
+    text = render_text(prompt, tokenizer, chat_template, system_prompt)
+    add_special = not (chat_template and has_chat_template(tokenizer))
+    ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+    if not ids:
+        raise DataError(f"{_where(prompt)}: prompt renders to no tokens")
+    return ids
+
+
+def render_prompts(
+    prompts: Iterable[Prompt], tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None
+) -> list[RenderedPrompt]:
+    """``render_prompt`` for each prompt, in order."""
+    return [RenderedPrompt(p, render_prompt(p, tokenizer, chat_template, system_prompt)) for p in prompts]
+
+
+def drop_long(rendered: Sequence[RenderedPrompt], max_tokens: int | None) -> tuple[list[RenderedPrompt], int]:
+    """Keep prompts of at most ``max_tokens`` tokens (all if None); return (kept, number dropped)."""
+    if max_tokens is None:
+        return list(rendered), 0
+    kept = [r for r in rendered if len(r.ids) <= max_tokens]
+    return kept, len(rendered) - len(kept)
+
+
+def _where(prompt: Prompt) -> str:
+    return f"{prompt.source or 'prompt'} row index {prompt.index}"
