@@ -1,0 +1,22 @@
+"""Rewards: named scoring functions and the runner that applies them to samples.
+
+- ``registry``: the built-in rewards by name (exact_match, numeric, math, format, countdown) and
+  user functions by import path ``pkg.module:fn``; the reward function contract.
+- ``runner``: ``score`` / ``score_async``: concurrent calls with a per-call timeout; failures mark
+  the sample failed (never a silent 0) and are counted for metrics.
+"""
+
+from noria.rewards.registry import REWARDS, get_reward, load_by_path, register_reward
+from noria.rewards.runner import ScoreCounts, score, score_async, score_groups, score_groups_async
+
+__all__ = [
+    "REWARDS",
+    "ScoreCounts",
+    "get_reward",
+    "load_by_path",
+    "register_reward",
+    "score",
+    "score_async",
+    "score_groups",
+    "score_groups_async",
+]

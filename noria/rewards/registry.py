@@ -1,0 +1,67 @@
+"""Reward functions by name: the built-ins, and user functions loaded by import path ``pkg.module:fn``.
+
+The contract (pinned by tests/test_rewards_runner.py): a reward is
+``fn(response: str, label, metadata: dict, **kwargs) -> float | bool``, plain or ``async def``;
+``kwargs`` come from ``RewardConfig.kwargs``. It returns a finite number; it raises when it cannot
+score (the runner then marks the sample failed with the error). A response that is simply wrong
+scores 0.0.
+
+Not guaranteed: a user function's signature is checked only when it is called (an unexpected
+keyword argument becomes a failed sample naming the TypeError).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from noria.rewards.builtin import exact_match, format_reward, numeric
+from noria.rewards.countdown import countdown_reward
+from noria.rewards.math_reward import math_reward
+
+RewardFn = Callable[..., Any]
+"""``(response, label, metadata, **kwargs) -> float | bool``, or a coroutine function returning one."""
+
+REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "numeric": numeric,
+    "math": math_reward,
+    "format": format_reward,
+    "countdown": countdown_reward,
+}
+
+
+def register_reward(name: str, fn: RewardFn) -> RewardFn:
+    """Add ``fn`` under ``name``; names holding ``:`` are import paths and cannot be registered."""
+    if ":" in name:
+        raise ValueError(f"reward name {name!r} must not contain ':' (that form is an import path)")
+    if name in REWARDS:
+        raise ValueError(f"reward {name!r} is already registered")
+    REWARDS[name] = fn
+    return fn
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward registered as ``name``, or the function at import path ``pkg.module:fn``."""
+    if ":" in name:
+        return load_by_path(name)
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; registered: {', '.join(sorted(REWARDS))}, or use pkg.module:fn")
+    return REWARDS[name]
+
+
+def load_by_path(path: str) -> RewardFn:
+    """Import ``pkg.module:attr`` (``attr`` may be dotted) and check that it is callable."""
+    module_name, _, attr_path = path.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"reward import path {path!r} must look like pkg.module:function")
+    module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward import path {path!r}: {obj.__name__!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward import path {path!r} names a {type(obj).__name__}, not a function")
+    return obj

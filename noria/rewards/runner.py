@@ -1,0 +1,211 @@
+"""Scoring samples: call the configured reward per sample, concurrently, with a timeout each.
+
+What this module owns: writing ``Sample.reward``, or marking the sample ``Status.FAILED`` with a
+``status_reason`` when its reward cannot be trusted. A reward that raises, runs past
+``RewardConfig.timeout_s``, or returns something other than a finite real number (bools count as
+0/1) leaves ``reward = None``: a failure is never turned into a silent 0. Samples that are already
+failed or aborted are skipped. ``score_async`` returns ``ScoreCounts`` for the step's metrics.
+
+How it runs: at most ``max_concurrency`` reward calls are in flight; the timeout of a call starts
+when it gets its slot. ``async def`` rewards run on the caller's event loop under
+``asyncio.wait_for``. Plain functions run each in a fresh daemon thread (a pool bounded by the same
+limit): a timed-out call cannot be interrupted, so it is abandoned, and a daemon thread holds
+neither a slot nor the interpreter's exit, where ``ThreadPoolExecutor`` would do both.
+
+Not guaranteed: an abandoned sync call keeps running (and holding a CPU) until it returns; an
+``async`` reward that blocks without awaiting stalls the whole event loop and defeats the timeout,
+so CPU-heavy rewards should be plain functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from noria.config import RewardConfig
+from noria.rewards.registry import RewardFn, get_reward
+from noria.types import Group, Sample, Status
+
+SKIPPED_STATUSES = (Status.FAILED, Status.ABORTED)
+
+
+@dataclass
+class ScoreCounts:
+    """What one scoring call did, for metrics."""
+
+    scored: int = 0
+    """Samples that received a reward."""
+    skipped: int = 0
+    """Samples not scored because they had already failed or been aborted."""
+    failed: Counter = field(default_factory=Counter)
+    """Samples whose reward failed, by kind: ``raised``, ``timeout``, ``not_a_number``, ``non_finite``."""
+
+    @property
+    def n_failed(self) -> int:
+        return sum(self.failed.values())
+
+    def as_metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        """Flat metrics: ``reward/scored``, ``reward/skipped``, ``reward/failed``, ``reward/failed/<kind>``."""
+        metrics = {f"{prefix}scored": self.scored, f"{prefix}skipped": self.skipped, f"{prefix}failed": self.n_failed}
+        metrics.update({f"{prefix}failed/{kind}": n for kind, n in sorted(self.failed.items())})
+        return metrics
+
+
+class RewardFailure(Exception):
+    """A reward call did not produce a usable score; ``kind`` classifies it for metrics."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
+# ------------------------------------------------------------------------------------- public API
+
+
+async def score_async(
+    samples: Sequence[Sample],
+    reward_cfg: RewardConfig,
+    labels: Sequence[Any],
+    metadata: Sequence[dict[str, Any]] | None = None,
+    *,
+    max_concurrency: int = 32,
+) -> ScoreCounts:
+    """Score ``samples`` against ``labels`` (parallel lists); metadata defaults to each sample's own."""
+    if len(labels) != len(samples) or (metadata is not None and len(metadata) != len(samples)):
+        raise ValueError(f"score: {len(samples)} samples but {len(labels)} labels / metadata of another length")
+    fn = get_reward(reward_cfg.name)
+    limit = asyncio.Semaphore(max_concurrency)
+    counts = ScoreCounts()
+    jobs = []
+    for i, sample in enumerate(samples):
+        if sample.status in SKIPPED_STATUSES:
+            counts.skipped += 1
+            continue
+        meta = dict(metadata[i] if metadata is not None else sample.metadata)
+        jobs.append(_score_one(fn, reward_cfg, sample, labels[i], meta, limit))
+    for kind in await asyncio.gather(*jobs):
+        if kind is None:
+            counts.scored += 1
+        else:
+            counts.failed[kind] += 1
+    return counts
+
+
+def score(
+    samples: Sequence[Sample],
+    reward_cfg: RewardConfig,
+    labels: Sequence[Any],
+    metadata: Sequence[dict[str, Any]] | None = None,
+    *,
+    max_concurrency: int = 32,
+) -> ScoreCounts:
+    """``score_async`` from synchronous code (not from inside a running event loop)."""
+    _refuse_running_loop("score")
+    return asyncio.run(score_async(samples, reward_cfg, labels, metadata, max_concurrency=max_concurrency))
+
+
+async def score_groups_async(groups: Sequence[Group], reward_cfg: RewardConfig, *, max_concurrency: int = 32) -> ScoreCounts:
+    """Score every sample of ``groups`` against its prompt's label; metadata = prompt's, then sample's."""
+    samples = [s for g in groups for s in g.samples]
+    labels = [g.prompt.label for g in groups for _ in g.samples]
+    metadata = [{**g.prompt.metadata, **s.metadata} for g in groups for s in g.samples]
+    return await score_async(samples, reward_cfg, labels, metadata, max_concurrency=max_concurrency)
+
+
+def score_groups(groups: Sequence[Group], reward_cfg: RewardConfig, *, max_concurrency: int = 32) -> ScoreCounts:
+    """``score_groups_async`` from synchronous code."""
+    _refuse_running_loop("score_groups")
+    return asyncio.run(score_groups_async(groups, reward_cfg, max_concurrency=max_concurrency))
+
+
+def _refuse_running_loop(name: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"{name}() was called inside a running event loop; await {name}_async() instead")
+
+
+# ----------------------------------------------------------------------------------- one sample
+
+
+async def _score_one(
+    fn: RewardFn, cfg: RewardConfig, sample: Sample, label: Any, metadata: dict[str, Any], limit: asyncio.Semaphore
+) -> str | None:
+    """Score one sample in place; return the failure kind, or None on success."""
+    async with limit:
+        try:
+            value = await _call_with_timeout(fn, cfg, sample.response_text, label, metadata)
+            sample.reward = check_reward_value(value, cfg.name)
+        except RewardFailure as failure:
+            sample.reward, sample.status, sample.status_reason = None, Status.FAILED, str(failure)
+            return failure.kind
+    return None
+
+
+async def _call_with_timeout(fn: RewardFn, cfg: RewardConfig, response: str, label: Any, metadata: dict) -> Any:
+    try:
+        return await asyncio.wait_for(_call(fn, cfg, response, label, metadata), cfg.timeout_s)
+    except asyncio.TimeoutError as e:  # only wait_for's own: _call turns the reward's errors into RewardFailure
+        raise RewardFailure("timeout", f"reward {cfg.name!r} timed out after {cfg.timeout_s} s") from e
+
+
+async def _call(fn: RewardFn, cfg: RewardConfig, response: str, label: Any, metadata: dict) -> Any:
+    try:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(response, label, metadata, **cfg.kwargs)
+        result = await _in_daemon_thread(fn, response, label, metadata, **cfg.kwargs)
+        if inspect.isawaitable(result):  # e.g. a callable object whose __call__ is async
+            result = await result
+        return result
+    except Exception as e:  # classify: any error inside a reward fails that sample only
+        raise RewardFailure("raised", f"reward {cfg.name!r} raised {type(e).__name__}: {e}") from e
+
+
+def check_reward_value(value: Any, name: str) -> float:
+    """``value`` as a float if it is a finite real number (or a bool); ``RewardFailure`` otherwise."""
+    if not isinstance(value, numbers.Real):
+        raise RewardFailure("not_a_number", f"reward {name!r} returned {type(value).__name__} {value!r:.80}, not a number")
+    result = float(value)
+    if not math.isfinite(result):
+        raise RewardFailure("non_finite", f"reward {name!r} returned {result}, not a finite number")
+    return result
+
+
+# --------------------------------------------------------------------------------------- threads
+
+
+def _in_daemon_thread(fn: RewardFn, *args: Any, **kwargs: Any) -> asyncio.Future:
+    """Run ``fn`` in a new daemon thread; the returned future resolves on the caller's loop."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome = (True, fn(*args, **kwargs))
+        except BaseException as e:  # handed to the awaiting coroutine, which classifies it
+            outcome = (False, e)
+        _deliver(loop, future, outcome)
+
+    threading.Thread(target=run, name="noria-reward", daemon=True).start()
+    return future
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future, outcome: tuple[bool, Any]) -> None:
+    def settle() -> None:
+        if future.done():  # timed out and cancelled: nobody waits for this result any more
+            return
+        ok, value = outcome
+        future.set_result(value) if ok else future.set_exception(value)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop has closed since the call was abandoned; drop the late result
+        pass
