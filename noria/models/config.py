@@ -1,0 +1,256 @@
+"""Model hyper-parameters of the native decoder families, read from a HF ``config.json``.
+
+This module owns the translation from a Hugging Face config dict (as written by transformers 4.x
+or 5.x) to :class:`ModelArgs`, the one typed record the native decoder is built from. Data moves
+one way: ``config.json`` -> dict -> ``ModelArgs.from_hf_config`` -> ``DecoderLM(args)``.
+
+What it guarantees: a config of a supported family either parses into arguments that reproduce
+transformers' forward pass, or raises a ``ValueError`` that names the field it cannot honour
+(sliding window, an unsupported RoPE type, an activation other than SiLU). It never guesses.
+A ``model_type`` outside :data:`NATIVE_FAMILIES` gives ``None``: the caller falls back to the
+transformers wrapper (``noria.models.hf``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+NATIVE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+"""HF ``model_type`` values that the native decoder implements."""
+
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+"""RoPE variants the native decoder implements (HF ``rope_type`` names)."""
+
+# Defaults that transformers' own config classes apply when a key is absent from config.json.
+# Matching them is what makes a sparse config.json load to the same model in both stacks.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "head_dim": None},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": None},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
+}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE inverse frequencies are rescaled for long context (HF ``rope_parameters``)."""
+
+    rope_type: str = "default"
+    """``default`` (none), ``linear`` (divide every frequency by ``factor``) or ``llama3``."""
+    factor: float = 1.0
+    """Context-extension factor (``linear`` and ``llama3``)."""
+    low_freq_factor: float = 1.0
+    """``llama3``: wavelengths above ``original_max_position_embeddings / low_freq_factor`` are
+    divided by ``factor``."""
+    high_freq_factor: float = 4.0
+    """``llama3``: wavelengths below ``original_max_position_embeddings / high_freq_factor`` are
+    kept; those in between are interpolated."""
+    original_max_position_embeddings: int = 8192
+    """``llama3``: the context length the model was pre-trained with."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape and numerics of one decoder-only transformer (Llama, Qwen2, Qwen3 dense)."""
+
+    model_type: str
+    """HF family name, one of :data:`NATIVE_FAMILIES`."""
+    vocab_size: int
+    """Rows of the embedding and of the output head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    num_layers: int
+    """Number of decoder blocks (HF ``num_hidden_layers``)."""
+    num_heads: int
+    """Query heads per layer (HF ``num_attention_heads``)."""
+    num_kv_heads: int
+    """Key/value heads per layer; fewer than ``num_heads`` means grouped-query attention."""
+    head_dim: int
+    """Width of one head; explicit in the config or ``hidden_size // num_heads``."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm (blocks, final norm, q/k norms)."""
+    rope_theta: float
+    """RoPE base wavelength."""
+    rope_scaling: RopeScaling
+    """RoPE frequency rescaling; ``rope_type == "default"`` means none."""
+    qkv_bias: bool
+    """Bias on the q, k and v projections (Qwen2 always; Llama/Qwen3 ``attention_bias``)."""
+    o_bias: bool
+    """Bias on the output projection (Llama/Qwen3 ``attention_bias``; never for Qwen2)."""
+    mlp_bias: bool
+    """Bias on the three MLP projections (Llama ``mlp_bias``)."""
+    qk_norm: bool
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+    tie_word_embeddings: bool
+    """The output head shares the embedding matrix; ``lm_head.weight`` may be absent on disk."""
+    max_position_embeddings: int
+    """Longest context the config declares (not enforced by the decoder)."""
+    bos_token_id: int | None
+    """Beginning-of-sequence id, if the config names one."""
+    eos_token_ids: tuple[int, ...]
+    """End-of-sequence ids (HF allows an int or a list); empty if none."""
+
+    @staticmethod
+    def from_hf_config(cfg: dict[str, Any]) -> ModelArgs | None:
+        """Parse a HF ``config.json`` dict; ``None`` when its ``model_type`` is not native."""
+        model_type = cfg.get("model_type")
+        if model_type not in NATIVE_FAMILIES:
+            return None
+        defaults = _FAMILY_DEFAULTS[model_type]
+        _check_activation(cfg)
+        _check_sliding_window(cfg)
+        heads = int(cfg["num_attention_heads"])
+        head_dim = cfg.get("head_dim", defaults["head_dim"]) or int(cfg["hidden_size"]) // heads
+        theta, scaling = _parse_rope(cfg)
+        qkv_bias, o_bias = _attention_biases(model_type, cfg)
+        return ModelArgs(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(
+                cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
+            ),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A transformers ``config.json`` dict describing these arguments (inverse of parsing)."""
+        cfg: dict[str, Any] = {
+            "model_type": self.model_type,
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,  # transformers 4.x reads it here
+            "rope_parameters": _rope_parameters(self.rope_theta, self.rope_scaling),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if self.model_type != "qwen2":
+            cfg["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            cfg["mlp_bias"] = self.mlp_bias
+        return cfg
+
+    def replace(self, **changes: Any) -> ModelArgs:
+        """A copy with some fields changed (tests and tools build variants this way)."""
+        return dataclasses.replace(self, **changes)
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _rope_parameters(theta: float, scaling: RopeScaling) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": scaling.rope_type, "rope_theta": theta}
+    if scaling.rope_type != "default":
+        params["factor"] = scaling.factor
+    if scaling.rope_type == "llama3":
+        params["low_freq_factor"] = scaling.low_freq_factor
+        params["high_freq_factor"] = scaling.high_freq_factor
+        params["original_max_position_embeddings"] = scaling.original_max_position_embeddings
+    return params
+
+
+def _check_activation(cfg: dict[str, Any]) -> None:
+    # The MLP is hard-wired SwiGLU; another activation would silently compute a different model.
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config field 'hidden_act' is {act!r}; the native decoder supports only 'silu'")
+
+
+def _check_sliding_window(cfg: dict[str, Any]) -> None:
+    # A disabled window is common in Qwen configs and harmless; an active one changes attention.
+    layer_types = cfg.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"config field 'layer_types' contains {sorted(set(layer_types))}: sliding-window "
+            "attention is not supported by the native decoder (use impl='hf')"
+        )
+    if cfg.get("use_sliding_window", False) and not layer_types:
+        raise ValueError(
+            "config field 'use_sliding_window' is true: sliding-window attention is not supported "
+            "by the native decoder (use impl='hf')"
+        )
+
+
+def _attention_biases(model_type: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
+    # Qwen2 hard-codes q/k/v bias without o bias; the others use one flag for all four.
+    if model_type == "qwen2":
+        return True, False
+    bias = bool(cfg.get("attention_bias", False))
+    return bias, bias
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """RoPE theta and scaling from transformers-5 ``rope_parameters`` or 4.x top-level keys."""
+    params = dict(cfg.get("rope_parameters") or {})
+    field = "rope_parameters"
+    if not params:
+        params = dict(cfg.get("rope_scaling") or {})
+        field = "rope_scaling"
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"config field '{field}' is nested per layer type; not supported natively")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA)))
+    # 4.x wrote the type under "type"; transformers 5 under "rope_type".
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"config field '{field}' has rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    if partial != 1.0:
+        raise ValueError(f"config field 'partial_rotary_factor' is {partial}; only 1.0 is supported")
+    return theta, _rope_scaling(rope_type, params, cfg)
+
+
+def _rope_scaling(rope_type: str, params: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    if rope_type == "default":
+        return RopeScaling()
+    if rope_type == "linear":
+        return RopeScaling(rope_type="linear", factor=float(params["factor"]))
+    # Same precedence as transformers: a top-level value (Phi-3 style) wins, then the rope dict,
+    # then max_position_embeddings.
+    original = cfg.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings", cfg.get("max_position_embeddings")
+    )
+    return RopeScaling(
+        rope_type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(original),
+    )
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

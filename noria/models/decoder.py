@@ -1,0 +1,225 @@
+"""The native decoder-only transformer: Llama, Qwen2 and Qwen3 dense in one class.
+
+:class:`DecoderLM` is the single model definition that the rollout engine and the trainer both
+run, which is what makes their logprobs comparable (bitwise in deterministic mode). Per layer::
+
+    x -> RMSNorm -> q,k,v proj (+bias) -> [q/k RMSNorm] -> RoPE -> ctx.attend -> o proj -> + x
+      -> RMSNorm -> SwiGLU MLP -> + x
+
+Parameter names equal transformers' names (``model.embed_tokens.weight``,
+``model.layers.0.self_attn.q_proj.weight``, ..., ``lm_head.weight``), so HF state dicts map 1:1.
+
+What this module does NOT own: who attends to whom. Attention goes through an
+:class:`~noria.models.attention.AttentionContext` passed to ``forward``; the default is plain
+causal attention per row. There is deliberately no KV cache here: the rollout engine implements
+its own context over a paged KV cache (it writes k/v into its blocks inside ``attend``), and the
+trainer passes packed or padded contexts. Keeping the cache out keeps this file the same for
+both, and keeps one code path for the numerics.
+
+Numerics follow transformers exactly (RMSNorm in fp32 then cast back before the weight; RoPE
+tables computed in fp32 and cast to the activation dtype), so fp32 logits agree to ~1e-5 and bf16
+runs see the same rounding points.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from noria.models.attention import AttentionContext, CausalContext
+from noria.models.config import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The variance of bf16 activations loses too much in bf16; HF also casts back to the input
+        # dtype *before* the weight, and we copy that order so bf16 rounding matches.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim / 2] in fp32, with the config's scaling applied."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (
+        args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float) / dim)
+    )
+    scaling = args.rope_scaling
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s) -> torch.Tensor:
+    # Llama 3.1 keeps short wavelengths, divides long ones by `factor`, and blends in between,
+    # so local attention is untouched while the long range stretches to the new context.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_tables(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, T, head_dim] for the given positions, computed in fp32, cast to dtype."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by position; HF's half-split layout (not interleaved pairs)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Projections, optional q/k norm and RoPE around a pluggable attention context."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = args.head_dim
+        q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_bias)
+        # Qwen3 normalises each head before RoPE, which keeps attention logits bounded.
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        heads_shape = (batch, seq_len, -1, self.head_dim)
+        q = self.q_proj(x).view(heads_shape)
+        k = self.k_proj(x).view(heads_shape)
+        v = self.v_proj(x).view(heads_shape)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(batch, seq_len, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: attention then MLP, each added to the residual stream."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, blocks and final norm: token ids -> normed hidden states (HF ``model.*``)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn: AttentionContext | None = None,
+    ) -> torch.Tensor:
+        ctx = attn if attn is not None else CausalContext()
+        if positions is None:
+            positions = ctx.positions(input_ids.shape[0], input_ids.shape[1], input_ids.device)
+        h = self.embed_tokens(input_ids)
+        # Recomputed per call (a few hundred floats): no buffer to survive .to(dtype), meta
+        # init or FSDP sharding, and it stays fp32 whatever the weights are.
+        inv_freq = rope_inv_freq(self.args, input_ids.device)
+        cos, sin = rope_tables(inv_freq, positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.norm(h)
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only causal LM with HF parameter names; see the module docstring.
+
+    ``hf_config`` is the ``config.json`` dict the model came from; ``save_model`` writes it back so
+    a saved checkpoint loads in transformers unchanged.
+    """
+
+    def __init__(self, args: ModelArgs, hf_config: dict | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.hf_config = dict(hf_config or {})
+        self.model = DecoderModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when the config says so (again after ``to_empty``,
+        which replaces parameters one module at a time and so unties them)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn: AttentionContext | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] in the model dtype for input_ids [B, T]."""
+        return self.lm_head(self.model(input_ids, positions, attn))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn: AttentionContext | None = None,
+    ) -> torch.Tensor:
+        """Final normed hidden states [B, T, H]; ``lm_head`` of these gives ``forward``'s logits.
+        Trainers use this to compute logprobs in vocabulary chunks without [B, T, V] in memory."""
+        return self.model(input_ids, positions, attn)
