@@ -102,9 +102,18 @@ BAD_ROWS = {
     "missing label": (json.dumps({"prompt": "x", "level": 0}), r"line 2: field 'label' is missing"),
     "null label": (json.dumps({"prompt": "x", "label": None, "level": 0}), r"line 2: field 'label'"),
     "missing metadata": (json.dumps({"prompt": "x", "label": "1"}), r"line 2: field 'level' is missing"),
-    "prompt wrong type": (json.dumps({"prompt": 5, "label": "1", "level": 0}), r"line 2: field 'prompt': expected a string"),
-    "empty prompt": (json.dumps({"prompt": "  ", "label": "1", "level": 0}), r"line 2: field 'prompt': the prompt is empty"),
-    "empty messages": (json.dumps({"prompt": [], "label": "1", "level": 0}), r"line 2: field 'prompt': the message list is empty"),
+    "prompt wrong type": (
+        json.dumps({"prompt": 5, "label": "1", "level": 0}),
+        r"line 2: field 'prompt': expected a string",
+    ),
+    "empty prompt": (
+        json.dumps({"prompt": "  ", "label": "1", "level": 0}),
+        r"line 2: field 'prompt': the prompt is empty",
+    ),
+    "empty messages": (
+        json.dumps({"prompt": [], "label": "1", "level": 0}),
+        r"line 2: field 'prompt': the message list is empty",
+    ),
     "bad role": (
         json.dumps({"prompt": [{"role": "wizard", "content": "x"}], "label": "1", "level": 0}),
         r"line 2: field 'prompt\[0\]\.role'",
@@ -190,3 +199,10 @@ def test_load_prompts_all_rows_bad_is_an_error(tmp_path):
 def test_load_prompts_task_split():
     cfg = DataConfig(task="arithmetic", task_args={"n_train": 7, "n_test": 3})
     assert [len(load_prompts(cfg, s)) for s in ("train", "test")] == [7, 3]
+
+
+def test_folder_that_is_not_a_saved_dataset(tmp_path):
+    pytest.importorskip("datasets")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(DataError, match="plain: not a dataset folder"):
+        read_prompt_file(tmp_path / "plain", FIELDS)

@@ -30,7 +30,8 @@ def test_splits_are_disjoint_and_sized(name):
 
 
 def test_test_split_does_not_depend_on_n_train():
-    assert generate_split("arithmetic", "test", {"n_train": 10}) == generate_split("arithmetic", "test", {"n_train": 500})
+    few, many = ({"n_train": n} for n in (10, 500))
+    assert generate_split("arithmetic", "test", few) == generate_split("arithmetic", "test", many)
 
 
 def test_arithmetic_labels_are_the_answers():

@@ -111,7 +111,9 @@ def score(
     return asyncio.run(score_async(samples, reward_cfg, labels, metadata, max_concurrency=max_concurrency))
 
 
-async def score_groups_async(groups: Sequence[Group], reward_cfg: RewardConfig, *, max_concurrency: int = 32) -> ScoreCounts:
+async def score_groups_async(
+    groups: Sequence[Group], reward_cfg: RewardConfig, *, max_concurrency: int = 32
+) -> ScoreCounts:
     """Score every sample of ``groups`` against its prompt's label; metadata = prompt's, then sample's."""
     samples = [s for g in groups for s in g.samples]
     labels = [g.prompt.label for g in groups for _ in g.samples]
@@ -172,7 +174,8 @@ async def _call(fn: RewardFn, cfg: RewardConfig, response: str, label: Any, meta
 def check_reward_value(value: Any, name: str) -> float:
     """``value`` as a float if it is a finite real number (or a bool); ``RewardFailure`` otherwise."""
     if not isinstance(value, numbers.Real):
-        raise RewardFailure("not_a_number", f"reward {name!r} returned {type(value).__name__} {value!r:.80}, not a number")
+        shown = f"{type(value).__name__} {value!r:.80}"
+        raise RewardFailure("not_a_number", f"reward {name!r} returned {shown}, not a number")
     result = float(value)
     if not math.isfinite(result):
         raise RewardFailure("non_finite", f"reward {name!r} returned {result}, not a finite number")
