@@ -45,11 +45,10 @@ class HFCausalLM(nn.Module):
         for name, param in hf_model.named_parameters(recurse=False):
             self.register_parameter(name, param)
         self.hf_config = hf_model.config.to_dict()
-
-    @property
-    def lm_head(self) -> nn.Module:
-        """The output projection (transformers' output embeddings)."""
-        return self.hf.get_output_embeddings()
+        if "lm_head" not in self._modules:
+            # The head has another name here (GPT-NeoX: embed_out); an alias outside the module
+            # tree gives the uniform ``model.lm_head`` without a second state-dict entry.
+            object.__setattr__(self, "lm_head", hf_model.get_output_embeddings())
 
     def forward(
         self,
