@@ -134,3 +134,5 @@ def test_registry_errors():
         register_reward("numeric", reward_plugins.raises)
     with pytest.raises(ValueError, match="length"):
         score(samples("a"), RewardConfig(name="numeric"), [])
+    with pytest.raises(ValueError, match="max_concurrency"):
+        score(samples("a"), RewardConfig(name="numeric"), ["1"], max_concurrency=0)

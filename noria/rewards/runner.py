@@ -80,6 +80,8 @@ async def score_async(
     """Score ``samples`` against ``labels`` (parallel lists); metadata defaults to each sample's own."""
     if len(labels) != len(samples) or (metadata is not None and len(metadata) != len(samples)):
         raise ValueError(f"score: {len(samples)} samples but {len(labels)} labels / metadata of another length")
+    if max_concurrency < 1:
+        raise ValueError(f"score: max_concurrency must be >= 1, got {max_concurrency}")
     fn = get_reward(reward_cfg.name)
     limit = asyncio.Semaphore(max_concurrency)
     counts = ScoreCounts()
