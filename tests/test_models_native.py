@@ -295,3 +295,21 @@ def test_model_built_from_args_saves_a_transformers_config(tmp_path):
     ids = _ids(1, 12)
     with torch.no_grad():
         assert (hf(ids).logits - model(ids)).abs().max().item() <= TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL), (torch.bfloat16, 0.1)])
+@torch.no_grad()
+def test_cuda_matches_transformers(tmp_path, dtype, tol):
+    from transformers import AutoModelForCausalLM
+
+    _tiny_hf("qwen3", tmp_path)
+    native = load_model(tmp_path, dtype=dtype, device="cuda")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).to("cuda").eval()
+    ids = _ids(3, 40).cuda()
+    diff = (native(ids).float() - hf(ids).logits.float()).abs().max().item()
+    print(f"\n[max-abs-diff] qwen3 cuda {dtype}: {diff:.3e}")
+    assert diff <= tol
+    mask = torch.ones_like(ids)
+    mask[0, :10] = 0
+    assert torch.isfinite(native(ids, attn=PaddedContext(mask))).all()

@@ -257,8 +257,16 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    tmp.chmod(0o755)  # mkdtemp makes it owner-only; a checkpoint should be readable like any folder
+    _make_readable(tmp)
     _replace_folder(tmp, target)
+
+
+def _make_readable(folder: Path) -> None:
+    # mkdtemp (and some writers' temp files) are owner-only; a checkpoint or model cache is read by
+    # other processes and users like any folder.
+    folder.chmod(0o755)
+    for p in folder.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
 
 
 def _replace_folder(new: Path, target: Path) -> None:
