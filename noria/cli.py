@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args, overrides)
-    except NoriaError as e:
+    except (NoriaError, FileNotFoundError) as e:
         # Bad input names its file, row or field: one line, no traceback.
         print(f"noria {args.command}: error: {e}", file=sys.stderr)
         return 2

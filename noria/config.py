@@ -98,15 +98,20 @@ class DataConfig:
 class RewardConfig:
     """How a sample is scored."""
 
-    name: str = option(
-        "math", "A registered reward (exact_match, numeric, math, format, ...) or a user function `pkg.module:fn`."
+    name: str | None = option(
+        None,
+        "A registered reward (exact_match, numeric, math, format, countdown) or a user function "
+        "`pkg.module:fn`; null uses the built-in task's own reward.",
     )
     kwargs: dict[str, Any] = option(factory=dict, help="Keyword arguments passed to the reward function.")
     timeout_s: float = option(10.0, "Seconds one reward call may take; past that the sample is marked failed.")
+    max_concurrency: int = option(32, "Reward calls running at once (threads for sync functions).")
 
     def validate(self) -> None:
         if self.timeout_s <= 0:
             raise ConfigError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_concurrency < 1:
+            raise ConfigError(f"reward.max_concurrency must be >= 1, got {self.max_concurrency}")
 
 
 @dataclass
@@ -167,6 +172,8 @@ class RunConfig:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.validate()
+        if self.reward.name is None and self.data.task is None:
+            raise ConfigError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
 
 
 def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, min_p: float, max_new: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from noria.errors import NoriaError
 from noria.types import Prompt
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -32,7 +33,7 @@ SUPPORTED_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".pq": "parquet"
 MAX_SKIP_REASONS = 5
 
 
-class DataError(ValueError):
+class DataError(NoriaError):
     """A data file or one of its rows is invalid; the message names the file, row and field."""
 
 

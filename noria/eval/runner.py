@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from noria.config import RunConfig, save_config
+from noria.errors import NoriaError
 from noria.types import Prompt, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def run_eval(config: RunConfig, run_dir: str | None = None, output: str | None =
     start = time.perf_counter()
     samples = _generate(model, tokenizer, prompt_ids, kept, config, progress)
     seconds = time.perf_counter() - start
-    counts = _score(samples, config)
+    counts = _score(samples, kept, config)
 
     result = _summarise(config, samples, counts, len(kept), dropped, seconds, out_dir)
     _write(result, samples, kept, out_dir, output)
@@ -71,17 +72,15 @@ def run_eval(config: RunConfig, run_dir: str | None = None, output: str | None =
 
 
 def _render(prompts: list[Prompt], tokenizer, config: RunConfig):
-    from noria.data.chat import drop_long_prompts, render_prompt
+    from noria.data import drop_long, render_prompts
 
-    ids = [render_prompt(p, tokenizer, config.data) for p in prompts]
-    kept_pairs, dropped = drop_long_prompts(list(zip(ids, prompts)), config.data.max_prompt_tokens)
+    rendered = render_prompts(prompts, tokenizer, config.data.chat_template, config.data.system_prompt)
+    kept, dropped = drop_long(rendered, config.data.max_prompt_tokens)
     if dropped:
         log.warning("dropped %d prompts longer than data.max_prompt_tokens=%s", dropped, config.data.max_prompt_tokens)
-    if not kept_pairs:
-        from noria.errors import NoriaError
-
+    if not kept:
         raise NoriaError(f"no prompts left to evaluate ({len(prompts)} loaded, {dropped} over data.max_prompt_tokens)")
-    return [i for i, _ in kept_pairs], [p for _, p in kept_pairs], dropped
+    return [r.ids for r in kept], [r.prompt for r in kept], dropped
 
 
 def _run_dir(config: RunConfig, run_dir: str | None) -> Path:
@@ -158,14 +157,14 @@ def _to_sample(prompt: list[int], generated: list[int], eos: list[int], tokenize
         status=Status.TRUNCATED if stop is None else Status.COMPLETED,
         group_id=group,
         index=index,
-        metadata={"label": record.label, **record.metadata},
+        metadata=dict(record.metadata),
     )
 
 
-def _score(samples: list[Sample], config: RunConfig):
-    from noria.rewards import score
+def _score(samples: list[Sample], prompts: list[Prompt], config: RunConfig):
+    from noria.rewards import resolve_reward, score
 
-    return score(samples, config.reward, labels=[s.metadata.get("label") for s in samples])
+    return score(samples, resolve_reward(config), labels=[prompts[s.group_id].label for s in samples])
 
 
 def _summarise(config, samples, counts, n_prompts, dropped, seconds, out_dir) -> EvalResult:
@@ -203,7 +202,7 @@ def _write(result: EvalResult, samples: list[Sample], prompts: list[Prompt], out
                 "group_id": s.group_id,
                 "index": s.index,
                 "prompt": prompts[s.group_id].prompt if isinstance(prompts[s.group_id].prompt, str) else list(prompts[s.group_id].prompt),
-                "label": s.metadata.get("label"),
+                "label": prompts[s.group_id].label,
                 "response": s.response_text,
                 "reward": s.reward,
                 "status": s.status.value,

@@ -65,3 +65,14 @@ def load_by_path(path: str) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"reward import path {path!r} names a {type(obj).__name__}, not a function")
     return obj
+
+
+def resolve_reward(config: Any) -> Any:
+    """The run's ``RewardConfig`` with ``name`` filled in: the configured one, else the task's own."""
+    import dataclasses
+
+    if config.reward.name is not None:
+        return config.reward
+    from noria.data.tasks import get_task
+
+    return dataclasses.replace(config.reward, name=get_task(config.data.task).default_reward)

@@ -75,13 +75,16 @@ async def score_async(
     labels: Sequence[Any],
     metadata: Sequence[dict[str, Any]] | None = None,
     *,
-    max_concurrency: int = 32,
+    max_concurrency: int | None = None,
 ) -> ScoreCounts:
     """Score ``samples`` against ``labels`` (parallel lists); metadata defaults to each sample's own."""
     if len(labels) != len(samples) or (metadata is not None and len(metadata) != len(samples)):
         raise ValueError(f"score: {len(samples)} samples but {len(labels)} labels / metadata of another length")
+    max_concurrency = reward_cfg.max_concurrency if max_concurrency is None else max_concurrency
     if max_concurrency < 1:
         raise ValueError(f"score: max_concurrency must be >= 1, got {max_concurrency}")
+    if reward_cfg.name is None:
+        raise ValueError("score: reward_cfg.name is None; resolve the task's default with resolve_reward() first")
     fn = get_reward(reward_cfg.name)
     limit = asyncio.Semaphore(max_concurrency)
     counts = ScoreCounts()
@@ -106,7 +109,7 @@ def score(
     labels: Sequence[Any],
     metadata: Sequence[dict[str, Any]] | None = None,
     *,
-    max_concurrency: int = 32,
+    max_concurrency: int | None = None,
 ) -> ScoreCounts:
     """``score_async`` from synchronous code (not from inside a running event loop)."""
     _refuse_running_loop("score")
@@ -114,7 +117,7 @@ def score(
 
 
 async def score_groups_async(
-    groups: Sequence[Group], reward_cfg: RewardConfig, *, max_concurrency: int = 32
+    groups: Sequence[Group], reward_cfg: RewardConfig, *, max_concurrency: int | None = None
 ) -> ScoreCounts:
     """Score every sample of ``groups`` against its prompt's label; metadata = prompt's, then sample's."""
     samples = [s for g in groups for s in g.samples]
@@ -123,7 +126,7 @@ async def score_groups_async(
     return await score_async(samples, reward_cfg, labels, metadata, max_concurrency=max_concurrency)
 
 
-def score_groups(groups: Sequence[Group], reward_cfg: RewardConfig, *, max_concurrency: int = 32) -> ScoreCounts:
+def score_groups(groups: Sequence[Group], reward_cfg: RewardConfig, *, max_concurrency: int | None = None) -> ScoreCounts:
     """``score_groups_async`` from synchronous code."""
     _refuse_running_loop("score_groups")
     return asyncio.run(score_groups_async(groups, reward_cfg, max_concurrency=max_concurrency))
