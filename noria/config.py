@@ -133,6 +133,39 @@ class RolloutConfig:
 
 
 @dataclass
+class EngineConfig:
+    """The built-in rollout engine: batching limits, KV cache, prefix cache, numerics."""
+
+    max_running_requests: int = option(256, "Requests decoded together at most; more wait in the queue.")
+    max_batch_tokens: int = option(4096, "Tokens (prefill chunks plus decode tokens) in one forward step at most.")
+    chunked_prefill_size: int = option(512, "Longest prefill chunk of one request per step; long prompts take several steps.")
+    block_size: int = option(16, "Tokens per KV-cache block (the page size of the block tables).")
+    kv_cache_tokens: int | None = option(
+        None, "KV-cache capacity in tokens; null sizes it from kv_memory_fraction of free memory."
+    )
+    kv_memory_fraction: float = option(0.3, "Share of free memory given to the KV cache when kv_cache_tokens is null.")
+    max_context: int | None = option(None, "Longest prompt + output in tokens; null uses the model's max positions.")
+    prefix_cache: bool = option(True, "Reuse KV blocks of shared prompt prefixes (radix tree, LRU eviction).")
+    deterministic: bool = option(
+        False, "Batch-invariant numerics: a request gives the same tokens and logprobs whatever else is batched."
+    )
+    attention: Literal["auto", "torch", "cpu_kernel"] = option(
+        "auto", "Decode attention: the C++ paged kernel on CPU (auto), or gather + torch SDPA."
+    )
+
+    def validate(self) -> None:
+        for key in ("max_running_requests", "max_batch_tokens", "chunked_prefill_size", "block_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ConfigError(f"engine.kv_cache_tokens must be >= engine.block_size, got {self.kv_cache_tokens}")
+        if not 0 < self.kv_memory_fraction <= 0.95:
+            raise ConfigError(f"engine.kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        if self.chunked_prefill_size > self.max_batch_tokens:
+            raise ConfigError("engine.chunked_prefill_size must not exceed engine.max_batch_tokens")
+
+
+@dataclass
 class EvalConfig:
     """Accuracy of the model on a task's held-out split."""
 
@@ -165,6 +198,7 @@ class RunConfig:
     data: DataConfig = option(factory=DataConfig, help="Prompt source.")
     reward: RewardConfig = option(factory=RewardConfig, help="Reward function.")
     rollout: RolloutConfig = option(factory=RolloutConfig, help="Rollout sampling.")
+    engine: EngineConfig = option(factory=EngineConfig, help="The built-in rollout engine.")
     eval: EvalConfig = option(factory=EvalConfig, help="Evaluation.")
 
     def validate(self) -> None:

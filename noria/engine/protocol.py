@@ -1,0 +1,164 @@
+"""The engine's request and response records: what clients (in process or over HTTP) exchange.
+
+These mirror SGLang's native ``/generate`` API so that the HTTP server is a thin translation and a
+real SGLang server can stand in for the built-in engine: ``SamplingParams`` uses SGLang's field
+names, and ``GenerateOutput.meta_info()`` produces SGLang's ``meta_info`` dict (``finish_reason``,
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``output_token_logprobs``,
+``weight_version``).
+
+Validation lives here (``SamplingParams.validate``), so every entry point rejects the same bad
+input with the same message before a request reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from noria.errors import NoriaError
+
+
+class RequestError(NoriaError):
+    """A request is malformed or out of range (HTTP 400); the message says which field."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (SGLang's names and defaults)."""
+
+    max_new_tokens: int = 128
+    """Tokens to generate at most; the request finishes with reason ``length`` there."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus: sample from the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = -1
+    """Sample from the k most likely tokens; -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: generation ends once the decoded output contains one (kept in output_ids)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end generation, besides the model's EOS ids."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks, fixed-length rollouts)."""
+    seed: int | None = None
+    """Per-request seed: the same request with the same seed gives the same tokens."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
+        """Build from a JSON dict; unknown keys are errors (a misspelled key is never ignored)."""
+        data = dict(data or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise RequestError(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
+        if isinstance(data.get("stop"), str):
+            data["stop"] = [data["stop"]]
+        params = cls(**data)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Raise ``RequestError`` naming the first field that is out of range or of the wrong type."""
+        _check_type("max_new_tokens", self.max_new_tokens, int)
+        _check_type("top_k", self.top_k, int)
+        for name in ("temperature", "top_p", "min_p"):
+            _check_type(name, getattr(self, name), (int, float))
+        if self.max_new_tokens < 0:
+            raise RequestError(f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise RequestError(f"sampling_params.top_k must be -1 or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise RequestError(f"sampling_params.min_p must be in [0, 1), got {self.min_p}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError("sampling_params.stop must be a string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
+            raise RequestError("sampling_params.stop_token_ids must be a list of integers")
+        if self.seed is not None and not _is_int(self.seed):
+            raise RequestError(f"sampling_params.seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request: prompt token ids plus sampling settings."""
+
+    input_ids: list[int]
+    """Prompt token ids, shape [P], P >= 1."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = ""
+    """Request id (unique among in-flight requests); the engine assigns one when empty."""
+    return_logprob: bool = True
+    """Return the log-probability of every sampled token (the engine computes it either way)."""
+    top_logprobs_num: int = 0
+    """Also return the k most likely tokens and their log-probabilities at every step."""
+    routing_key: str | None = None
+    """Session routing key (for routers); the engine itself ignores it."""
+
+
+@dataclass
+class GenerateOutput:
+    """The result (or a streamed partial result) of a request."""
+
+    rid: str
+    output_ids: list[int]
+    """Generated token ids (stop token included when the request stopped on one)."""
+    logprobs: list[float]
+    """Log-probability of each output token (natural log) under the model's distribution at the
+    request's temperature, log_softmax(logits / T), before top-p/top-k/min-p truncation; at T = 0
+    (greedy) under log_softmax(logits). This is what a trainer recomputes with the same T."""
+    weight_versions: list[int]
+    """Weight version that produced each output token."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per output token: the top-k (token id, logprob) pairs, when requested."""
+    text: str = ""
+    """Decoded output (empty when the engine has no tokenizer)."""
+    finish_reason: dict[str, Any] | None = None
+    """None while running; else {"type": "stop"|"length"|"abort", "matched": token id or stop string, "message": ...}."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (not recomputed)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def weight_version(self) -> int | None:
+        """The newest weight version that produced a token of this output."""
+        return max(self.weight_versions) if self.weight_versions else None
+
+    def meta_info(self) -> dict[str, Any]:
+        """SGLang's ``meta_info`` dict for this output."""
+        info: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "weight_version": self.weight_version,
+            "weight_versions": self.weight_versions,
+            # SGLang's shape: [logprob, token_id, token_text-or-None] per token.
+            "output_token_logprobs": [[lp, tid, None] for lp, tid in zip(self.logprobs, self.output_ids)],
+        }
+        if self.top_logprobs is not None:
+            info["output_top_logprobs"] = [[[lp, tid, None] for tid, lp in step] for step in self.top_logprobs]
+        return info
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_type(name: str, value: Any, types: type | tuple[type, ...]) -> None:
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise RequestError(f"sampling_params.{name} has the wrong type: {value!r}")
