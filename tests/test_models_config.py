@@ -28,14 +28,18 @@ def test_unknown_model_type_gives_none():
 
 
 def test_llama_defaults_and_biases():
-    args = ModelArgs.from_hf_config(_cfg("llama", attention_bias=True, mlp_bias=True, eos_token_id=[2, 7]))
+    args = ModelArgs.from_hf_config(
+        _cfg("llama", attention_bias=True, mlp_bias=True, eos_token_id=[2, 7])
+    )
     assert (args.head_dim, args.num_kv_heads, args.rope_theta) == (16, 4, 10000.0)
     assert args.qkv_bias and args.o_bias and args.mlp_bias and not args.qk_norm
     assert args.eos_token_ids == (2, 7) and not args.tie_word_embeddings
 
 
 def test_qwen2_has_qkv_bias_without_o_bias():
-    args = ModelArgs.from_hf_config(_cfg("qwen2", attention_bias=False, use_sliding_window=False, sliding_window=4096))
+    args = ModelArgs.from_hf_config(
+        _cfg("qwen2", attention_bias=False, use_sliding_window=False, sliding_window=4096)
+    )
     assert args.qkv_bias and not args.o_bias and not args.mlp_bias
 
 
@@ -54,8 +58,16 @@ def test_transformers4_rope_keys():
 
 
 def test_transformers5_rope_parameters_llama3():
-    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-    args = ModelArgs.from_hf_config(_cfg("llama", rope_parameters=rope, max_position_embeddings=4096))
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
+    args = ModelArgs.from_hf_config(
+        _cfg("llama", rope_parameters=rope, max_position_embeddings=4096)
+    )
     assert args.rope_theta == 5e5
     # Without original_max_position_embeddings transformers falls back to max_position_embeddings.
     assert args.rope_scaling.original_max_position_embeddings == 4096
@@ -77,7 +89,10 @@ def test_enabled_sliding_window_is_refused():
         ModelArgs.from_hf_config(_cfg("qwen3", use_sliding_window=True, layer_types=layer_types))
     # Enabled but applied to no layer (max_window_layers >= layers): same model, accepted.
     full = ["full_attention", "full_attention"]
-    assert ModelArgs.from_hf_config(_cfg("qwen2", use_sliding_window=True, layer_types=full)) is not None
+    assert (
+        ModelArgs.from_hf_config(_cfg("qwen2", use_sliding_window=True, layer_types=full))
+        is not None
+    )
 
 
 def test_other_activation_is_refused():
@@ -87,9 +102,17 @@ def test_other_activation_is_refused():
 
 @pytest.mark.parametrize("model_type", NATIVE_FAMILIES)
 def test_to_hf_config_round_trips(model_type):
-    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    args = ModelArgs.from_hf_config(_cfg(model_type, rope_parameters=rope, head_dim=8, tie_word_embeddings=True))
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    args = ModelArgs.from_hf_config(
+        _cfg(model_type, rope_parameters=rope, head_dim=8, tie_word_embeddings=True)
+    )
     assert ModelArgs.from_hf_config(args.to_hf_config()) == args
 
 

@@ -14,10 +14,22 @@ def _tiny(arch: str):
     from transformers import GPT2Config, GPTNeoXConfig
 
     if arch == "gpt2":
-        return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+        return GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     return GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
     )
 
 
@@ -57,14 +69,14 @@ def test_padded_and_packed_contexts(pair):
     ids = torch.zeros(2, 9, dtype=torch.long)
     mask = torch.zeros(2, 9, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, 9 - len(row):], mask[i, 9 - len(row):] = row, 1
+        ids[i, 9 - len(row) :], mask[i, 9 - len(row) :] = row, 1
     padded = model(ids, attn=PaddedContext(mask))
     packed = model(torch.cat(rows)[None], attn=PackedContext([4, 9]))
     for i, row in enumerate(rows):
         alone = model(row[None])[0]
-        assert (padded[i, 9 - len(row):] - alone).abs().max().item() <= 1e-5
+        assert (padded[i, 9 - len(row) :] - alone).abs().max().item() <= 1e-5
         start = 0 if i == 0 else 4
-        assert (packed[0, start:start + len(row)] - alone).abs().max().item() <= 1e-5
+        assert (packed[0, start : start + len(row)] - alone).abs().max().item() <= 1e-5
 
 
 def test_custom_context_is_refused(pair):

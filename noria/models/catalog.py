@@ -107,11 +107,11 @@ def cache_path(name: str) -> Path:
 
 
 def package_folder(entry: CatalogEntry) -> Path:
-    """The installed package's folder holding the weights; error with the install command if absent."""
+    """The installed package's folder with the weights; if absent, say how to install."""
     spec = importlib.util.find_spec(entry.module)
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(
-            f"catalog model {entry.name!r} needs the package {entry.package}, which is not installed; "
+            f"catalog model {entry.name!r} needs the package {entry.package} (not installed); "
             f"install it with: {entry.install}"
         )
     folder = Path(spec.origin).parent

@@ -85,7 +85,9 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
         return files
     single = folder / SINGLE_FILE
     if not single.is_file():
-        raise FileNotFoundError(f"checkpoint folder {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        raise FileNotFoundError(
+            f"checkpoint folder {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+        )
     with safe_open(single, framework="pt") as f:
         return {name: single for name in f.keys()}
 
@@ -102,8 +104,8 @@ def _file_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     if missing_in_files:
         name = missing_in_files[0]
         raise CheckpointMismatch(
-            f"config/checkpoint mismatch: tensor '{name}' is listed in the index for {files[name].name} "
-            "but that file does not contain it"
+            f"config/checkpoint mismatch: tensor '{name}' is listed in the index for "
+            f"{files[name].name}, but that file does not contain it"
         )
     return shapes
 

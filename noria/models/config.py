@@ -150,7 +150,9 @@ class ModelArgs:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "eos_token_id": list(self.eos_token_ids)
+            if len(self.eos_token_ids) != 1
+            else self.eos_token_ids[0],
         }
         if self.model_type != "qwen2":
             cfg["attention_bias"] = self.qkv_bias
@@ -163,7 +165,11 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def _rope_parameters(theta: float, scaling: RopeScaling) -> dict[str, Any]:
@@ -181,7 +187,9 @@ def _check_activation(cfg: dict[str, Any]) -> None:
     # The MLP is hard-wired SwiGLU; another activation would silently compute a different model.
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"config field 'hidden_act' is {act!r}; the native decoder supports only 'silu'")
+        raise ValueError(
+            f"config field 'hidden_act' is {act!r}; the native decoder supports only 'silu'"
+        )
 
 
 def _check_sliding_window(cfg: dict[str, Any]) -> None:
@@ -222,10 +230,13 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if rope_type not in ROPE_TYPES:
         raise ValueError(
-            f"config field '{field}' has rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            f"config field '{field}' has rope_type {rope_type!r}; "
+            f"supported: {', '.join(ROPE_TYPES)}"
         )
     if partial != 1.0:
-        raise ValueError(f"config field 'partial_rotary_factor' is {partial}; only 1.0 is supported")
+        raise ValueError(
+            f"config field 'partial_rotary_factor' is {partial}; only 1.0 is supported"
+        )
     return theta, _rope_scaling(rope_type, params, cfg)
 
 

@@ -37,7 +37,9 @@ class HFCausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         if list(hf_model.named_buffers(recurse=False)):
-            raise NotImplementedError(f"{type(hf_model).__name__} has top-level buffers; cannot adopt it")
+            raise NotImplementedError(
+                f"{type(hf_model).__name__} has top-level buffers; cannot adopt it"
+            )
         # Held outside the module tree so its parameters are not listed twice (under "hf.").
         object.__setattr__(self, "hf", hf_model)
         for name, child in hf_model.named_children():
@@ -66,7 +68,9 @@ class HFCausalLM(nn.Module):
         attn: AttentionContext | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states [B, T, H] (the base model's ``last_hidden_state``)."""
-        return self._run(self.hf.base_model, input_ids, positions, attn, lambda out: out.last_hidden_state)
+        return self._run(
+            self.hf.base_model, input_ids, positions, attn, lambda out: out.last_hidden_state
+        )
 
     def _run(self, module, input_ids, positions, attn, pick) -> torch.Tensor:
         ctx = attn if attn is not None else CausalContext()
@@ -76,7 +80,14 @@ class HFCausalLM(nn.Module):
             if positions is None:
                 positions = ctx.positions(*input_ids.shape, input_ids.device)
             mask = ctx.attention_mask.to(input_ids.device).long()
-            return pick(module(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False))
+            return pick(
+                module(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    use_cache=False,
+                )
+            )
         if isinstance(ctx, CausalContext):
             return pick(module(input_ids=input_ids, position_ids=positions, use_cache=False))
         raise NotImplementedError(
@@ -91,7 +102,11 @@ class HFCausalLM(nn.Module):
         outs, start = [], 0
         for n in ctx.seq_lens:
             end = start + n
-            out = module(input_ids=input_ids[:, start:end], position_ids=positions[:, start:end], use_cache=False)
+            out = module(
+                input_ids=input_ids[:, start:end],
+                position_ids=positions[:, start:end],
+                use_cache=False,
+            )
             outs.append(pick(out))
             start = end
         return torch.cat(outs, dim=1)
@@ -100,10 +115,12 @@ class HFCausalLM(nn.Module):
 def load_hf(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> HFCausalLM:
-    """Load any transformers causal LM from a folder, strict about its tensors like the native path."""
+    """Load any transformers causal LM from a folder, as strict about tensors as the native path."""
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, output_loading_info=True
+    )
     problems = {
         kind: sorted(map(str, info.get(kind) or ()))
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
