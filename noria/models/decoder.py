@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from noria.models.attention import AttentionContext, CausalContext
-from noria.models.config import ModelArgs
+from noria.models.config import ModelArgs, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -63,7 +63,7 @@ def rope_inv_freq(args: ModelArgs, device: torch.device) -> torch.Tensor:
     return inv_freq
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, s) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     # Llama 3.1 keeps short wavelengths, divides long ones by `factor`, and blends in between,
     # so local attention is untouched while the long range stretches to the new context.
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
