@@ -28,6 +28,22 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0 if result.n_scored > 0 else 1
 
 
+def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.engine.server import ServerOptions, load_serve_config, serve
+
+    config = load_serve_config(args.model, overrides, args.dtype, args.device)
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        drain_timeout_s=args.drain_timeout,
+        engine_id=args.engine_id or "",
+        weight_version=args.weight_version,
+        served_model_name=args.served_model_name or "",
+    )
+    return serve(config, options)
+
+
 def _models_list(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.models.catalog import list_models
 
@@ -81,6 +97,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="also write the result JSON to this path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
     p.set_defaults(handler=_eval, takes_overrides=True)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (SGLang native API and OpenAI API)",
+        description="Start the built-in engine behind an HTTP server that speaks SGLang's native API "
+        "(/generate, /update_weights_from_disk, ...) and the OpenAI API (/v1/completions, "
+        "/v1/chat/completions). The port answers 503 while the model loads; SIGTERM drains in-flight "
+        "requests (at most --drain-timeout seconds), aborts the rest and exits 0.",
+        epilog="Engine and model settings are dotted overrides, e.g. --engine.max_running_requests 64 "
+        "--engine.kv_cache_tokens 65536 (see `noria config --reference`); unknown keys are errors.",
+    )
+    p.add_argument("--model", required=True, help="catalog name (see `noria models list`) or HF model folder")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=30000, help="TCP port (default 30000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weights dtype (default bfloat16)")
+    p.add_argument("--device", help="torch device (default cpu)")
+    p.add_argument("--weight-version", type=int, help="weight version reported before any update (default: the engine's)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain in-flight requests on SIGTERM (default 30)")
+    p.add_argument("--engine-id", help="name of this engine in /server_info and meta_info (default host:port)")
+    p.add_argument("--served-model-name", help="model id in the OpenAI API (default the model path)")
+    p.set_defaults(handler=_serve, takes_overrides=True)
 
     models = sub.add_parser(
         "models",
