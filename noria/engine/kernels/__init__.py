@@ -1,0 +1,143 @@
+"""Attention kernels of the engine: paged decode attention.
+
+``paged_decode_attention`` computes one query token per sequence against that sequence's cached
+K/V, which live in a shared pool and are found through a block table (see ``kv_cache``). Two
+implementations with one signature:
+
+- ``cpu``: a C++ kernel (``paged_attention.cpp``) compiled at first use with torch's extension
+  loader (ninja + the system C++ compiler, about 45 s once; cached under ``TORCH_EXTENSIONS_DIR``,
+  default ``~/.cache/torch_extensions``; ``scripts/setup.sh`` builds it ahead). It reads K/V in
+  place (no gather copy) and is batch-invariant.
+- ``torch``: gather each sequence's slots and call SDPA: the reference, and the fallback wherever
+  the C++ kernel cannot be built or the tensors are not on the CPU.
+
+Not guaranteed: the two agree to rounding (fp32 accumulation in both, different summation order),
+not bitwise; deterministic runs must use one implementation throughout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_lock = threading.Lock()
+_module = None
+_failure: str | None = None
+
+
+def _capability_flags() -> list[str]:
+    """ATen's vector types pick their width from CPU_CAPABILITY macros; match this CPU."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if {"avx2", "fma"} <= flags:
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def cpu_kernel():
+    """The compiled C++ module, building it on first call; None if it cannot be built here."""
+    global _module, _failure
+    if _module is not None or _failure is not None:
+        return _module
+    with _lock:
+        if _module is None and _failure is None:
+            try:
+                _module = _build()
+            except Exception as e:  # no compiler, no ninja, unsupported platform: fall back, loudly
+                _failure = f"{type(e).__name__}: {e}"
+                log.warning("paged attention C++ kernel unavailable, using the torch fallback (%s)", _failure)
+    return _module
+
+
+def _build():
+    import sys
+
+    from torch.utils.cpp_extension import load
+
+    # The `ninja` package installs its binary next to this interpreter, which may not be on PATH
+    # when the venv is used without activation.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+    source = _SOURCE.read_bytes()
+    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", *_capability_flags()]
+    tag = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    return load(
+        name=f"noria_paged_attention_{tag}",
+        sources=[str(_SOURCE)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def cpu_kernel_failure() -> str | None:
+    """Why the C++ kernel could not be built (None if it was, or was never tried)."""
+    return _failure
+
+
+def reference_paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Gather + SDPA, one sequence at a time (so each result is independent of the batch)."""
+    outs = []
+    offsets = torch.arange(block_size, device=q.device)
+    for s, length in enumerate(context_lens.tolist()):
+        n_blocks = -(-length // block_size)
+        slots = (block_tables[s, :n_blocks].long()[:, None] * block_size + offsets).flatten()[:length]
+        k = k_pool.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
+        v = v_pool.index_select(0, slots).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q[s].unsqueeze(1), k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[0]
+        )  # [Hq, 1, D]
+        outs.append(out.squeeze(1))
+    return torch.stack(outs) if outs else torch.empty_like(q)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Attention of q [S, Hq, D] over each sequence's cached K/V -> [S, Hq, D].
+
+    ``k_pool``/``v_pool`` [num_slots, Hkv, D]; ``block_tables`` int32 [S, max_blocks];
+    ``context_lens`` int32 [S] (tokens cached per sequence, the query's own included).
+    ``impl``: ``auto`` (C++ on CPU when available), ``cpu_kernel`` (C++ or error), ``torch``.
+    """
+    if impl not in ("auto", "cpu_kernel", "torch"):
+        raise ValueError(f"impl must be auto, cpu_kernel or torch, got {impl!r}")
+    if impl != "torch" and q.device.type == "cpu" and os.environ.get("NORIA_NO_CPU_KERNEL") != "1":
+        module = cpu_kernel()
+        if module is not None:
+            return module.paged_decode_attention(
+                q.contiguous(), k_pool, v_pool, block_tables.contiguous(), context_lens.contiguous(), block_size, scale
+            )
+        if impl == "cpu_kernel":
+            raise RuntimeError(f"the C++ paged attention kernel could not be built: {_failure}")
+    return reference_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, block_size, scale)
