@@ -1,0 +1,32 @@
+"""The built-in rollout engine: continuous batching over a paged KV cache with a radix prefix cache.
+
+Modules, from the caller inwards::
+
+    engine.py     Engine: the asyncio/thread API, the step loop, weight updates, metrics
+    scheduler.py  request states, continuous batching, retraction, finish checks
+    runner.py     one step -> one forward of the native model (PagedAttentionContext)
+    sampling.py   per-row sampling and logprobs
+    radix.py      prefix cache over KV blocks (LRU eviction)
+    kv_cache.py   K/V pools and the reference-counted block allocator
+    weights.py    validated weight updates (state dict, disk, broadcast group)
+    protocol.py   request/response records (SGLang's field names)
+
+Quick use::
+
+    engine = Engine.from_path("model-folder", EngineConfig())
+    out = await engine.generate(GenerateRequest(input_ids=[...], sampling=SamplingParams(temperature=0)))
+"""
+
+from noria.engine.engine import Engine, EngineDead
+from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from noria.engine.weights import WeightUpdateError
+
+__all__ = [
+    "Engine",
+    "EngineDead",
+    "GenerateOutput",
+    "GenerateRequest",
+    "RequestError",
+    "SamplingParams",
+    "WeightUpdateError",
+]

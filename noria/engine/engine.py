@@ -1,0 +1,479 @@
+"""The built-in rollout engine: a step loop on a background thread, and the API callers use.
+
+Threads and data flow::
+
+    callers (asyncio or threads)            engine thread (the only one touching engine state)
+    submit / abort / pause / update  ──▶ inbox ──▶ drain commands between steps
+                                                   schedule ─▶ runner.forward ─▶ sample ─▶ process
+    callback(GenerateOutput)  ◀──────────────────── finished (or streamed) requests
+
+Every mutation of scheduler, cache or weights runs as a command on the engine thread between two
+steps, so a weight update never lands in the middle of a forward and every sampled token carries
+the version of the weights that produced it. Torch releases the GIL inside ops, so the caller's
+event loop keeps running during a step.
+
+What blocks on what:
+
+- ``await generate`` / ``stream``: until the request finishes (each streamed part after a step).
+- ``await pause`` / ``resume``, ``flush_cache``, weight updates: until the current step ends and
+  the command has run. Weight updates are synchronous methods (call them via
+  ``asyncio.to_thread`` from async code); a distributed update receives the tensors on the
+  caller's thread while generation continues, then copies between steps.
+- ``submit`` / ``abort``: never (they post a command).
+
+Callbacks run on the engine thread and must not block (``generate`` and ``stream`` hand results to
+the caller's event loop with ``call_soon_threadsafe``).
+
+Not guaranteed: order among requests that arrive in the same step; unseeded sampling is
+reproducible only for the same arrival order; deterministic mode holds for bf16 on CPU (DESIGN §6)
+and not across a retraction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from noria.config import EngineConfig
+from noria.engine import weights
+from noria.engine.kv_cache import KVCache
+from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
+from noria.engine.radix import RadixCache
+from noria.engine.runner import ModelRunner
+from noria.engine.sampling import sample
+from noria.engine.scheduler import Chunk, Req, Scheduler, StopChecker
+from noria.models import DecoderLM, load_model, load_tokenizer, model_path
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("retract", "in_place")
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped on an error; every in-flight request was aborted with it."""
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache; see the module docstring."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        tokenizer: Any | None,
+        config: EngineConfig,
+        weight_version: int = 0,
+        eos_token_ids: Iterable[int] | None = None,
+        seed: int = 0,
+    ) -> None:
+        config.validate()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.max_context = config.max_context or model.args.max_position_embeddings
+        self.weight_version = weight_version
+        self.kv = KVCache.for_model(model.args, config, self.dtype, self.device)
+        self.radix = RadixCache(self.kv.allocator, config.block_size, enabled=config.prefix_cache)
+        eos = set(model.args.eos_token_ids) if eos_token_ids is None else set(eos_token_ids)
+        if eos_token_ids is None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.scheduler = Scheduler(config, self.kv, self.radix, StopChecker(eos, tokenizer))
+        self.runner = ModelRunner(model, self.kv, self.device, config.attention, config.deterministic)
+        self._generator = torch.Generator(self.device).manual_seed(seed)
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._live: set[str] = set()
+        self._live_lock = threading.Lock()
+        self._groups: dict[str, Any] = {}
+        self._closing = False
+        self._stop = False
+        self._error: BaseException | None = None
+        self._stats = _Stats()
+        self._thread = threading.Thread(target=self._loop, name="noria-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_path(
+        cls, path: str | Path, config: EngineConfig, dtype: str = "bfloat16", device: str = "cpu", **kwargs: Any
+    ) -> Engine:
+        """Load a native checkpoint (catalog name or HF folder) with its tokenizer and EOS ids."""
+        model = load_model(path, dtype=getattr(torch, dtype), device=device, impl="native")
+        folder = model_path(path)
+        tokenizer = _try_tokenizer(path)
+        eos = set(model.args.eos_token_ids) | _generation_eos(folder)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        kwargs.setdefault("eos_token_ids", eos)
+        return cls(model, tokenizer, config, **kwargs)
+
+    # ------------------------------------------------------------------------------ requests
+
+    def submit(self, req: GenerateRequest, callback: Callable[[GenerateOutput], None], stream: bool = False) -> str:
+        """Queue a request; ``callback`` gets the final output (and, with ``stream``, one partial
+        output after every step that adds a token). Returns the request id. Raises RequestError."""
+        self._check_alive()
+        if self._closing:
+            raise RequestError("the engine is shutting down and accepts no new requests")
+        req = self._validated(req)
+        internal = Req(request=req, callback=callback, stream=stream, max_total_tokens=self._max_total(req))
+        if req.sampling.seed is not None:
+            internal.generator = torch.Generator(self.device).manual_seed(req.sampling.seed)
+        with self._live_lock:
+            if req.rid in self._live:
+                raise RequestError(f"rid {req.rid!r} is already in flight")
+            self._live.add(req.rid)
+        self._post(lambda: self._enqueue(internal))
+        return req.rid
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        """Generate to completion; cancelling the await aborts the request."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[GenerateOutput] = loop.create_future()
+        rid = self.submit(req, lambda out: _call_in_loop(loop, _resolve, future, out))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Cumulative partial outputs after every step; the last one is finished. Leaving early aborts."""
+        loop = asyncio.get_running_loop()
+        parts: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        rid = self.submit(req, lambda out: _call_in_loop(loop, parts.put_nowait, out), stream=True)
+        finished = False
+        try:
+            while not finished:
+                out = await parts.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def generate_batch(self, requests: list[GenerateRequest], timeout_s: float | None = None) -> list[GenerateOutput]:
+        """Blocking convenience for scripts and benchmarks: submit all, wait for all, in order."""
+        futures = [concurrent.futures.Future() for _ in requests]
+        for req, fut in zip(requests, futures):
+            self.submit(req, lambda out, f=fut: f.set_result(out))
+        return [f.result(timeout=timeout_s) for f in futures]
+
+    def abort(self, rid: str, message: str = "aborted by request") -> None:
+        """Abort a waiting or running request (its callback gets reason abort); unknown rids are ignored."""
+        self._post(lambda: self._notify([r for r in [self.scheduler.abort(rid, message)] if r]))
+
+    def abort_all(self, message: str = "aborted by request") -> None:
+        self._post(lambda: self._notify(self.scheduler.abort_all(message)))
+
+    # ------------------------------------------------------------------------------ control
+
+    async def pause(self, mode: str = "retract") -> None:
+        """Stop generating after the current step. ``retract`` frees all KV (requests resume from
+        their output so far); ``in_place`` keeps it. Queued and new requests wait until resume."""
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await asyncio.wrap_future(self._post_future(lambda: self.scheduler.pause(mode)))
+
+    async def resume(self) -> None:
+        await asyncio.wrap_future(self._post_future(self.scheduler.resume))
+
+    def flush_cache(self) -> int:
+        """Drop the prefix cache (blocks in use stay with their requests); returns blocks dropped."""
+        return self._call(self.radix.flush)
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Refuse new requests, let in-flight ones finish for up to ``drain_timeout_s``, abort the rest."""
+        self._closing = True
+        deadline = time.monotonic() + drain_timeout_s
+        while self._thread.is_alive() and self._has_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.abort_all("engine shut down")
+        self._post(self._request_stop)
+        self._thread.join()
+
+    # ------------------------------------------------------------------------------ weights
+
+    def update_weights_from_state_dict(self, named_tensors: dict[str, torch.Tensor] | Iterable, version: int) -> None:
+        """Copy HF-named tensors (a subset is fine) between steps; validates everything first."""
+        tensors = dict(named_tensors)
+        weights.check_shapes(self.model, {n: tuple(t.shape) for n, t in tensors.items()})
+        self._apply_update(lambda: weights.copy_into(self.model, tensors), version)
+
+    def update_weights_from_disk(self, folder: str | Path, version: int) -> None:
+        """Load a safetensors folder (HF names) between steps; shapes checked from headers first."""
+        files = weights.folder_files(folder)
+        weights.check_folder(self.model, files)
+        self._apply_update(lambda: weights.copy_from_folder(self.model, files), version)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> None:
+        """Join a broadcast group as rank ``rank_offset`` (the trainer is rank 0). Blocks until all join."""
+        if group_name in self._groups:
+            raise weights.WeightUpdateError(f"weight update group {group_name!r} already exists")
+        self._groups[group_name] = weights.create_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._groups.pop(group_name, None)
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list, shapes: list, version: int, group_name: str
+    ) -> None:
+        """Receive tensors broadcast by rank 0 (in ``names`` order), then copy them between steps."""
+        if group_name not in self._groups:
+            raise weights.WeightUpdateError(f"no weight update group named {group_name!r}")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise weights.WeightUpdateError("names, dtypes and shapes must have the same length")
+        weights.check_shapes(self.model, {n: tuple(s) for n, s in zip(names, shapes)})
+        dtypes = [weights.parse_dtype(d) for d in dtypes]
+        tensors = weights.receive_broadcast(self._groups[group_name], names, dtypes, shapes, self.device)
+        self._apply_update(lambda: weights.copy_into(self.model, tensors), version)
+
+    def _apply_update(self, copy: Callable[[], None], version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise weights.WeightUpdateError(f"weight version must be an integer, got {version!r}")
+
+        def apply() -> None:
+            copy()
+            self.weight_version = version
+            self.radix.flush()  # cached KV was computed with the old weights
+
+        self._call(apply)
+
+    # ------------------------------------------------------------------------------ observability
+
+    def get_load(self) -> dict[str, Any]:
+        """Running and waiting requests and KV usage (a snapshot; read without stopping the loop)."""
+        return {
+            "num_running_reqs": len(self.scheduler.running),
+            "num_waiting_reqs": len(self.scheduler.waiting),
+            "kv_usage": self.kv.usage,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            **self.get_load(),
+            "tokens_per_s": self._stats.tokens_per_s(),
+            "generated_tokens": self._stats.generated,
+            "steps": self._stats.steps,
+            "prefix_hit_rate": self.radix.hit_rate,
+            "cached_blocks": self.radix.num_cached_blocks,
+            "evictions": self.radix.evictions,
+            "retractions": self.scheduler.retractions,
+            "weight_version": self.weight_version,
+        }
+
+    # ------------------------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                self._drain(block=not self.scheduler.has_work)
+                chunks = [] if self._stop else self.scheduler.schedule()
+                if chunks:
+                    self._step(chunks)
+                elif self.scheduler.has_work:
+                    self._drain(block=True, timeout=0.005)  # nothing fits now; wait for a command
+        except BaseException as e:  # the loop is dead: fail every request instead of hanging callers
+            self._die(e)
+
+    def _drain(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            command = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        command()
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _step(self, chunks: list[Chunk]) -> None:
+        logits = self.runner.forward(chunks)
+        reqs = [c.req for c in chunks if c.sample]
+        ids, logprobs, top = self._sample(logits, reqs)
+        notify = self.scheduler.process(chunks, ids, logprobs, top, self.weight_version)
+        self._stats.record(len(ids))
+        self._notify(notify)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]):
+        if not reqs:
+            return [], [], None
+        k = max(r.request.top_logprobs_num for r in reqs)
+        params = [r.request.sampling for r in reqs]
+        res = sample(logits, params, [r.generator for r in reqs], self._generator, k)
+        top = None
+        if res.top_ids is not None:
+            top = [list(zip(i, lp)) for i, lp in zip(res.top_ids.tolist(), res.top_logprobs.tolist())]
+        return res.token_ids.tolist(), res.logprobs.tolist(), top
+
+    def _enqueue(self, req: Req) -> None:
+        if req.request.sampling.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            self._notify([req])
+        else:
+            self.scheduler.add(req)
+
+    def _notify(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            text = self._decode(req.output_ids)
+            if req.finish_reason is not None:
+                with self._live_lock:
+                    self._live.discard(req.rid)
+            try:
+                req.callback(req.output(text))
+            except Exception:  # a broken client callback must not take down other requests
+                log.exception("callback of request %s raised; the engine continues", req.rid)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _die(self, error: BaseException) -> None:
+        log.error("engine loop stopped", exc_info=error)
+        self._error = error
+        message = f"engine error: {type(error).__name__}: {error}"
+        while True:  # run what is queued (submits, pause futures) so that nobody waits forever
+            try:
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                break
+            except Exception:
+                log.exception("command failed after the engine loop stopped")
+        self._notify(self.scheduler.abort_all(message))
+
+    def _request_stop(self) -> None:
+        self._stop = True
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _post(self, command: Callable[[], None]) -> None:
+        self._check_alive()
+        self._inbox.put(command)
+
+    def _post_future(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
+
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            run()  # called from a callback, or after shutdown: no step can be in flight
+        else:
+            self._post(run)
+        return future
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        return self._post_future(fn).result()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDead(f"the engine loop stopped: {type(self._error).__name__}: {self._error}")
+
+    def _has_requests(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or self._live)
+
+    def _validated(self, req: GenerateRequest) -> GenerateRequest:
+        req.sampling.validate()
+        ids = req.input_ids
+        vocab = self.model.args.vocab_size
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("input_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise RequestError(f"input_ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_context:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; the context limit is {self.max_context} (prompt + output)"
+            )
+        if not isinstance(req.top_logprobs_num, int) or not 0 <= req.top_logprobs_num <= vocab:
+            raise RequestError(f"top_logprobs_num must be in [0, {vocab}], got {req.top_logprobs_num!r}")
+        needed = self._max_total(req)
+        if needed > self.kv.capacity_tokens:
+            raise RequestError(
+                f"request needs up to {needed} tokens of KV cache (prompt {len(ids)} + max_new_tokens "
+                f"{req.sampling.max_new_tokens}), more than the whole cache ({self.kv.capacity_tokens})"
+            )
+        return dataclasses.replace(req, rid=req.rid or uuid.uuid4().hex)
+
+    def _max_total(self, req: GenerateRequest) -> int:
+        return min(len(req.input_ids) + req.sampling.max_new_tokens, self.max_context)
+
+
+class _Stats:
+    """Generated tokens per second over a sliding window, and totals."""
+
+    def __init__(self) -> None:
+        self.generated = 0
+        self.steps = 0
+        self._window: collections.deque[tuple[float, int]] = collections.deque()
+
+    def record(self, tokens: int) -> None:
+        now = time.monotonic()
+        self.generated += tokens
+        self.steps += 1
+        self._window.append((now, tokens))
+        while self._window and now - self._window[0][0] > _THROUGHPUT_WINDOW_S:
+            self._window.popleft()
+
+    def tokens_per_s(self) -> float:
+        window = list(self._window)
+        if len(window) < 2:
+            return 0.0
+        span = window[-1][0] - window[0][0]
+        return sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+
+
+def _resolve(future: asyncio.Future, out: GenerateOutput) -> None:
+    if not future.done() and out.finished:
+        future.set_result(out)
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's event loop has closed: nobody is waiting for this output
+        pass
+
+
+def _try_tokenizer(path: str | Path):
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError) as e:  # ids-only checkpoints are fine: no text, no stop strings
+        log.warning("no tokenizer at %s (%s); the engine will return ids only", path, e)
+        return None
+
+
+def _generation_eos(folder: Path) -> set[int]:
+    """EOS ids from generation_config.json (chat models often list several there)."""
+    if not (folder / "generation_config.json").is_file():
+        return set()
+    eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}

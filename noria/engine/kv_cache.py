@@ -1,0 +1,140 @@
+"""The paged KV cache: per-layer K and V pools, and the block allocator that hands out their pages.
+
+Layout. Each layer owns a K pool and a V pool, tensors ``[num_slots, Hkv, D]`` in the model dtype on
+the engine's device, with ``num_slots = num_blocks * block_size``. A token's K/V live at one slot,
+``slot = block_id * block_size + offset``; a sequence's tokens are found through its block table
+(the list of its block ids, in order). Blocks are the unit of allocation and of sharing.
+
+Ownership. :class:`BlockAllocator` counts references per block: every holder (a running request's
+block table, a node of the prefix cache) holds one reference, and a block returns to the free list
+when its count drops to zero. Nothing here knows which holder is which; the scheduler and the radix
+cache keep that straight.
+
+Blocking: none. The allocator is plain Python, used only from the engine's step thread.
+Not guaranteed: pools are not zeroed; a slot holds garbage until written, so readers must mask
+by context length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from noria.config import EngineConfig
+from noria.models.config import ModelArgs
+
+
+class OutOfBlocks(RuntimeError):
+    """The allocator has fewer free blocks than asked for (callers evict or retract, then retry)."""
+
+
+class BlockAllocator:
+    """Reference-counted block ids with a free list."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._refs = [0] * num_blocks
+        # Popped from the end: recently freed blocks are reused first (warm in cache).
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks, each with one reference; raises :class:`OutOfBlocks` (taking none)."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def incref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise RuntimeError(f"incref of free block {b}")
+            self._refs[b] += 1
+
+    def decref(self, blocks: list[int]) -> None:
+        """Drop one reference per block; blocks reaching zero go back to the free list."""
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise RuntimeError(f"decref of free block {b} (double free)")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+
+class KVCache:
+    """K/V pools for every layer plus their allocator."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k_pools = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pools = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(
+        cls, args: ModelArgs, config: EngineConfig, dtype: torch.dtype, device: torch.device
+    ) -> KVCache:
+        """Size the cache from ``config`` (explicit tokens, or a share of free memory)."""
+        tokens = config.kv_cache_tokens
+        if tokens is None:
+            budget = config.kv_memory_fraction * available_memory_bytes(device)
+            tokens = int(budget // bytes_per_token(args, dtype))
+        num_blocks = tokens // config.block_size
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache too small: {tokens} tokens for block_size {config.block_size} "
+                f"(raise engine.kv_cache_tokens or engine.kv_memory_fraction)"
+            )
+        return cls(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, dtype, device)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks in use (by requests or by the prefix cache)."""
+        return self.allocator.num_used_blocks / self.num_blocks
+
+
+def bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """K and V of one token over all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * args.num_layers * args.num_kv_heads * args.head_dim * itemsize
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Free memory where the cache will live: CUDA's free bytes, else /proc/meminfo MemAvailable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError("/proc/meminfo has no MemAvailable; set engine.kv_cache_tokens explicitly")

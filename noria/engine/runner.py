@@ -1,0 +1,202 @@
+"""The model runner: one scheduled step -> one forward of the native model -> logits to sample.
+
+All new tokens of all chunks are flattened into one row ``[1, N]`` with their positions. The model
+runs with a :class:`PagedAttentionContext`, which in every layer (1) writes the new K/V into the
+pools at their slots and (2) attends:
+
+- chunks of one token (decode) together, through ``paged_decode_attention`` over the block tables
+  (the C++ kernel of ``noria.engine.kernels`` or the torch reference in ``attention_ref``);
+- longer chunks (prefill, possibly after a cached prefix) one sequence at a time: gather that
+  sequence's slots and run SDPA with a bottom-right-aligned causal mask.
+
+Only the last position of each sampling chunk goes through ``lm_head``.
+
+This is the only engine module with device code (with ``sampling``): metadata is built on the
+host and moved once per step; nothing here reads device values back. A CUDA path slots in by
+choosing another decode function here. Blocking: the forward itself (torch releases the GIL).
+Not guaranteed: batch invariance unless ``deterministic`` (then decode attention also runs one
+sequence at a time) and the model runs in bf16 (see DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from noria.engine import attention_ref
+from noria.engine.kv_cache import KVCache
+from noria.engine.scheduler import Chunk
+from noria.models.decoder import DecoderLM
+
+DecodeFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class _DecodeMeta:
+    token_idx: torch.Tensor
+    """long [S]: rows of the flattened batch that are decode queries."""
+    block_tables: torch.Tensor
+    """int32 [S, max_blocks]."""
+    context_lens: torch.Tensor
+    """int32 [S]."""
+    slots: list[torch.Tensor] | None
+    """Per-sequence context slots (deterministic mode only)."""
+
+
+@dataclass
+class _PrefillMeta:
+    start: int
+    """First row of the chunk in the flattened batch."""
+    n: int
+    slots: torch.Tensor
+    """long [context length]: slots of the whole context, the chunk's own tokens last."""
+
+
+class PagedAttentionContext:
+    """The model's ``AttentionContext`` over the paged KV cache for one step."""
+
+    def __init__(
+        self,
+        kv: KVCache,
+        positions: torch.Tensor,
+        new_slots: torch.Tensor,
+        decode: _DecodeMeta | None,
+        prefills: list[_PrefillMeta],
+        decode_fn: DecodeFn,
+        scale: float,
+    ) -> None:
+        self.kv = kv
+        self._positions = positions
+        self.new_slots = new_slots
+        self.decode = decode
+        self.prefills = prefills
+        self.decode_fn = decode_fn
+        self.scale = scale
+
+    def positions(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
+        return self._positions
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_pool, v_pool = self.kv.k_pools[layer_idx], self.kv.v_pools[layer_idx]
+        k_pool.index_copy_(0, self.new_slots, k[0])
+        v_pool.index_copy_(0, self.new_slots, v[0])
+        q = q[0]
+        out = torch.empty_like(q)
+        if self.decode is not None:
+            out.index_copy_(0, self.decode.token_idx, self._attend_decode(q, k_pool, v_pool))
+        for p in self.prefills:
+            out[p.start : p.start + p.n] = attention_ref.paged_prefill_attention(
+                q[p.start : p.start + p.n], k_pool, v_pool, p.slots, self.scale
+            )
+        return out.unsqueeze(0)
+
+    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        d = self.decode
+        q_dec = q.index_select(0, d.token_idx)
+        if d.slots is not None:
+            return attention_ref.paged_decode_attention_per_seq(q_dec, k_pool, v_pool, d.slots, self.scale)
+        return self.decode_fn(
+            q_dec, k_pool, v_pool, d.block_tables, d.context_lens, self.kv.block_size, self.scale
+        )
+
+
+def pick_decode_fn(attention: str, device: torch.device) -> DecodeFn:
+    """``torch``: the reference; ``auto``: the C++ kernel on CPU when it builds; ``cpu_kernel``: or fail."""
+    if attention == "torch" or device.type != "cpu":
+        return attention_ref.paged_decode_attention
+    try:
+        from noria.engine import kernels
+    except ImportError:
+        if attention == "cpu_kernel":
+            raise
+        return attention_ref.paged_decode_attention
+    if attention == "cpu_kernel" and kernels.cpu_kernel() is None:
+        raise RuntimeError(f"engine.attention=cpu_kernel but the kernel did not build: {kernels.cpu_kernel_failure()}")
+    return kernels.paged_decode_attention
+
+
+class ModelRunner:
+    """Runs the native model over a step's chunks and returns the sampling rows' logits."""
+
+    def __init__(
+        self, model: DecoderLM, kv: KVCache, device: torch.device, attention: str = "auto", deterministic: bool = False
+    ) -> None:
+        if not isinstance(model, DecoderLM):
+            raise TypeError(f"the engine runs the native DecoderLM, got {type(model).__name__}")
+        self.model = model
+        self.kv = kv
+        self.device = torch.device(device)
+        self.deterministic = deterministic
+        self.decode_fn = pick_decode_fn(attention, self.device)
+        self.scale = 1.0 / math.sqrt(model.args.head_dim)
+
+    @torch.no_grad()
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Logits fp32 [number of sampling chunks, V], in chunk order."""
+        ids, positions, slots, ctx = self._prepare(chunks)
+        hidden = self.model.hidden_states(ids, positions, attn=ctx)[0]
+        rows = self._to_device(self._last_rows(chunks), torch.long)
+        return self.model.lm_head(hidden.index_select(0, rows)).float()
+
+    @staticmethod
+    def _last_rows(chunks: list[Chunk]) -> list[int]:
+        """Flattened row of each sampling chunk's last token."""
+        rows, end = [], 0
+        for c in chunks:
+            end += c.n
+            if c.sample:
+                rows.append(end - 1)
+        return rows
+
+    def _prepare(self, chunks: list[Chunk]):
+        bs = self.kv.block_size
+        ids, positions, new_slots = [], [], []
+        decode_rows, decode_chunks, prefills = [], [], []
+        row = 0
+        for c in chunks:
+            pos = range(c.start, c.start + c.n)
+            ids.extend(c.token_ids)
+            positions.extend(pos)
+            new_slots.extend(c.block_table[p // bs] * bs + p % bs for p in pos)
+            if c.n == 1:
+                decode_rows.append(row)
+                decode_chunks.append(c)
+            else:
+                prefills.append(_PrefillMeta(row, c.n, self._context_slots(c)))
+            row += c.n
+        to_dev = self._to_device
+        positions_t = to_dev(positions, torch.long).unsqueeze(0)
+        ctx = PagedAttentionContext(
+            self.kv,
+            positions_t,
+            to_dev(new_slots, torch.long),
+            self._decode_meta(decode_rows, decode_chunks),
+            prefills,
+            self.decode_fn,
+            self.scale,
+        )
+        return to_dev(ids, torch.long).unsqueeze(0), positions_t, new_slots, ctx
+
+    def _decode_meta(self, rows: list[int], chunks: list[Chunk]) -> _DecodeMeta | None:
+        if not rows:
+            return None
+        width = max(len(c.block_table) for c in chunks)
+        tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
+        return _DecodeMeta(
+            token_idx=self._to_device(rows, torch.long),
+            block_tables=self._to_device(tables, torch.int32),
+            context_lens=self._to_device([c.start + 1 for c in chunks], torch.int32),
+            slots=[self._context_slots(c) for c in chunks] if self.deterministic else None,
+        )
+
+    def _context_slots(self, c: Chunk) -> torch.Tensor:
+        length = c.start + c.n
+        table = self._to_device(c.block_table[: -(-length // self.kv.block_size)], torch.long)
+        return attention_ref.slot_ids(table, self.kv.block_size)[:length]
+
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        # Step metadata is small; one host->device copy per tensor per step.
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

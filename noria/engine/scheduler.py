@@ -1,0 +1,354 @@
+"""Request states and continuous batching: what each forward step computes.
+
+A request is WAITING (queued, no KV), RUNNING (admitted; holds a block table) or FINISHED. Every
+step ``schedule`` builds one batch of :class:`Chunk` s, each "compute tokens [start, start+n) of
+this request", in this order:
+
+1. decode: every running request whose prompt is fully computed gets its next token (n = 1);
+2. prefill: running requests still prefilling get their next chunk (``chunked_prefill_size``);
+3. admission: waiting requests join at the front of the queue first, each with a prefix-cache
+   match and a first chunk, while ``max_running_requests`` and ``max_batch_tokens`` allow.
+
+Memory. Blocks are allocated as sequences grow. When the allocator runs dry, the prefix cache
+evicts unreferenced blocks first; if that is not enough, the most recently admitted running
+request not yet scheduled this step is RETRACTED: its KV is offered to the prefix cache, its blocks
+are released, and it goes back to the front of the queue keeping its output so far. Re-admitted,
+it prefills prompt + output and continues, so its final output is one uninterrupted sequence.
+Admission never retracts anyone. The oldest running request can always make progress, because
+no request larger than the whole cache is accepted (the engine checks at submit).
+
+Deterministic mode aligns prefill chunks to multiples of ``chunked_prefill_size`` from position 0
+(a chunk waits rather than shrink to the step's leftover budget) and cuts prefix matches to that
+grid, so a request's chunks have the same shapes whatever else runs.
+
+Blocking: none; everything here runs on the engine's step thread. There is no device code here:
+the runner turns chunks into a forward. Not guaranteed: FIFO order among waiting requests once
+retractions put requests back at the front; deterministic results across a retraction.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from noria.config import EngineConfig
+from noria.engine.kv_cache import KVCache
+from noria.engine.protocol import GenerateOutput, GenerateRequest
+from noria.engine.radix import RadixCache
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One request inside the engine: its tokens so far, its KV blocks and its outputs."""
+
+    request: GenerateRequest
+    callback: Callable[[GenerateOutput], None]
+    stream: bool
+    max_total_tokens: int
+    """Prompt + output never exceed this (min of prompt + max_new_tokens and the context limit)."""
+    generator: torch.Generator | None = None
+    all_ids: list[int] = field(default_factory=list)
+    """Prompt followed by every sampled token."""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    state: ReqState = ReqState.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Tokens of all_ids whose K/V are in the cache."""
+    cached_tokens: int = 0
+    admitted_order: int = -1
+    admissions: int = 0
+    epoch: int = 0
+    """Prefix-cache epoch at admission; KV from an older epoch is never cached."""
+    finish_reason: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.all_ids = list(self.request.input_ids)
+        if self.request.top_logprobs_num > 0:
+            self.top_logprobs = []
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.input_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to compute before the next sample."""
+        return len(self.all_ids) - self.num_computed
+
+    def output(self, text: str = "") -> GenerateOutput:
+        return GenerateOutput(
+            rid=self.rid,
+            output_ids=list(self.output_ids),
+            logprobs=list(self.logprobs),
+            weight_versions=list(self.versions),
+            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+            text=text,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_len,
+            cached_tokens=self.cached_tokens,
+        )
+
+
+@dataclass
+class Chunk:
+    """Compute ``n`` tokens of ``req`` starting at position ``start``; sample after it if ``sample``."""
+
+    req: Req
+    start: int
+    n: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.n == len(self.req.all_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.req.all_ids[self.start : self.start + self.n]
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.req.block_table
+
+
+class StopChecker:
+    """Finish conditions of the engine: EOS ids, stop token ids, stop strings, lengths."""
+
+    def __init__(self, eos_ids: set[int], tokenizer: Any | None) -> None:
+        self.eos_ids = eos_ids
+        self.tokenizer = tokenizer
+
+    def check(self, req: Req) -> dict[str, Any] | None:
+        """The finish reason after ``req``'s newest token, or None to continue."""
+        params, token = req.request.sampling, req.output_ids[-1]
+        if not params.ignore_eos and token in self.eos_ids:
+            return {"type": "stop", "matched": token}
+        if token in params.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        matched = self._stop_string(req)
+        if matched is not None:
+            return {"type": "stop", "matched": matched}
+        if len(req.output_ids) >= params.max_new_tokens or len(req.all_ids) >= req.max_total_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _stop_string(self, req: Req) -> str | None:
+        stops = req.request.sampling.stop
+        if not stops or self.tokenizer is None:
+            return None
+        # A stop string ending at the newest token lies within its last 4 * chars + 4 tokens
+        # (a byte-level token carries at least one byte; a character at most four).
+        window = 4 * max(len(s) for s in stops) + 4
+        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
+        return next((s for s in stops if s in tail), None)
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, kv: KVCache, radix: RadixCache, stops: StopChecker) -> None:
+        self.config = config
+        self.kv = kv
+        self.radix = radix
+        self.stops = stops
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.paused: str | None = None
+        self.retractions = 0
+        self._order = itertools.count()
+        block = config.block_size
+        self._match_grid = math.lcm(config.chunked_prefill_size, block) if config.deterministic else block
+
+    # ------------------------------------------------------------------------------ queue
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str, message: str) -> Req | None:
+        """Finish ``rid`` with reason abort, releasing its blocks; None if it is not in flight."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return self._finish(req, {"type": "abort", "message": message})
+        for req in self.running:
+            if req.rid == rid:
+                self._release(req)
+                self.running.remove(req)
+                return self._finish(req, {"type": "abort", "message": message})
+        return None
+
+    def abort_all(self, message: str) -> list[Req]:
+        return [r for r in (self.abort(x.rid, message) for x in [*self.running, *self.waiting]) if r]
+
+    def pause(self, mode: str) -> None:
+        """``in_place``: stop scheduling, keep KV. ``retract``: also retract every running request."""
+        self.paused = mode
+        if mode == "retract":
+            for req in sorted(self.running, key=lambda r: r.admitted_order, reverse=True):
+                self._retract(req)
+
+    def resume(self) -> None:
+        self.paused = None
+
+    @property
+    def has_work(self) -> bool:
+        return self.paused is None and bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------------------ schedule
+
+    def schedule(self) -> list[Chunk]:
+        """The chunks of the next forward step (empty when paused or idle)."""
+        if self.paused is not None:
+            return []
+        budget = self.config.max_batch_tokens
+        chunks: list[Chunk] = []
+        scheduled: set[int] = set()
+        for decoding in (True, False):
+            for req in list(self.running):
+                if req.state is not ReqState.RUNNING or (req.remaining == 1) != decoding:
+                    continue
+                n = self._chunk_len(req, budget)
+                if n and self._grow(req, n, scheduled, may_retract_self=decoding):
+                    chunks.append(Chunk(req, req.num_computed, n))
+                    scheduled.add(id(req))
+                    budget -= n
+        return chunks + self._admit(budget)
+
+    def _chunk_len(self, req: Req, budget: int) -> int:
+        size = self.config.chunked_prefill_size
+        if self.config.deterministic:
+            n = min(req.remaining, size - req.num_computed % size)
+            return n if n <= budget else 0
+        return max(0, min(req.remaining, size, budget))
+
+    def _grow(self, req: Req, n: int, scheduled: set[int], may_retract_self: bool) -> bool:
+        """Give ``req`` blocks for n more tokens, retracting newer requests if needed."""
+        need = self._blocks_needed(req, n)
+        while not self._allocate_into(req, need):
+            victims = [r for r in self.running if id(r) not in scheduled]
+            victim = max(victims, key=lambda r: r.admitted_order)
+            if victim is req and not may_retract_self:
+                return False  # a prefill waits for decodes to free blocks rather than thrash
+            self._retract(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, budget: int) -> list[Chunk]:
+        chunks = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            match = self.radix.match_prefix(req.all_ids, self._match_limit(req))
+            req.block_table, req.num_computed = match.blocks, match.tokens
+            n = self._chunk_len(req, budget)
+            if n == 0 or not self._allocate_into(req, self._blocks_needed(req, n)):
+                self._release(req)
+                break
+            self.waiting.popleft()
+            self._start(req, match.tokens)
+            chunks.append(Chunk(req, req.num_computed, n))
+            budget -= n
+        return chunks
+
+    def _match_limit(self, req: Req) -> int:
+        return (len(req.all_ids) - 1) // self._match_grid * self._match_grid
+
+    def _start(self, req: Req, cached: int) -> None:
+        if req.admissions == 0:
+            req.cached_tokens = cached
+            self.radix.record_hit(req.prompt_len, min(cached, req.prompt_len))
+        req.admissions += 1
+        req.state = ReqState.RUNNING
+        req.admitted_order = next(self._order)
+        req.epoch = self.radix.epoch
+        self.running.append(req)
+
+    # ------------------------------------------------------------------------------ blocks
+
+    def _blocks_needed(self, req: Req, n: int) -> int:
+        return -(-(req.num_computed + n) // self.kv.block_size) - len(req.block_table)
+
+    def _allocate_into(self, req: Req, need: int) -> bool:
+        if need <= 0:
+            return True
+        allocator = self.kv.allocator
+        if allocator.num_free_blocks < need:
+            self.radix.evict(need - allocator.num_free_blocks)
+        if allocator.num_free_blocks < need:
+            return False
+        req.block_table.extend(allocator.allocate(need))
+        return True
+
+    def _release(self, req: Req) -> None:
+        """Offer the computed KV to the prefix cache, then drop the request's block references."""
+        self.radix.insert(req.all_ids[: req.num_computed], req.block_table, req.epoch)
+        self.kv.allocator.decref(req.block_table)
+        req.block_table, req.num_computed = [], 0
+
+    def _retract(self, req: Req) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.state = ReqState.WAITING
+        self.waiting.appendleft(req)
+        self.retractions += 1
+
+    def _finish(self, req: Req, reason: dict[str, Any]) -> Req:
+        req.finish_reason = reason
+        req.state = ReqState.FINISHED
+        return req
+
+    # ------------------------------------------------------------------------------ results
+
+    def process(
+        self,
+        chunks: list[Chunk],
+        token_ids: list[int],
+        logprobs: list[float],
+        top: list[list[tuple[int, float]]] | None,
+        version: int,
+    ) -> list[Req]:
+        """Record a step's samples (in the order of the sampling chunks); return requests to notify."""
+        notify, row = [], 0
+        for chunk in chunks:
+            req = chunk.req
+            req.num_computed += chunk.n
+            if not chunk.sample:
+                continue
+            self._append(req, token_ids[row], logprobs[row], None if top is None else top[row], version)
+            row += 1
+            reason = self.stops.check(req)
+            if reason is not None:
+                self._release(req)
+                self.running.remove(req)
+                notify.append(self._finish(req, reason))
+            elif req.stream:
+                notify.append(req)
+        return notify
+
+    @staticmethod
+    def _append(req: Req, token: int, logprob: float, top, version: int) -> None:
+        req.all_ids.append(token)
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
+        req.versions.append(version)
+        if req.top_logprobs is not None:
+            req.top_logprobs.append(top[: req.request.top_logprobs_num])
