@@ -51,7 +51,7 @@ def _models_list(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"{'name':<26} {'available':<10} {'cached at':<50} description")
     for row in rows:
         cached = str(row["path"]) if row["path"] else "-"
-        available = "yes" if row["available"] else "no"
+        available = "yes" if row["installed"] else "no"
         print(f"{row['name']:<26} {available:<10} {cached:<50} {row['description']}")
     return 0
 

@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 
 from noria.models import list_models, model_path
-from noria.models.catalog import CATALOG, SMOLLM2_INSTALL, cache_path, import_model, package_folder
+from noria.models.catalog import CATALOG, CatalogError, SMOLLM2_INSTALL, cache_path, import_model, package_folder
 
 
 @pytest.fixture
@@ -43,13 +43,13 @@ def test_model_path_missing_is_named(tmp_path):
 
 
 def test_unknown_catalog_name():
-    with pytest.raises(KeyError, match="smollm2-135m-instruct"):
+    with pytest.raises(CatalogError, match="smollm2-135m-instruct"):
         import_model("llama-405b")
 
 
 def test_missing_package_gives_install_command():
     entry = dataclasses.replace(CATALOG["smollm2-135m-instruct"], module="noria_absent_package")
-    with pytest.raises(ModuleNotFoundError) as err:
+    with pytest.raises(CatalogError) as err:
         package_folder(entry)
     assert SMOLLM2_INSTALL in str(err.value)
     assert (
@@ -64,6 +64,6 @@ def test_failed_import_leaves_no_folder(noria_home, monkeypatch):
         CATALOG["smollm2-135m-instruct"], name="broken", needs=("noria_absent_converter",)
     )
     monkeypatch.setitem(CATALOG, "broken", broken)
-    with pytest.raises(ModuleNotFoundError, match="pip install gguf accelerate"):
+    with pytest.raises(CatalogError, match="pip install gguf accelerate"):
         import_model("broken")
     assert list((noria_home / "models").iterdir()) == []

