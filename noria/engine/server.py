@@ -92,7 +92,7 @@ class ServerOptions:
     engine_id: str = ""
     """Name of this engine in ``/server_info`` and in every ``meta_info`` (default host:port)."""
     weight_version: int | None = None
-    """Initial weight version reported by the engine (None keeps the engine's own)."""
+    """Initial weight version of the loaded weights (None keeps the engine's default)."""
     served_model_name: str = ""
     """Model id in the OpenAI API (default: the model path)."""
 
@@ -118,7 +118,8 @@ def _error_response(status: int, message: str, kind: str) -> web.Response:
 
 
 class EngineServer:
-    """One engine behind HTTP. ``load_engine`` builds it (blocking; run in a thread)."""
+    """One engine behind HTTP. ``load_engine`` builds it and returns (engine, model folder); it
+    blocks, so it runs in a thread while the port already answers 503."""
 
     def __init__(self, load_engine: Callable[[], Any], options: ServerOptions, model_path: str) -> None:
         self.load_engine = load_engine
@@ -171,12 +172,10 @@ class EngineServer:
             return 0
         stop.cancel()
         try:
-            self.engine = load.result()
+            self.engine, self.model_path = load.result()
         except Exception as e:  # noqa: BLE001 -- reported and turned into the exit code
-            _log(f"error: the engine failed to load: {e}")
+            _log(f"error: the engine failed to load: {type(e).__name__}: {e}")
             return 2
-        if self.options.weight_version is not None:
-            self.engine.weight_version = self.options.weight_version
         self.phase = "ready"
         _log(f"ready: {self.engine_id} serving {self.model_path} (weight version {self.engine.weight_version})")
         await self._stop.wait()
@@ -198,7 +197,7 @@ class EngineServer:
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             except asyncio.TimeoutError:
                 pass
-        await _maybe_await(self.engine.shutdown(0.0))
+        await asyncio.to_thread(self.engine.shutdown, 0.0)
         _log("stopped")
 
     # ----------------------------------------------------------------------------- middleware
@@ -326,6 +325,38 @@ async def read_json(request: web.Request, required: bool = True) -> dict[str, An
     return body
 
 
+ANY = object()
+"""Marks an inert field whose every value is accepted (and ignored)."""
+
+# Fields that SGLang clients, and sglang-router when it forwards a request, send with their default
+# values. They are accepted at those values (ANY: at every value, and ignored); any other value
+# asks for a feature this server does not have, which is a 400, never a silent no-op.
+INERT_NATIVE = {
+    "model": ANY, "log_metrics": ANY, "no_logs": ANY, "return_hidden_states": False, "background": False,
+    "return_bytes": False, "return_entropy": False, "logprob_start_len": -1, "custom_logit_processor": None,
+    "return_routed_experts": False, "lora_path": None, "session_params": None, "bootstrap_host": None,
+}  # fmt: skip
+INERT_OPENAI = {
+    "user": ANY, "no_stop_trim": False, "continue_final_message": False, "skip_special_tokens": True,
+    "separate_reasoning": ANY, "stream_reasoning": ANY, "return_hidden_states": False, "echo": False,
+    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None, "tools": None,
+    "tool_choice": ANY, "response_format": None, "parallel_tool_calls": ANY, "chat_template_kwargs": None,
+    "stream_options": ANY, "rid": None, "regex": None, "json_schema": None, "ebnf": None, "min_tokens": 0,
+    "suffix": None, "best_of": None, "lora_path": None, "session_params": None, "return_routed_experts": False,
+}  # fmt: skip
+
+
+def drop_inert(body: dict[str, Any], inert: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without inert fields at their accepted values; another value is a ``RequestError``."""
+    kept = {}
+    for key, value in body.items():
+        if key not in inert:
+            kept[key] = value
+        elif inert[key] is not ANY and value is not None and value != inert[key]:
+            raise RequestError(f"{key}={value!r} is not supported by this server (only {inert[key]!r})")
+    return kept
+
+
 def reject_unknown(body: dict[str, Any], known: set[str], where: str = "") -> None:
     unknown = sorted(set(body) - known)
     if unknown:
@@ -385,7 +416,7 @@ class NativeApi:
 
     GENERATE_FIELDS = {
         "text", "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "stream",
-        "return_text_in_logprobs", "logprob_start_len", "routing_key",
+        "return_text_in_logprobs", "routing_key",
     }  # fmt: skip
 
     def __init__(self, server: EngineServer) -> None:
@@ -420,7 +451,7 @@ class NativeApi:
     # ------------------------------------------------------------------------------ /generate
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
+        body = drop_inert(await read_json(request), INERT_NATIVE)
         reject_unknown(body, self.GENERATE_FIELDS)
         reqs, batched = self.parse_generate(body)
         with_text = bool(want(body, "return_text_in_logprobs", bool, False))
@@ -559,9 +590,16 @@ class NativeApi:
             "weight_version": self.s.engine.weight_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
-            "model_type": _engine_attr(self.s.engine, "model_type"),
-            "architectures": _engine_attr(self.s.engine, "architectures"),
+            "model_type": self.hf_config.get("model_type"),
+            "architectures": self.hf_config.get("architectures"),
         })  # fmt: skip
+
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        from pathlib import Path
+
+        path = Path(self.s.model_path) / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
 
     @property
     def model_name(self) -> str:
@@ -588,9 +626,8 @@ class NativeApi:
     # ------------------------------------------------------------------------------ control
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        result = await self.s.blocking(self.s.engine.flush_cache)
-        ok = result is not False
-        return web.json_response({"success": ok, "message": "cache flushed" if ok else "requests are running"}, status=200 if ok else 400)
+        dropped = await self.s.blocking(self.s.engine.flush_cache)
+        return web.json_response({"success": True, "message": "cache flushed", "blocks_dropped": dropped})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await read_json(request, required=False)
@@ -797,8 +834,7 @@ class OpenAIApi:
 
     COMMON = {
         "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
-        "stop_token_ids", "ignore_eos", "seed", "n", "stream", "stream_options", "user", "logprobs",
-        "rid", "routing_key",
+        "stop_token_ids", "ignore_eos", "seed", "n", "stream", "logprobs", "routing_key",
     }  # fmt: skip
     COMPLETION = COMMON | {"prompt"}
     CHAT = COMMON | {"messages", "top_logprobs", "add_generation_prompt"}
@@ -889,7 +925,7 @@ class OpenAIApi:
     # ---------------------------------------------------------------------------- endpoints
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
+        body = drop_inert(await read_json(request), INERT_OPENAI)
         reject_unknown(body, self.COMPLETION)
         top_k = want(body, "logprobs", int)
         if top_k is not None and not 0 <= top_k <= 20:
@@ -900,10 +936,7 @@ class OpenAIApi:
         return await self._answer(request, body, reqs, render)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
-        unsupported = {"tools", "tool_choice", "functions", "response_format", "presence_penalty", "frequency_penalty"}
-        if found := sorted(unsupported & set(body)):
-            raise RequestError(f"{found}: not supported by this server")
+        body = drop_inert(await read_json(request), INERT_OPENAI)
         reject_unknown(body, self.CHAT)
         logprobs = want(body, "logprobs", bool, False)
         top_k = want(body, "top_logprobs", int, 0)
@@ -1118,22 +1151,24 @@ def load_serve_config(model: str, overrides: list[str], dtype: str | None, devic
     return load_config(None, flags + overrides, cls=ServeConfig)
 
 
-def engine_loader(config: ServeConfig) -> tuple[Callable[[], Any], str]:
-    """A function that builds the engine (heavy imports happen inside it), and the model folder."""
+def engine_loader(config: ServeConfig, weight_version: int | None = None) -> tuple[Callable[[], Any], str]:
+    """A function that builds the engine (heavy imports happen inside it), and the name to show
+    until it has: a missing folder raises here, before the port is bound."""
     from noria.models.catalog import CATALOG, model_path
 
     name = config.model.path
+    if name not in CATALOG and not _abspath(name).exists():
+        model_path(name)  # raises FileNotFoundError naming the catalog entries
 
-    def load() -> Any:
+    def load() -> tuple[Any, str]:
         from noria.engine.engine import Engine
 
-        folder = model_path(name)
-        return Engine.from_path(str(folder), config.engine, dtype=config.model.dtype, device=config.model.device)
+        folder = model_path(name)  # a catalog entry is imported here on first use
+        kwargs = {} if weight_version is None else {"weight_version": weight_version}
+        engine = Engine.from_path(str(folder), config.engine, dtype=config.model.dtype, device=config.model.device, **kwargs)
+        return engine, str(_abspath(str(folder)))
 
-    if name not in CATALOG and not _abspath(name).exists():
-        model_path(name)  # raises FileNotFoundError naming the catalog entries, before the port is bound
-    shown = name if name in CATALOG else str(_abspath(name))
-    return load, shown
+    return load, name if name in CATALOG else str(_abspath(name))
 
 
 def _abspath(name: str) -> Any:
@@ -1144,6 +1179,6 @@ def _abspath(name: str) -> Any:
 
 def serve(config: ServeConfig, options: ServerOptions) -> int:
     """Run ``noria serve`` until SIGTERM; the exit code."""
-    load, shown = engine_loader(config)
+    load, shown = engine_loader(config, options.weight_version)
     server = EngineServer(load, options, shown)
     return asyncio.run(server.run())
