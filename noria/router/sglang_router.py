@@ -1,0 +1,135 @@
+"""Start and stop the real sglang-router (PyPI ``sglang-router``, a Rust binary) as a subprocess.
+
+``SglangRouter(worker_urls, port=P).start()`` runs::
+
+    python -m sglang_router.launch_router --host 127.0.0.1 --port P --worker-urls URL... \
+        --policy manual --assignment-mode min_load --prometheus-host 127.0.0.1 --prometheus-port Q
+
+and waits until every worker is registered and healthy (``GET /workers``). At registration the
+router calls ``/server_info`` and ``/model_info`` on each worker and probes it for gRPC with an
+HTTP/2 preface; ``noria serve`` answers the first two and tolerates the probe. Start the router
+after its workers are ready: a worker that answers 503 (loading) is registered late or not at all.
+The router also loads the tokenizer from the workers' ``model_path``, so serve local folders.
+
+Each router gets its own Prometheus port (the router binds one, default 29000, and a second
+router on the same port would fail). ``stop()`` sends SIGTERM and waits; the process renames itself
+``sglang::router``, so find it by the ``Popen`` handle, not by name.
+
+Not guaranteed: the router counts load itself (requests it has in flight per worker); requests
+sent to a worker directly are invisible to it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from noria.errors import NoriaError
+
+
+class RouterError(NoriaError):
+    """sglang-router is missing, exited, or did not become ready in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SglangRouter:
+    """One sglang-router process with the manual policy in front of ``worker_urls``."""
+
+    def __init__(
+        self,
+        worker_urls: Sequence[str],
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        assignment_mode: str = "min_load",
+        extra_args: Sequence[str] = (),
+        log_path: str | Path | None = None,
+    ) -> None:
+        if not worker_urls:
+            raise RouterError("sglang-router needs at least one worker URL")
+        self.worker_urls = [u.rstrip("/") for u in worker_urls]
+        self.host = host
+        self.port = port or free_port(host)
+        self.assignment_mode = assignment_mode
+        self.extra_args = list(extra_args)
+        self.log_path = Path(log_path) if log_path else None
+        self.process: subprocess.Popen | None = None
+        self._log: IO[Any] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--host", self.host, "--port", str(self.port),
+            "--worker-urls", *self.worker_urls,
+            "--policy", "manual", "--assignment-mode", self.assignment_mode,
+            "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def start(self, timeout_s: float = 60.0) -> SglangRouter:
+        """Launch the router and wait until all workers are registered and healthy."""
+        try:
+            import sglang_router  # noqa: F401 -- only to fail early with the install command
+        except ImportError as e:
+            raise RouterError("sglang-router is not installed: pip install sglang-router==0.3.2") from e
+        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # never reach for a hub for a tokenizer
+        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RouterError(f"sglang-router exited with code {self.process.returncode} (log: {self.log_path})")
+            try:
+                workers = httpx.get(f"{self.url}/workers", timeout=2.0).json().get("workers", [])
+                healthy = {w["url"].rstrip("/") for w in workers if w.get("is_healthy")}
+                if healthy >= set(self.worker_urls):
+                    return
+                last = f"healthy workers: {sorted(healthy)}"
+            except (httpx.HTTPError, ValueError) as e:
+                last = f"{type(e).__name__}: {e}"
+            time.sleep(0.2)
+        self.stop()
+        raise RouterError(f"sglang-router at {self.url} not ready after {timeout_s} s ({last})")
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The router's view of its workers (url, is_healthy, load)."""
+        return httpx.get(f"{self.url}/workers", timeout=5.0).json()["workers"]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+        self._log = None
+
+    def __enter__(self) -> SglangRouter:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
