@@ -128,6 +128,17 @@ def test_deterministic_mode_is_batch_invariant_in_bf16(tiny_model_dir):
     engine.shutdown(1)
 
 
+def test_bf16_padded_decode_is_finite(tiny_model_dir):
+    # The batched torch decode pads block tables; padded slots must never turn into NaN.
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    engine = Engine(model, None, EngineConfig(kv_cache_tokens=4096, block_size=16, attention="torch"))
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    reqs = [GenerateRequest(input_ids=list(range(3, 3 + n)), sampling=params) for n in (3, 20, 37)]
+    for out in engine.generate_batch(reqs):
+        assert all(lp == lp and lp <= 0 for lp in out.logprobs)
+    engine.shutdown(1)
+
+
 def load_model_copy(model, tensors: dict[str, torch.Tensor]):
     import copy
 

@@ -11,8 +11,8 @@ when its count drops to zero. Nothing here knows which holder is which; the sche
 cache keep that straight.
 
 Blocking: none. The allocator is plain Python, used only from the engine's step thread.
-Not guaranteed: pools are not zeroed; a slot holds garbage until written, so readers must mask
-by context length.
+Not guaranteed: a slot past a sequence's context length holds zeros or another request's old
+K/V (always finite); readers must mask by context length.
 """
 
 from __future__ import annotations
@@ -91,8 +91,10 @@ class KVCache:
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k_pools = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pools = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Zeroed, not empty: padded readers mask slots out with a zero weight, and 0 * NaN garbage
+        # from uninitialised memory would still be NaN.
+        self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @classmethod
     def for_model(
