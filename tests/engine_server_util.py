@@ -1,0 +1,71 @@
+"""Helpers for the engine server tests: a real ``noria serve`` subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from noria.router.sglang_router import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ServeProcess:
+    """``python -m noria.cli serve`` on 127.0.0.1; ``statuses`` records what /health said while starting."""
+
+    def __init__(self, model_dir: Path, *args: str, log_dir: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "noria.cli", "serve", "--model", str(model_dir), "--port", str(self.port)]
+        cmd += ["--engine.kv_cache_tokens", "8192", *args]
+        self.log_path = (log_dir or Path("/tmp")) / f"noria-serve-{self.port}.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.statuses: list[int] = []
+        self.generate_while_loading: int | None = None
+
+    def wait_ready(self, timeout_s: float = 90.0, headers: dict | None = None) -> ServeProcess:
+        """Poll /health as fast as possible; while it says 503, also try /generate once."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"noria serve exited with {self.process.returncode}: {self.read_log()}")
+            try:
+                status = httpx.get(f"{self.url}/health", headers=headers, timeout=5).status_code
+            except httpx.TransportError:
+                time.sleep(0.02)
+                continue
+            self.statuses.append(status)
+            if status == 503 and self.generate_while_loading is None:
+                self.generate_while_loading = httpx.post(
+                    f"{self.url}/generate", json={"input_ids": [5]}, headers=headers, timeout=5
+                ).status_code
+            if status == 200:
+                return self
+            time.sleep(0.02)
+        raise TimeoutError(f"noria serve not ready after {timeout_s} s: {self.read_log()}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def stop(self) -> int:
+        self.terminate()
+        try:
+            code = self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self.log.close()
+        return code
