@@ -79,6 +79,8 @@ class Engine:
         eos_token_ids: Iterable[int] | None = None,
         seed: int = 0,
     ) -> None:
+        if not isinstance(model, DecoderLM):
+            raise TypeError(f"the engine runs the native DecoderLM (llama/qwen2/qwen3), got {type(model).__name__}")
         config.validate()
         self.model = model.eval()
         self.tokenizer = tokenizer
