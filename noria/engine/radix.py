@@ -140,11 +140,6 @@ class RadixCache:
         self.epoch += 1
         return dropped
 
-    @property
-    def num_evictable_blocks(self) -> int:
-        """Blocks that eviction could free now (cached and used by no request)."""
-        return sum(1 for n in self._iter_nodes() if self._unreferenced(n))
-
     # ------------------------------------------------------------------------------- internals
 
     def _unreferenced(self, node: _Node) -> bool:
