@@ -41,9 +41,17 @@ def routing_headers(routing_key: str | None, session: bool) -> dict[str, str]:
 class RoutedClient:
     """Async HTTP client for ``noria serve``, SGLang, or a router in front of them."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
+        )
 
     async def generate(self, body: dict[str, Any], routing_key: str | None = None, session: bool = False) -> Any:
         """POST ``/generate`` (SGLang native body); returns the JSON response."""
