@@ -74,3 +74,12 @@ def test_all_prompts_too_long_is_an_error(tmp_path, tiny_model_dir):
     config = _config(tmp_path, tiny_model_dir, **{"data.max_prompt_tokens": "2"})
     with pytest.raises(NoriaError, match="no prompts left"):
         run_eval(config, run_dir=str(tmp_path / "run"), progress=False)
+
+
+def test_transformers_path_gives_the_same_greedy_answers(tmp_path, tiny_model_dir):
+    """Native models run on the built-in engine, others on transformers' generate: same answers."""
+    engine = run_eval(_config(tmp_path, tiny_model_dir, **{"eval.limit": "4"}), run_dir=str(tmp_path / "a"), progress=False)
+    hf = run_eval(_config(tmp_path, tiny_model_dir, **{"eval.limit": "4", "model.impl": "hf"}), run_dir=str(tmp_path / "b"), progress=False)
+    rows = [[json.loads(x)["response"] for x in (tmp_path / d / "samples.jsonl").read_text().splitlines()] for d in "ab"]
+    assert rows[0] == rows[1]
+    assert engine.generated_tokens == hf.generated_tokens

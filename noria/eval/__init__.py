@@ -6,8 +6,8 @@ tokenizer -> rendered prompt ids (over-long ones dropped and counted) -> model -
 figures) and ``samples.jsonl`` (every answer with its reward and status), next to the resolved
 ``config.yaml``.
 
-Generation here uses transformers' ``generate``; the built-in rollout engine replaces it once it
-exists. Accuracy is the mean reward over scored samples; samples whose reward failed are reported
+Generation runs on the built-in rollout engine (continuous batching, all answers submitted at
+once) for native architectures, and on transformers' ``generate`` for any other. Accuracy is the mean reward over scored samples; samples whose reward failed are reported
 separately, never counted as 0.
 """
 

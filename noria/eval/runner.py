@@ -58,10 +58,9 @@ def run_eval(config: RunConfig, run_dir: str | None = None, output: str | None =
     out_dir = _run_dir(config, run_dir)
     save_config(config, out_dir / "config.yaml")
 
-    model = _load_hf_model(folder, config)
-    torch.manual_seed(cfg.seed)
+    generate = _generate_engine if _runs_on_engine(folder, config) else _generate_hf
     start = time.perf_counter()
-    samples = _generate(model, tokenizer, prompt_ids, kept, config, progress)
+    samples = generate(folder, tokenizer, prompt_ids, kept, config, progress)
     seconds = time.perf_counter() - start
     counts = _score(samples, kept, config)
 
@@ -88,6 +87,72 @@ def _run_dir(config: RunConfig, run_dir: str | None) -> Path:
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _runs_on_engine(folder: Path, config: RunConfig) -> bool:
+    """The built-in engine serves native architectures; anything else goes through transformers."""
+    from noria.models.checkpoint import read_config
+    from noria.models.config import ModelArgs
+
+    if config.model.impl == "hf":
+        return False
+    return ModelArgs.from_hf_config(read_config(folder)) is not None
+
+
+def _generate_engine(folder: Path, tokenizer, prompt_ids: list[list[int]], prompts: list[Prompt], config: RunConfig, progress: bool):
+    """All answers submitted at once to the built-in engine, which batches them continuously."""
+    import queue
+
+    from tqdm import tqdm
+
+    from noria.engine import Engine, GenerateRequest, SamplingParams
+
+    cfg = config.eval
+    engine = Engine.from_path(folder, config.engine, dtype=config.model.dtype, device=config.model.device)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    jobs = [(g, k) for g in range(len(prompt_ids)) for k in range(cfg.n_samples)]
+    try:
+        for i, (g, k) in enumerate(jobs):
+            params = SamplingParams(
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                seed=None if cfg.temperature == 0 else cfg.seed * 1_000_003 + i,  # reproducible per answer
+            )
+            req = GenerateRequest(input_ids=prompt_ids[g], sampling=params)
+            engine.submit(req, lambda out, i=i: done.put((i, out)))
+        outputs: list = [None] * len(jobs)
+        with tqdm(total=len(jobs), desc="eval", unit="answer", disable=not progress, file=sys.stderr) as bar:
+            for _ in jobs:
+                i, out = done.get()
+                outputs[i] = out
+                bar.update(1)
+    finally:
+        engine.shutdown(drain_timeout_s=1.0)
+    return [_engine_sample(prompt_ids[g], out, tokenizer, g, k, prompts[g]) for (g, k), out in zip(jobs, outputs)]
+
+
+def _engine_sample(prompt: list[int], out, tokenizer, group: int, index: int, record: Prompt) -> Sample:
+    reason = (out.finish_reason or {}).get("type")
+    status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(reason, Status.ABORTED)
+    return Sample(
+        prompt_ids=prompt,
+        response_ids=list(out.output_ids),
+        loss_mask=[1] * len(out.output_ids),
+        rollout_logprobs=list(out.logprobs),
+        weight_versions=list(out.weight_versions),
+        response_text=tokenizer.decode(out.output_ids, skip_special_tokens=True),
+        status=status,
+        status_reason="" if status is not Status.ABORTED else str((out.finish_reason or {}).get("message", "")),
+        group_id=group,
+        index=index,
+        metadata=dict(record.metadata),
+    )
+
+
+def _generate_hf(folder: Path, tokenizer, prompt_ids: list[list[int]], prompts: list[Prompt], config: RunConfig, progress: bool):
+    torch.manual_seed(config.eval.seed)
+    return _generate(_load_hf_model(folder, config), tokenizer, prompt_ids, prompts, config, progress)
 
 
 def _load_hf_model(folder: Path, config: RunConfig):
