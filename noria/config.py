@@ -206,6 +206,9 @@ class LossConfig:
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = option(
         "token_mean", "How per-token losses are reduced; normalisers are computed over the whole step, not per micro-batch."
     )
+    seq_sum_divisor: float | None = option(
+        None, "seq_mean_token_sum: also divide each sequence's token sum by this constant (Dr.GRPO: the max response length); null divides by the sequence count only."
+    )
     kl_coef: float = option(0.0, "Weight of the KL penalty against the reference model (0 loads no reference).")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = option("low_var_kl", "KL estimator.")
     entropy_coef: float = option(0.0, "Weight of the entropy bonus.")
@@ -226,6 +229,8 @@ class LossConfig:
             raise ConfigError(f"train.loss.dual_clip must be > 1 or null, got {self.dual_clip}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ConfigError("train.loss.kl_coef and entropy_coef must be >= 0")
+        if self.seq_sum_divisor is not None and self.seq_sum_divisor <= 0:
+            raise ConfigError(f"train.loss.seq_sum_divisor must be > 0 or null, got {self.seq_sum_divisor}")
         if not 0 < self.mis_low < 1 < self.mis_high or self.is_cap <= 0:
             raise ConfigError("train.loss: need 0 < mis_low < 1 < mis_high and is_cap > 0")
 
@@ -265,6 +270,9 @@ class TrainConfig:
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA.")
     max_nonfinite_skips: int = option(0, "Consecutive steps with a non-finite loss or grad norm to skip before stopping.")
     logprob_chunk_tokens: int = option(1024, "Tokens per chunk when computing logprobs from hidden states (bounds [N, V] memory).")
+    teacher: str | None = option(
+        None, "Teacher model (catalog name or HF folder) for compute_logprobs(which='teacher'), e.g. on-policy distillation; null loads none."
+    )
 
     def validate(self) -> None:
         if self.world_size < 1 or self.micro_batch_tokens < 1 or self.logprob_chunk_tokens < 1:
@@ -273,6 +281,8 @@ class TrainConfig:
             raise ConfigError("train.world_size > 1 needs train.backend: fsdp2")
         if self.max_nonfinite_skips < 0:
             raise ConfigError("train.max_nonfinite_skips must be >= 0")
+        if self.teacher is not None and not self.teacher.strip():
+            raise ConfigError("train.teacher must be a model name or folder, or null")
         for section in (self.optim, self.loss, self.lora):
             section.validate()
 

@@ -1,0 +1,134 @@
+"""Trainer checkpoints with torch.distributed.checkpoint (DCP), committed by a marker file.
+
+Layout of one checkpoint folder (``run_dir/checkpoints/step-000010``)::
+
+    __0_0.distcp ... .metadata    DCP: model + optimizer state, each rank writes its own shards
+    trainer_state.json            step, weight_version, extra (the loop's data cursor, ...)
+    rng-<rank>.pt                 torch / cuda / python / numpy RNG states of each rank
+    COMMITTED                     written last; a folder without it is never loaded
+
+Write order: every rank writes into a hidden sibling ``.step-000010.partial``; after a barrier
+rank 0 writes ``COMMITTED`` and renames the folder into place, then all ranks meet again. A crash at
+any point leaves either the previous checkpoints only, or a hidden partial folder that
+``latest_checkpoint`` ignores. The schedule has no state of its own: the LR is a function of
+``step`` (``noria.train.optim.lr_at``).
+
+Not guaranteed: durability against power loss (no fsync), and multi-node runs need a folder all
+ranks share.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from noria.train.backend import TrainError
+
+MARKER = "COMMITTED"
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(TrainError):
+    """A checkpoint folder is missing, uncommitted or inconsistent."""
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives in a run folder."""
+    return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
+
+
+def is_committed(folder: str | Path) -> bool:
+    """Whether ``folder`` is a complete checkpoint."""
+    return (Path(folder) / MARKER).is_file()
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The committed checkpoint with the highest step under ``run_dir/checkpoints``, or None."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and is_committed(p)
+    ]
+    return max(found)[1] if found else None
+
+
+def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
+    """Write model, optimizer, RNG and ``state`` (JSON-able) to ``folder``; collective on all ranks."""
+    target = Path(folder)
+    tmp = target.with_name(f".{target.name}.partial")
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
+    _barrier()
+    if rank == 0:
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        (tmp / MARKER).write_text("")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    _barrier()
+    return target
+
+
+def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from a committed checkpoint; return its state."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder not found: {folder}")
+    if not is_committed(folder):
+        raise CheckpointError(
+            f"checkpoint {folder} is not committed (no {MARKER} marker): it was interrupted while "
+            "being written; use noria.train.checkpoint.latest_checkpoint(run_dir) to find a complete one"
+        )
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    rng = folder / f"rng-{_rank()}.pt"
+    if rng.is_file():  # absent when resuming on more ranks than saved: keep the fresh seeds
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return json.loads((folder / STATE_FILE).read_text())
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

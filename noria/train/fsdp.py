@@ -1,0 +1,423 @@
+"""The PyTorch trainer backend: one process (``backend: single``) or FSDP2 (``backend: fsdp2``).
+
+How a step runs (``train_step``)::
+
+    TrainBatch (same on every rank)
+      -> plan_for_rank: token-budget micro-batches, dealt out to ranks, counts padded to equal
+      -> per micro-batch: packed forward (PackedContext) -> hidden [n, H]
+         -> chunked logprobs (noria.train.logprobs) -> LossFn(LossInputs) -> backward
+      -> clip the global grad norm -> non-finite check on ALL ranks -> AdamW step (or skip)
+
+Precision. Master weights and AdamW state are fp32 on both paths. With FSDP2 the bf16 compute
+copy comes from ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: each layer's
+weights are all-gathered in bf16 and gradients reduce-scattered in fp32. The single-process path
+keeps fp32 parameters and runs the forward under ``torch.autocast(bf16)``: no second copy of the
+weights to keep in step, matmuls in bf16, and autocast's fp32 ops (softmax, norms' reductions)
+in fp32. The two are therefore close but not bitwise equal in bf16; in fp32 (``param_dtype:
+float32``) they agree to fp32 rounding.
+
+Gradient accumulation. Each micro-batch's loss is already divided by the step-wide counts
+(``LossInputs.total_tokens`` / ``total_seqs``), so the accumulated gradient is the full-batch
+gradient whatever the split. FSDP2 averages gradients over ranks; the loss is multiplied by the
+world size to turn that average back into the sum each rank's share needs.
+
+Distributed. ``backend: fsdp2`` expects ``torch.distributed`` to be initialised by the launcher
+(``init_distributed`` reads torchrun's environment): gloo on CPU, NCCL on CUDA. Each decoder
+layer is its own FSDP unit and the root (embeddings, final norm, head, and the logprob head
+around them) another. Every rank must make the same calls with the same batch.
+
+Reference model (``loss.kl_coef > 0``): a frozen copy in the compute dtype, sharded like the
+policy under FSDP2; on CUDA it waits on the CPU and visits the GPU only for
+``compute_logprobs(which="reference")``. A teacher (``train.teacher``) is handled the same way.
+
+Not guaranteed: bitwise equality between world sizes (reductions change order); CPU offload of
+the policy (FSDP2's ``CPUOffloadPolicy`` needs an accelerator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from noria.config import TrainConfig
+from noria.models import DecoderLM, PackedContext, load_model, save_model
+from noria.train.backend import (
+    LossFn,
+    LossInputs,
+    Metrics,
+    NonFiniteError,
+    TokenLogprobs,
+    TrainError,
+    Which,
+    step_totals,
+)
+from noria.train.checkpoint import load_checkpoint, save_checkpoint
+from noria.train.logprobs import token_logprobs
+from noria.train.optim import build_optimizer, lr_at, set_lr
+from noria.train.packing import plan_for_rank, seq_index, slice_batch
+from noria.types import TrainBatch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def init_distributed(device: str = "cpu") -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    gloo on CPU, NCCL on CUDA (each rank on ``cuda:LOCAL_RANK``). Returns (rank, world size).
+    """
+    if not dist.is_initialized():
+        if device.startswith("cuda"):
+            local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        else:
+            dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+class LogprobModel(nn.Module):
+    """The policy plus its logprob head: packed ids -> per-token logprobs (and entropy).
+
+    A module of its own so that FSDP2's root forward hooks cover the head too (``hidden_states``
+    and ``lm_head`` called separately would run outside them).
+    """
+
+    def __init__(self, lm: nn.Module, chunk_tokens: int) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False):
+        ctx = PackedContext(torch.diff(cu_seqlens).tolist())
+        hidden = self.lm.hidden_states(input_ids[None], positions[None], ctx)[0]
+        return token_logprobs(hidden, self.lm.lm_head, input_ids, cu_seqlens, self.chunk_tokens, with_entropy)
+
+
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a causal LM (native or transformers), the FSDP / checkpointing unit."""
+    inner = getattr(lm, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise TrainError(f"cannot find decoder layers (model.layers) in {type(lm).__name__}")
+    return list(layers)
+
+
+def checkpoint_layer(layer: nn.Module) -> None:
+    """Recompute ``layer``'s activations in backward (names and FSDP hooks stay as they are)."""
+    inner = layer.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = forward
+
+
+def tied_duplicates(model: nn.Module) -> set[str]:
+    """State-dict names that repeat an earlier parameter (a tied head): HF files omit them."""
+    seen, dup = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        (dup.add(name) if id(p) in seen else seen.add(id(p)))
+    return dup
+
+
+class FSDPBackend:
+    """``TrainBackend`` on PyTorch: single process or FSDP2; see the module docstring."""
+
+    def __init__(self, cfg: TrainConfig, loss_fn: LossFn | None = None, model_impl: str = "auto", seed: int = 0) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.loss_fn = loss_fn
+        self.model_impl = model_impl
+        self.seed = seed
+        self.compute_dtype = DTYPES[cfg.param_dtype]
+        self.distributed = cfg.backend == "fsdp2"
+        self.step = 0
+        self.weight_version = 0
+        self.nonfinite_streak = 0
+
+    # ------------------------------------------------------------------------------------ init
+
+    def init(self, model_path: str | Path, total_steps: int | None = None) -> None:
+        """Load the policy in fp32, shard or place it, and build AdamW; reference/teacher if configured."""
+        if self.loss_fn is None:
+            from noria.train.losses import default_loss
+
+            self.loss_fn = default_loss(self.cfg)
+        self.rank, self.world = self._setup_dist()
+        self.device = self._device()
+        self.model_path = Path(model_path)
+        self.total_steps = total_steps
+        torch.manual_seed(self.seed)
+        lm = load_model(model_path, dtype=torch.float32, device="cpu", impl=self.model_impl)
+        self.skip_names = tied_duplicates(lm)
+        self.lm = lm
+        self.policy = self._wrap(lm, train=True)
+        self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
+        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, total_steps))
+        self.frozen: dict[str, nn.Module] = {}
+        if self.cfg.loss.kl_coef > 0 and self.cfg.algorithm == "rl":
+            self.frozen["reference"] = self._load_frozen(model_path)
+        if self.cfg.teacher:
+            self.frozen["teacher"] = self._load_frozen(self.cfg.teacher)
+
+    def _setup_dist(self) -> tuple[int, int]:
+        if not self.distributed:
+            return 0, 1
+        if not dist.is_initialized():
+            raise TrainError(
+                "train.backend fsdp2 needs torch.distributed initialised first "
+                "(noria.train.fsdp.init_distributed, e.g. under torchrun)"
+            )
+        world = dist.get_world_size()
+        if world != self.cfg.world_size:
+            raise TrainError(f"train.world_size is {self.cfg.world_size} but the process group has {world} ranks")
+        return dist.get_rank(), world
+
+    def _device(self) -> torch.device:
+        if self.cfg.device.startswith("cuda"):
+            index = torch.cuda.current_device() if self.distributed else torch.device(self.cfg.device).index or 0
+            return torch.device("cuda", index)
+        return torch.device("cpu")
+
+    def _wrap(self, lm: nn.Module, train: bool) -> nn.Module:
+        model = LogprobModel(lm, self.cfg.logprob_chunk_tokens)
+        if train and self.cfg.activation_checkpointing:
+            for layer in decoder_layers(lm):
+                checkpoint_layer(layer)
+        if not self.distributed:
+            return model.to(self.device)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        mp = MixedPrecisionPolicy()
+        if train and self.compute_dtype != torch.float32:
+            mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        for layer in decoder_layers(lm):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+
+    def _load_frozen(self, path: str | Path) -> nn.Module:
+        lm = load_model(path, dtype=self.compute_dtype, device="cpu", impl=self.model_impl)
+        lm.requires_grad_(False)
+        model = self._wrap(lm, train=False).eval()
+        return model.to("cpu") if self.device.type == "cuda" else model
+
+    # ----------------------------------------------------------------------------- forward
+
+    def _autocast(self):
+        if self.distributed or self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _forward(self, model: nn.Module, mb: TrainBatch, with_entropy: bool):
+        d = self.device
+        with self._autocast():
+            return model(mb.input_ids.to(d), mb.positions.to(d), mb.cu_seqlens.to(d), with_entropy)
+
+    @contextlib.contextmanager
+    def _visiting(self, model: nn.Module):
+        # A frozen model lives on the CPU and visits the accelerator only while it is used.
+        if self.device.type != "cuda":
+            yield model
+            return
+        model.to(self.device)
+        try:
+            yield model
+        finally:
+            model.to("cpu")
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, which: Which = "current", with_entropy: bool = False) -> TokenLogprobs:
+        """Per-token logprobs [N] (fp32, on CPU) under the policy, reference or teacher; no grad."""
+        if which == "current":
+            ctx, model = contextlib.nullcontext(), self.policy
+        elif which in self.frozen:
+            model = self.frozen[which]
+            ctx = self._visiting(model)
+        else:
+            why = "loss.kl_coef is 0" if which == "reference" else "train.teacher is not set"
+            raise TrainError(f"compute_logprobs(which={which!r}): no {which} model is loaded ({why})")
+        lp = torch.zeros(batch.n_tokens, dtype=torch.float32, device=self.device)
+        ent = torch.zeros_like(lp) if with_entropy else None
+        plan = plan_for_rank(batch, self.cfg.micro_batch_tokens, self.rank, self.world)
+        with ctx:
+            for (a, b), scale in zip(plan.ranges, plan.scales):
+                out_lp, out_ent = self._forward(model, slice_batch(batch, a, b), with_entropy)
+                if scale == 0:  # padding micro-batch: run for the collectives, keep nothing
+                    continue
+                lo, hi = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
+                lp[lo:hi] = out_lp
+                if with_entropy:
+                    ent[lo:hi] = out_ent
+        if self.distributed:  # each token was computed on exactly one rank; others hold 0
+            dist.all_reduce(lp)
+            if with_entropy:
+                dist.all_reduce(ent)
+        return TokenLogprobs(lp.cpu(), None if ent is None else ent.cpu())
+
+    # -------------------------------------------------------------------------------- train
+
+    def train_step(
+        self, batch: TrainBatch, old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """One optimizer step over ``batch`` (see the module docstring); returns averaged metrics."""
+        t0 = time.perf_counter()
+        if ref_logprobs is None and "reference" in self.frozen:
+            ref_logprobs = self.compute_logprobs(batch, "reference").logprobs
+        total_tokens, total_seqs = step_totals(batch)
+        self.policy.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        plan = plan_for_rank(batch, self.cfg.micro_batch_tokens, self.rank, self.world)
+        # The step's loss is the sum over micro-batches and ranks: weight 1 counted once (rank 0).
+        sums: dict[str, list[float]] = {"loss": [0.0, float(self.rank == 0)]}
+        loss_ok = torch.ones((), device=self.device)
+        for (a, b), scale in zip(plan.ranges, plan.scales):
+            loss, metrics = self._micro_step(batch, a, b, old_logprobs, ref_logprobs, total_tokens, total_seqs)
+            loss_ok = loss_ok * torch.isfinite(loss.detach())
+            (loss * (scale * self.world)).backward()
+            sums["loss"][0] += scale * float(loss.detach())
+            for k, (s, w) in metrics.items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += scale * s
+                acc[1] += scale * w
+        grad_norm = self._clip_grads()
+        finite = self._all_finite(loss_ok, grad_norm)
+        out = self._reduce_metrics(sums)
+        out.update(self._apply_or_skip(finite, grad_norm))
+        out.update(tokens=float(batch.n_tokens), loss_tokens=total_tokens, step_time_s=time.perf_counter() - t0)
+        return out
+
+    def _micro_step(self, batch, a, b, old_logprobs, ref_logprobs, total_tokens, total_seqs):
+        mb = slice_batch(batch, a, b)
+        lo, hi = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
+        want_entropy = self.cfg.algorithm == "rl" and self.cfg.loss.entropy_coef > 0
+        lp, ent = self._forward(self.policy, mb, want_entropy)
+        d = self.device
+        old = lp.detach() if old_logprobs is None else old_logprobs[lo:hi].to(d)
+        ref = None if ref_logprobs is None else ref_logprobs[lo:hi].to(d)
+        inputs = LossInputs(mb, lp, old, ref, ent, seq_index(mb).to(d), total_tokens, total_seqs)
+        return self.loss_fn(inputs)
+
+    def _clip_grads(self) -> torch.Tensor:
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _all_finite(self, loss_ok: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        bad = (1 - loss_ok) + (~torch.isfinite(grad_norm)).float()
+        bad = bad.float().reshape(1)
+        if self.distributed:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bool(bad.item() == 0)
+
+    def _apply_or_skip(self, finite: bool, grad_norm: torch.Tensor) -> dict[str, float]:
+        lr = lr_at(self.step, self.cfg.optim, self.total_steps)
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_streak += 1
+            if self.nonfinite_streak > self.cfg.max_nonfinite_skips:
+                raise NonFiniteError(
+                    f"step {self.step + 1}: non-finite loss or grad norm on at least one rank "
+                    f"({self.nonfinite_streak} consecutive, train.max_nonfinite_skips is "
+                    f"{self.cfg.max_nonfinite_skips}); no update was applied"
+                )
+            return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 1.0, "step": float(self.step)}
+        self.nonfinite_streak = 0
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.weight_version += 1
+        return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0, "step": float(self.step)}
+
+    def _reduce_metrics(self, sums: dict[str, list[float]]) -> dict[str, float]:
+        keys = sorted(sums)
+        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64).reshape(-1, 2)
+        if self.distributed and keys:
+            t = t.to(self.device)
+            dist.all_reduce(t)
+            t = t.cpu()
+        out = {k: float(s / w) if w else 0.0 for k, (s, w) in zip(keys, t.tolist())}
+        return out
+
+    # ------------------------------------------------------------------------ weights out
+
+    def _full_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        # Collective under FSDP2 (one all-gather per tensor): every rank runs it to the end.
+        for name, t in self.lm.state_dict().items():
+            if name in self.skip_names:
+                continue
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            yield name, t.detach().to(dtype)
+
+    def state_dict_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of (HF name, full tensor in the compute dtype, on the trainer device); rank 0 only."""
+        bucket, size = [], 0
+        for name, t in self._full_tensors(self.compute_dtype):
+            if self.rank != 0:
+                continue
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def export_hf(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write an HF folder (weights in ``dtype``, default the compute dtype, plus tokenizer files)."""
+        dtype = dtype or self.compute_dtype
+        state = {name: t.cpu() for name, t in self._full_tensors(dtype)}
+        if self.rank == 0:
+            save_model(self._materialize(state, dtype), folder, source=self.model_path)
+        if self.distributed:
+            dist.barrier()
+        return Path(folder)
+
+    def _materialize(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+        # An unsharded CPU model holding ``state``, for save_model (which knows both model kinds).
+        if isinstance(self.lm, DecoderLM):
+            with torch.device("meta"):
+                model = DecoderLM(self.lm.args, hf_config=self.lm.hf_config).to(dtype)
+            model.load_state_dict(state, strict=False, assign=True)
+            model.tie_weights()
+            return model
+        model = load_model(self.model_path, dtype=dtype, device="cpu", impl=self.model_impl)
+        model.load_state_dict(state, strict=False)
+        return model
+
+    # ------------------------------------------------------------------------ checkpoints
+
+    def save(self, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Committed DCP checkpoint of policy, optimizer, RNG, step, weight version and ``extra``."""
+        state = {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "nonfinite_streak": self.nonfinite_streak,
+            "world_size": self.world,
+            "extra": extra or {},
+        }
+        return save_checkpoint(folder, self.policy, self.optimizer, state)
+
+    def load(self, folder: str | Path) -> dict[str, Any]:
+        """Restore a committed checkpoint written by ``save``; returns its ``extra``."""
+        state = load_checkpoint(folder, self.policy, self.optimizer)
+        self.step = int(state["step"])
+        self.weight_version = int(state["weight_version"])
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, self.total_steps))
+        return dict(state.get("extra", {}))

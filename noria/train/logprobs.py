@@ -1,0 +1,76 @@
+"""Per-token log-probabilities (and entropy) of packed sequences, from hidden states in chunks.
+
+How data moves: the model gives final hidden states [N, H] for the packed tokens; the LM head is
+applied ``chunk_tokens`` rows at a time, each chunk's [chunk, V] logits are turned into the
+log-probability of the next token (and optionally the entropy of that distribution), and only
+those [chunk] numbers are kept. With autograd on, each chunk runs under activation checkpointing,
+so backward recomputes the chunk's logits instead of keeping N x V log-softmax outputs alive:
+peak memory is one chunk of logits, whatever N is.
+
+Alignment: ``logprobs[t] = log p(input_ids[t] | tokens before t in its sequence)``, computed from
+the hidden state at ``t - 1``. The first token of each sequence gets 0 (and entropy 0); callers
+mask it out (``TrainBatch.loss_mask`` is 0 there).
+
+Logits and the softmax are computed in fp32 whatever the compute dtype (the head's matmul itself
+runs in the compute dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+
+
+def predicted_positions(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """LongTensor: every position except the last of each sequence (its logits predict nothing here)."""
+    keep = torch.ones(n_tokens, dtype=torch.bool, device=cu_seqlens.device)
+    keep[(cu_seqlens[1:] - 1).long()] = False
+    return keep.nonzero().squeeze(-1)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    head: Head,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each token given its prefix, fp32 [N]; entropy [N] too when asked (else None)."""
+    n = input_ids.numel()
+    src = predicted_positions(cu_seqlens.to(input_ids.device), n)
+    targets = input_ids[src + 1]
+    lp_parts, ent_parts = [], []
+    for lo in range(0, src.numel(), chunk_tokens):
+        idx = src[lo : lo + chunk_tokens]
+        h = hidden.index_select(0, idx)
+        tgt = targets[lo : lo + chunk_tokens]
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            lp, ent = checkpoint(_chunk, h, tgt, head, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk(h, tgt, head, with_entropy)
+        lp_parts.append(lp)
+        ent_parts.append(ent)
+    dst = src + 1
+    logprobs = _scatter(lp_parts, dst, n, hidden.device)
+    entropy = _scatter(ent_parts, dst, n, hidden.device) if with_entropy else None
+    return logprobs, entropy
+
+
+def _chunk(h: torch.Tensor, tgt: torch.Tensor, head: Head, with_entropy: bool):
+    logp = F.log_softmax(head(h).float(), dim=-1)
+    lp = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if with_entropy else lp.new_zeros(0)
+    return lp, ent
+
+
+def _scatter(parts: list[torch.Tensor], dst: torch.Tensor, n: int, device) -> torch.Tensor:
+    out = torch.zeros(n, dtype=torch.float32, device=device)
+    if not parts:  # every sequence has one token: nothing is predicted
+        return out
+    return out.index_copy(0, dst, torch.cat(parts))
