@@ -1,0 +1,1 @@
+"""The trainer: turns packed rollouts into policy updates (backend, objective, packing, checkpoints)."""
