@@ -181,3 +181,32 @@ def test_lr_schedules():
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
     lin = OptimConfig(lr=1.0, schedule="linear")
     assert [lr_at(s, lin, 4) for s in (0, 2, 4)] == [1.0, 0.5, 0.0]
+
+
+def test_rl_objective_with_reference_and_entropy(tiny_model_dir):
+    loss = {"kl_coef": 0.1, "entropy_coef": 0.01}
+    backend = make_backend(tiny_model_dir, loss_fn=None, micro_batch_tokens=20, loss=loss)
+    assert "reference" in backend.frozen
+    batch = _batch()
+    first = backend.train_step(batch)
+    assert first["ref_kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    assert first["approx_kl"] == pytest.approx(0.0, abs=1e-6) and "entropy" in first and "clip_frac" in first
+    second = backend.train_step(batch)
+    assert second["ref_kl"] > 0 and second["step"] == 2.0
+    with pytest.raises(Exception, match="teacher"):
+        backend.compute_logprobs(batch, "teacher")
+
+
+def test_init_loads_reference_only_with_kl(tiny_model_dir):
+    from noria.config import TrainConfig
+    from noria.train.fsdp import FSDPBackend
+
+    cfg = TrainConfig(param_dtype="bfloat16")
+    cfg.loss.kl_coef = 0.05
+    backend = FSDPBackend(cfg)
+    backend.init(tiny_model_dir)
+    ref = backend.frozen["reference"]
+    assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in ref.parameters())
+    assert "reference" not in make_backend(tiny_model_dir).frozen
+    out = backend.compute_logprobs(_batch(), "reference")
+    torch.testing.assert_close(out.logprobs, backend.compute_logprobs(_batch()).logprobs, atol=0.05, rtol=0.05)

@@ -42,15 +42,18 @@ def pg_loss(x: LossInputs):
 
 
 def make_backend(model_dir, loss_fn=pg_loss, **overrides) -> FSDPBackend:
-    """An initialised backend on the tiny model; fp32 and a large LR unless overridden."""
+    """An initialised backend on the tiny model; fp32 and a large LR unless overridden.
+
+    ``loss_fn=None`` runs the configured objective (``train.algorithm`` / ``train.loss``).
+    """
     fields = {"param_dtype": "float32", "logprob_chunk_tokens": 7}
     fields.update(overrides)
-    optim = fields.pop("optim", None)
+    sections = {k: fields.pop(k, {}) for k in ("optim", "loss")}
     cfg = TrainConfig(**fields)
     cfg.optim.lr = 1e-2
-    if optim:
-        for k, v in optim.items():
-            setattr(cfg.optim, k, v)
+    for section, values in sections.items():
+        for k, v in values.items():
+            setattr(getattr(cfg, section), k, v)
     backend = FSDPBackend(cfg, loss_fn=loss_fn)
     backend.init(model_dir)
     return backend

@@ -19,10 +19,12 @@ ranks share.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +79,8 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
         tmp.mkdir(parents=True)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    with _single_process_ok():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
     _barrier()
     if rank == 0:
@@ -102,12 +105,21 @@ def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(folder))
+    with _single_process_ok():
+        dcp.load(sd, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     rng = folder / f"rng-{_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved: keep the fresh seeds
         _set_rng_state(torch.load(rng, weights_only=False))
     return json.loads((folder / STATE_FILE).read_text())
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    # DCP warns that it "assumes" single-process intent even when no_dist says so explicitly.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _rank() -> int:

@@ -37,6 +37,7 @@ the policy (FSDP2's ``CPUOffloadPolicy`` needs an accelerator).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -82,6 +83,26 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
         else:
             dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+EXTREMA = ("_max", "_min")
+"""Metric names ending so are combined with max / min, never added (their weight is 0)."""
+
+
+def accumulate_metrics(acc: dict[str, list[float]], metrics: Metrics) -> None:
+    """Add one micro-batch's (sum, weight) metrics into ``acc``; ``_max`` / ``_min`` keep extrema."""
+    for k, (s, w) in metrics.items():
+        if k == "loss":
+            continue  # the backend sums the loss itself
+        if k not in acc:
+            acc[k] = [float(s), float(w)]
+        elif k.endswith("_max"):
+            acc[k][0] = max(acc[k][0], float(s))
+        elif k.endswith("_min"):
+            acc[k][0] = min(acc[k][0], float(s))
+        else:
+            acc[k][0] += float(s)
+            acc[k][1] += float(w)
 
 
 class LogprobModel(nn.Module):
@@ -279,18 +300,18 @@ class FSDPBackend:
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         plan = plan_for_rank(batch, self.cfg.micro_batch_tokens, self.rank, self.world)
-        # The step's loss is the sum over micro-batches and ranks: weight 1 counted once (rank 0).
-        sums: dict[str, list[float]] = {"loss": [0.0, float(self.rank == 0)]}
+        sums: dict[str, list[float]] = {}
+        loss_sum = 0.0
         loss_ok = torch.ones((), device=self.device)
         for (a, b), scale in zip(plan.ranges, plan.scales):
             loss, metrics = self._micro_step(batch, a, b, old_logprobs, ref_logprobs, total_tokens, total_seqs)
             loss_ok = loss_ok * torch.isfinite(loss.detach())
             (loss * (scale * self.world)).backward()
-            sums["loss"][0] += scale * float(loss.detach())
-            for k, (s, w) in metrics.items():
-                acc = sums.setdefault(k, [0.0, 0.0])
-                acc[0] += scale * s
-                acc[1] += scale * w
+            if scale:  # a padding micro-batch only keeps the ranks' collectives in step
+                loss_sum += float(loss.detach())
+                accumulate_metrics(sums, metrics)
+        # The step loss is the sum over micro-batches and ranks; the backend owns this key.
+        sums["loss"] = [loss_sum, float(self.rank == 0)]
         grad_norm = self._clip_grads()
         finite = self._all_finite(loss_ok, grad_norm)
         out = self._reduce_metrics(sums)
@@ -343,13 +364,29 @@ class FSDPBackend:
         return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0, "step": float(self.step)}
 
     def _reduce_metrics(self, sums: dict[str, list[float]]) -> dict[str, float]:
-        keys = sorted(sums)
-        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64).reshape(-1, 2)
-        if self.distributed and keys:
-            t = t.to(self.device)
-            dist.all_reduce(t)
-            t = t.cpu()
-        out = {k: float(s / w) if w else 0.0 for k, (s, w) in zip(keys, t.tolist())}
+        if self.distributed:
+            sums = self._all_reduce_metrics(sums)
+        out = {}
+        for k, (s, w) in sorted(sums.items()):
+            if k.endswith(EXTREMA):
+                out[k] = s
+            elif w:
+                out[k] = s / w
+        return out
+
+    def _all_reduce_metrics(self, sums: dict[str, list[float]]) -> dict[str, list[float]]:
+        # Ranks may lack a metric (nothing to measure there), so agree on the key set first.
+        key_sets: list[list[str]] = [[] for _ in range(self.world)]
+        dist.all_gather_object(key_sets, sorted(sums))
+        keys = sorted(set().union(*key_sets))
+        out: dict[str, list[float]] = {}
+        for suffix, op, fill in (("_max", dist.ReduceOp.MAX, -math.inf), ("_min", dist.ReduceOp.MIN, math.inf), ("", dist.ReduceOp.SUM, 0.0)):
+            group = [k for k in keys if k not in out and k.endswith(suffix)]
+            if not group:
+                continue
+            t = torch.tensor([sums.get(k, [fill, 0.0]) for k in group], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=op)
+            out.update(zip(group, t.cpu().tolist()))
         return out
 
     # ------------------------------------------------------------------------ weights out
