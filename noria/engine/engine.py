@@ -258,7 +258,10 @@ class Engine:
             raise weights.WeightUpdateError(f"weight version must be an integer, got {version!r}")
 
         def apply() -> None:
-            copy()
+            try:
+                copy()
+            finally:  # a failed disk read may have copied part: serve what the model now holds
+                self.runner.refresh_weights()
             self.weight_version = version
             self.radix.flush()  # cached KV was computed with the old weights
 

@@ -9,7 +9,9 @@ pools at their slots and (2) attends:
 - longer chunks (prefill, possibly after a cached prefix) one sequence at a time: gather that
   sequence's slots and run SDPA with a bottom-right-aligned causal mask.
 
-Only the last position of each sampling chunk goes through ``lm_head``.
+Only the last position of each sampling chunk goes through ``lm_head``. On CPU in bf16 (outside
+deterministic mode) the layers run through ``inference.FastDecoder`` (fused, prepacked matmuls,
+same numerics); ``refresh_weights`` must follow every weight update.
 
 This is the only engine module with device code (with ``sampling``): metadata is built on the
 host and moved once per step; nothing here reads device values back. A CUDA path slots in by
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from noria.engine import attention_ref
+from noria.engine import attention_ref, inference
 from noria.engine.kv_cache import KVCache
 from noria.engine.scheduler import Chunk
 from noria.models.decoder import DecoderLM
@@ -132,13 +134,23 @@ class ModelRunner:
         self.deterministic = deterministic
         self.decode_fn = pick_decode_fn(attention, self.device)
         self.scale = 1.0 / math.sqrt(model.args.head_dim)
+        # Deterministic mode runs exactly the trainer's modules; elsewhere packed weights on CPU.
+        self.fast = None if deterministic or not inference.supported(model) else inference.FastDecoder(model)
+
+    def refresh_weights(self) -> None:
+        """Rebuild the engine-only weight copies from the model (call after every weight update)."""
+        if self.fast is not None:
+            self.fast.refresh()
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits fp32 [number of sampling chunks, V], in chunk order."""
         ids, positions, slots, ctx = self._prepare(chunks)
-        hidden = self.model.hidden_states(ids, positions, attn=ctx)[0]
         rows = self._to_device(self._last_rows(chunks), torch.long)
+        if self.fast is not None:
+            hidden = self.fast.hidden_states(ids, positions, ctx)[0]
+            return self.fast.lm_head(hidden.index_select(0, rows)).float()
+        hidden = self.model.hidden_states(ids, positions, attn=ctx)[0]
         return self.model.lm_head(hidden.index_select(0, rows)).float()
 
     @staticmethod

@@ -1,0 +1,134 @@
+"""The engine's fast forward of the native decoder on CPU: fused, prepacked linear layers.
+
+The trainer and the engine share :class:`~noria.models.decoder.DecoderLM`; this module changes
+nothing in it. It builds, next to the model, an engine-only copy of the linear weights in the form
+oneDNN wants, and runs the same layer recipe as ``DecoderModel.forward`` with them:
+
+- q/k/v become one matmul and gate/up one matmul (fewer, larger calls: the per-call cost
+  dominates at decode sizes);
+- every weight is reordered once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``)
+  instead of at every ``F.linear`` call, which is what bf16 ``F.linear`` does on CPU.
+
+Norms, RoPE, SiLU, residual adds and the attention context are the model's own modules and
+functions, called in the model's order, so the only numerical difference could come from the
+matmuls. On this CPU (torch 2.13, bf16) the packed matmuls give the same bits as ``F.linear`` for
+the row counts where they are used (``max_rows`` at most; larger steps, i.e. long prefills, run the
+model's own modules), and tests check that the fast forward equals the plain one bitwise. That is
+measured, not promised by oneDNN, so deterministic mode does not use this path at all: it runs the
+exact modules the trainer runs.
+
+Weights are copies: after every weight update the engine calls :meth:`FastDecoder.refresh`
+(``Engine._apply_update``), otherwise the fast path would keep serving the old weights.
+
+Used only where it helps and exists: CPU tensors in bf16 with the mkldnn ops present
+(:func:`supported`). Everywhere else (CUDA, fp32, deterministic mode) the runner calls the model.
+Blocking: none beyond the forward itself. Memory: one extra copy of the linear weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from noria.models.decoder import DecoderLM, DecoderLayer, apply_rope, rope_inv_freq, rope_tables
+
+MAX_ROWS = 160
+"""Steps with more tokens than this (long prefills) run the plain modules. Measured on SmolLM2
+shapes: packed and ``F.linear`` agree bitwise up to ~190 rows and not from 192 (oneDNN switches
+kernels), so the fast path stays below that with a margin."""
+
+
+def supported(model: DecoderLM) -> bool:
+    """True where the fast path exists and pays: a bf16 model on the CPU with oneDNN's packed ops."""
+    first = next(model.parameters())
+    return (
+        first.device.type == "cpu"
+        and first.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class PackedLinear:
+    """``x @ cat(weights).T + cat(biases)``, with the concatenated weight reordered once for oneDNN."""
+
+    def __init__(self, linears: list[torch.nn.Linear], batch_hint: int) -> None:
+        with torch.no_grad():
+            weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+            biases = [m.bias for m in linears]
+            self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+            if self.bias is None and any(b is not None for b in biases):
+                # Mixed bias/no-bias groups (no supported family has one): zero-fill the missing.
+                self.bias = torch.cat([
+                    b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                    for m, b in zip(linears, biases)
+                ])
+        self.sizes = [m.out_features for m in linears]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
+
+
+class _PackedLayer:
+    """One decoder layer's four matmuls: qkv, o, gate_up, down."""
+
+    def __init__(self, layer: DecoderLayer, batch_hint: int) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], batch_hint)
+        self.o = PackedLinear([attn.o_proj], batch_hint)
+        self.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], batch_hint)
+        self.down = PackedLinear([mlp.down_proj], batch_hint)
+
+
+class FastDecoder:
+    """The runner's forward over a :class:`DecoderLM` with packed weights; see the module docstring."""
+
+    def __init__(self, model: DecoderLM, batch_hint: int = 64, max_rows: int = MAX_ROWS) -> None:
+        self.model = model
+        self.batch_hint = batch_hint
+        self.max_rows = max_rows
+        self.layers: list[_PackedLayer] = []
+        self.head: PackedLinear | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-pack every weight from the model's current parameters (after each weight update)."""
+        self.layers = [_PackedLayer(layer, self.batch_hint) for layer in self.model.model.layers]
+        self.head = PackedLinear([self.model.lm_head], self.batch_hint)
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """``DecoderModel.forward`` with packed matmuls: ids [1, T] -> normed hidden [1, T, H]."""
+        inner = self.model.model
+        h = inner.embed_tokens(input_ids)
+        cos, sin = rope_tables(rope_inv_freq(inner.args, input_ids.device), positions, h.dtype)
+        plain = input_ids.shape[1] > self.max_rows
+        for layer, packed in zip(inner.layers, self.layers):
+            h = layer(h, cos, sin, ctx) if plain else self._layer(layer, packed, h, cos, sin, ctx)
+        return inner.norm(h)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden rows [R, H] (R <= the step's tokens, so always packed-sized)."""
+        if hidden.shape[0] > self.max_rows:
+            return self.model.lm_head(hidden)
+        return self.head(hidden)
+
+    @staticmethod
+    def _layer(layer: DecoderLayer, packed: _PackedLayer, x, cos, sin, ctx) -> torch.Tensor:
+        x = x + FastDecoder._attention(layer.self_attn, packed, layer.input_layernorm(x), cos, sin, ctx)
+        gate, up = packed.gate_up(layer.post_attention_layernorm(x)).split(packed.gate_up.sizes, dim=-1)
+        return x + packed.down(F.silu(gate) * up)
+
+    @staticmethod
+    def _attention(attn, packed: _PackedLayer, x, cos, sin, ctx) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q, k, v = (
+            t.unflatten(-1, (-1, attn.head_dim)) for t in packed.qkv(x).split(packed.qkv.sizes, dim=-1)
+        )
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attend(attn.layer_idx, q, k, v)
+        return packed.o(out.reshape(batch, seq_len, -1))
