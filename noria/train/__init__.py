@@ -1,1 +1,42 @@
-"""The trainer: turns packed rollouts into policy updates (backend, objective, packing, checkpoints)."""
+"""The trainer: turns packed rollouts into policy updates (backend, objective, packing, checkpoints).
+
+Modules and what they own::
+
+    backend.py     the contract every backend meets (TrainBackend), LossInputs / LossFn
+    fsdp.py        the PyTorch backend: one process or FSDP2 (gloo on CPU, NCCL on CUDA)
+    packing.py     samples / groups -> TrainBatch -> token-budget micro-batches (per rank)
+    logprobs.py    per-token logprobs and entropy from hidden states, in vocabulary-safe chunks
+    checkpoint.py  DCP checkpoints committed by a marker; latest_checkpoint(run_dir)
+    optim.py       AdamW and the LR schedule (a pure function of the step)
+    losses.py      sft_loss and the RL objective adapted to LossInputs
+    sft.py         multi-turn chat rows -> samples with assistant-only loss masks
+    objective.py, algorithms/   the RL objective and its registries (advantages, losses, KL)
+
+Typical use by the loop::
+
+    backend = FSDPBackend(run_cfg.train)
+    backend.init(model_folder, total_steps=n_steps)
+    batch = pack_groups(groups, compute_advantages(cfg.loss, rewards))
+    metrics = backend.train_step(batch)
+"""
+
+from noria.train.backend import LossFn, LossInputs, NonFiniteError, TokenLogprobs, TrainBackend, TrainError
+from noria.train.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint
+from noria.train.fsdp import FSDPBackend, init_distributed
+from noria.train.packing import pack_groups, pack_samples
+
+__all__ = [
+    "CheckpointError",
+    "FSDPBackend",
+    "LossFn",
+    "LossInputs",
+    "NonFiniteError",
+    "TokenLogprobs",
+    "TrainBackend",
+    "TrainError",
+    "checkpoint_dir",
+    "init_distributed",
+    "latest_checkpoint",
+    "pack_groups",
+    "pack_samples",
+]

@@ -57,7 +57,7 @@ class LossInputs:
     """Everything a loss sees for one micro-batch; per-token tensors are [n] for that micro-batch."""
 
     batch: TrainBatch
-    """The micro-batch (its loss_mask, advantages, rollout_logprobs, cu_seqlens)."""
+    """The micro-batch (its loss_mask, advantages, rollout_logprobs, cu_seqlens), on the compute device."""
     logprobs: torch.Tensor
     """FloatTensor [n] with grad: current-policy logprob of each token."""
     old_logprobs: torch.Tensor

@@ -64,7 +64,7 @@ from noria.train.backend import (
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
 from noria.train.logprobs import token_logprobs
 from noria.train.optim import build_optimizer, lr_at, set_lr
-from noria.train.packing import plan_for_rank, seq_index, slice_batch
+from noria.train.packing import batch_to, plan_for_rank, seq_index, slice_batch
 from noria.types import TrainBatch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -320,7 +320,7 @@ class FSDPBackend:
         return out
 
     def _micro_step(self, batch, a, b, old_logprobs, ref_logprobs, total_tokens, total_seqs):
-        mb = slice_batch(batch, a, b)
+        mb = batch_to(slice_batch(batch, a, b), self.device)
         lo, hi = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
         want_entropy = self.cfg.algorithm == "rl" and self.cfg.loss.entropy_coef > 0
         lp, ent = self._forward(self.policy, mb, want_entropy)

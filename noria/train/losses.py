@@ -18,7 +18,7 @@ from noria.train.backend import LossFn, LossInputs, Metrics
 
 def sft_loss(x: LossInputs) -> tuple[torch.Tensor, Metrics]:
     """Mean NLL over the step's loss tokens (this micro-batch's share of it)."""
-    mask = x.batch.loss_mask.to(x.logprobs.device)
+    mask = x.batch.loss_mask
     nll_sum = -(x.logprobs * mask).sum()
     loss = nll_sum / max(x.total_tokens, 1.0)
     n = float(mask.sum())
@@ -31,14 +31,13 @@ def rl_loss_fn(cfg: TrainConfig) -> LossFn:
 
     def loss_fn(x: LossInputs) -> tuple[torch.Tensor, Metrics]:
         b = x.batch
-        dev = x.logprobs.device
         return rl_loss(
             cfg.loss,
             logprobs=x.logprobs,
             old_logprobs=x.old_logprobs,
-            rollout_logprobs=b.rollout_logprobs.to(dev),
-            advantages=b.advantages.to(dev),
-            loss_mask=b.loss_mask.to(dev),
+            rollout_logprobs=b.rollout_logprobs,
+            advantages=b.advantages,
+            loss_mask=b.loss_mask,
             seq_index=x.seq_index,
             norm=LossNorm(total_tokens=x.total_tokens, total_seqs=x.total_seqs),
             entropy=x.entropy,

@@ -17,6 +17,7 @@ attention cost (sum of L^2), only by token count.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,7 +108,7 @@ def seq_lens(batch: TrainBatch) -> list[int]:
 def seq_index(batch: TrainBatch) -> torch.Tensor:
     """LongTensor [N]: index of each token's sequence within the batch (0..S-1)."""
     lens = torch.diff(batch.cu_seqlens).long()
-    return torch.repeat_interleave(torch.arange(len(lens)), lens)
+    return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
 
 
 def plan_micro_batches(batch: TrainBatch, max_tokens: int) -> list[tuple[int, int]]:
@@ -146,6 +147,12 @@ def slice_batch(batch: TrainBatch, start: int, end: int) -> TrainBatch:
         sample_ids=batch.sample_ids[start:end],
         weight_versions=cut(batch.weight_versions),
     )
+
+
+def batch_to(batch: TrainBatch, device: torch.device | str) -> TrainBatch:
+    """The same batch with every tensor on ``device``."""
+    moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return TrainBatch(**{k: None if v is None else v.to(device) for k, v in moved.items()})
 
 
 @dataclass(frozen=True)
