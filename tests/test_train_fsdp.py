@@ -3,7 +3,8 @@
 Spawns 2 ranks with torch.multiprocessing on a free loopback port; each rank trains the same batch
 and rank 0 writes what it saw into a file the test compares with a single-process run (fp32, so
 the only difference is reduction order). Also: a NaN loss on ONE rank stops the update on every
-rank, and a DCP checkpoint written by 2 ranks resumes bit for bit. About 15 s on 2 cores.
+rank, a DCP checkpoint written by 2 ranks resumes bit for bit, and LoRA (frozen base weights inside
+FSDP units) matches too. About 15 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import torch.multiprocessing as mp
 from noria.train.checkpoint import checkpoint_dir
 from noria.train.packing import pack_samples
 from train_util import make_backend, pg_loss, random_samples, weights
+
+
+LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "down_proj"]}
 
 
 def _free_port() -> int:
@@ -70,10 +74,13 @@ def _worker(rank: int, world: int, port: int, model_dir, out_dir) -> None:
         except NonFiniteError as e:
             raised = str(e)
         nan_unchanged = all(torch.equal(t, before_nan[k]) for k, t in weights(nan).items())
+        lora = make_backend(model_dir, lora=LORA, **kw)
+        lora.train_step(batch)
+        lora_w = weights(lora)
         if rank == 0:
             torch.save(
                 dict(logprobs=logprobs, metrics=metrics, after=after, two_steps=two_steps, resumed=resumed_w,
-                     extra=extra, sync=sync, raised=raised, nan_unchanged=nan_unchanged),
+                     extra=extra, sync=sync, raised=raised, nan_unchanged=nan_unchanged, lora=lora_w),
                 out_dir / "rank0.pt",
             )
         else:
@@ -102,3 +109,8 @@ def test_fsdp2_two_gloo_ranks_match_single_process(tiny_model_dir, tmp_path):
     assert got["extra"] == {"cursor": 3}
     assert [n for n, _ in got["sync"]] == [n for bucket in single.state_dict_for_sync(1 << 16) for n, _ in bucket]
     assert "step 1" in got["raised"] and got["nan_unchanged"]
+
+    single_lora = make_backend(tiny_model_dir, micro_batch_tokens=24, lora=LORA)
+    single_lora.train_step(batch)
+    for name, t in weights(single_lora).items():
+        torch.testing.assert_close(got["lora"][name], t, atol=1e-4, rtol=0)

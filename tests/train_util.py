@@ -48,7 +48,7 @@ def make_backend(model_dir, loss_fn=pg_loss, **overrides) -> FSDPBackend:
     """
     fields = {"param_dtype": "float32", "logprob_chunk_tokens": 7}
     fields.update(overrides)
-    sections = {k: fields.pop(k, {}) for k in ("optim", "loss")}
+    sections = {k: fields.pop(k, {}) for k in ("optim", "loss", "lora")}
     cfg = TrainConfig(**fields)
     cfg.optim.lr = 1e-2
     for section, values in sections.items():

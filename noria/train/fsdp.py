@@ -63,6 +63,7 @@ from noria.train.backend import (
 )
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
 from noria.train.logprobs import token_logprobs
+from noria.train.lora import adapter_tensors, apply_lora, lora_scaling, merge_lora
 from noria.train.optim import build_optimizer, lr_at, set_lr
 from noria.train.packing import batch_to, plan_for_rank, seq_index, slice_batch
 from noria.types import TrainBatch
@@ -179,6 +180,8 @@ class FSDPBackend:
         self.total_steps = total_steps
         torch.manual_seed(self.seed)
         lm = load_model(model_path, dtype=torch.float32, device="cpu", impl=self.model_impl)
+        if self.cfg.lora.enabled:
+            lm = apply_lora(lm, self.cfg.lora)
         self.skip_names = tied_duplicates(lm)
         self.lm = lm
         self.policy = self._wrap(lm, train=True)
@@ -391,19 +394,33 @@ class FSDPBackend:
 
     # ------------------------------------------------------------------------ weights out
 
-    def _full_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def _raw_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         # Collective under FSDP2 (one all-gather per tensor): every rank runs it to the end.
         for name, t in self.lm.state_dict().items():
             if name in self.skip_names:
                 continue
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
-            yield name, t.detach().to(dtype)
+            yield name, t.detach()
+
+    def _full_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights with HF names in ``dtype`` (LoRA adapters merged in)."""
+        if self.cfg.lora.enabled:
+            return merge_lora(self._raw_tensors(), lora_scaling(self.cfg.lora), dtype)
+        return ((name, t.to(dtype)) for name, t in self._raw_tensors())
 
     def state_dict_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Buckets of (HF name, full tensor in the compute dtype, on the trainer device); rank 0 only."""
+        """Buckets of (HF name, full tensor in the compute dtype, on the trainer device); rank 0 only.
+
+        With LoRA, ``train.lora.sync`` picks merged weights (HF names) or the adapters alone
+        (peft names).
+        """
+        if self.cfg.lora.enabled and self.cfg.lora.sync == "adapter":
+            tensors = adapter_tensors(self._raw_tensors(), self.compute_dtype)
+        else:
+            tensors = self._full_tensors(self.compute_dtype)
         bucket, size = [], 0
-        for name, t in self._full_tensors(self.compute_dtype):
+        for name, t in tensors:
             if self.rank != 0:
                 continue
             nbytes = t.numel() * t.element_size()
