@@ -30,6 +30,9 @@ Reference model (``loss.kl_coef > 0``): a frozen copy in the compute dtype, shar
 policy under FSDP2; on CUDA it waits on the CPU and visits the GPU only for
 ``compute_logprobs(which="reference")``. A teacher (``train.teacher``) is handled the same way.
 
+LoRA (``train.lora.enabled``): peft adapters are injected before sharding; base weights are
+frozen inside the same FSDP units and only adapters reach AdamW (``noria.train.lora``).
+
 Not guaranteed: bitwise equality between world sizes (reductions change order); CPU offload of
 the policy (FSDP2's ``CPUOffloadPolicy`` needs an accelerator).
 """
@@ -265,7 +268,7 @@ class FSDPBackend:
     def compute_logprobs(self, batch: TrainBatch, which: Which = "current", with_entropy: bool = False) -> TokenLogprobs:
         """Per-token logprobs [N] (fp32, on CPU) under the policy, reference or teacher; no grad."""
         if which == "current":
-            ctx, model = contextlib.nullcontext(), self.policy
+            ctx, model = contextlib.nullcontext(), self.policy.eval()  # no dropout (LoRA's) here
         elif which in self.frozen:
             model = self.frozen[which]
             ctx = self._visiting(model)
