@@ -24,6 +24,9 @@ def main() -> None:
     llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][0])] * 2, warm, use_tqdm=False)
     for batch in job["batches"]:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"][:batch]]
+        # The same prompts run at every batch size: start each one cold, as Noria's run does
+        # (engine.flush_cache), or vLLM would skip prefills that earlier batches computed.
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start

@@ -124,11 +124,16 @@ class FastDecoder:
     @staticmethod
     def _attention(attn, packed: _PackedLayer, x, cos, sin, ctx) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q, k, v = (
-            t.unflatten(-1, (-1, attn.head_dim)) for t in packed.qkv(x).split(packed.qkv.sizes, dim=-1)
-        )
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_size, kv_size, _ = packed.qkv.sizes
+        heads = packed.qkv(x).unflatten(-1, (-1, attn.head_dim))  # [B, T, Hq + 2 Hkv, D]
+        q_heads, kv_heads = q_size // attn.head_dim, kv_size // attn.head_dim
+        v = heads[:, :, q_heads + kv_heads :]
+        if attn.q_norm is None:
+            # RoPE is elementwise per head: rotating q and k heads in one call gives the same bits
+            # as two calls, with half the small ops.
+            q, k = apply_rope(heads[:, :, : q_heads + kv_heads], cos, sin).split([q_heads, kv_heads], dim=2)
+        else:
+            q, k = heads[:, :, :q_heads], heads[:, :, q_heads : q_heads + kv_heads]
+            q, k = apply_rope(attn.q_norm(q), cos, sin), apply_rope(attn.k_norm(k), cos, sin)
         out = ctx.attend(attn.layer_idx, q, k, v)
         return packed.o(out.reshape(batch, seq_len, -1))

@@ -50,7 +50,8 @@ def sample(
     """Sample one token per row; see the module docstring."""
     logits = logits.float()
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    scaled = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
+    # x / 1.0 == x bitwise: skip a full pass over [S, V] when no row has a temperature (greedy).
+    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=-1)
     token_ids = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
