@@ -65,6 +65,7 @@ def test_fsdp2_nccl_matches_single_cuda(tiny_model_dir, tmp_path):
     for name, t in weights(single).items():
         torch.testing.assert_close(got["w"][name], t.cpu(), atol=2e-4, rtol=0)
     assert {(d, dt) for _, d, dt in got["sync"]} == {("cuda", torch.float32)}
-    assert got["m16"]["skipped"] == 0.0 and got["m16"]["grad_norm"] == pytest.approx(m["grad_norm"], rel=0.05)
+    # bf16: FSDP2's cast parameters vs the single path's autocast: close, not equal (module docstring).
     bf16 = make_backend(tiny_model_dir, device="cuda", micro_batch_tokens=24)
-    assert bf16.train_step(batch)["grad_norm"] == pytest.approx(m["grad_norm"], rel=0.05)
+    m16 = bf16.train_step(batch)
+    assert got["m16"]["skipped"] == 0.0 and got["m16"]["grad_norm"] == pytest.approx(m16["grad_norm"], rel=0.05)
