@@ -5,6 +5,7 @@ Modules, from the caller inwards::
     engine.py     Engine: the asyncio/thread API, the step loop, weight updates, metrics
     scheduler.py  request states, continuous batching, retraction, finish checks
     runner.py     one step -> one forward of the native model (PagedAttentionContext)
+    inference.py  the runner's fast CPU forward: fused, prepacked bf16 matmuls (engine-only copies)
     sampling.py   per-row sampling and logprobs
     radix.py      prefix cache over KV blocks (LRU eviction)
     kv_cache.py   K/V pools and the reference-counted block allocator
