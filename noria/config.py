@@ -329,7 +329,7 @@ class RunConfig:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.validate()
-        if self.reward.name is None and self.data.task is None:
+        if self.reward.name is None and self.data.task is None and self.train.algorithm == "rl":
             raise ConfigError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
 
 

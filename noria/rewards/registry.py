@@ -74,5 +74,8 @@ def resolve_reward(config: Any) -> Any:
     if config.reward.name is not None:
         return config.reward
     from noria.data.tasks import get_task
+    from noria.errors import NoriaError
 
+    if config.data.task is None:
+        raise NoriaError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
     return dataclasses.replace(config.reward, name=get_task(config.data.task).default_reward)
