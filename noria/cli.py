@@ -28,6 +28,15 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0 if result.n_scored > 0 else 1
 
 
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.config import load_config
+    from noria.train.run import train
+
+    config = load_config(args.config, overrides)
+    train(config, run_dir=args.run_dir, resume=args.resume, progress=False if args.no_progress else None)
+    return 0
+
+
 def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.engine.server import ServerOptions, load_serve_config, serve
 
@@ -80,6 +89,15 @@ def _bench_prefix(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _bench_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import train
+
+    peers = [p for p in args.peers.split(",") if p]
+    train.run(args.model, args.sequences, args.min_len, args.max_len, args.steps, peers, args.json,
+              micro_batch_tokens=args.micro_batch_tokens, warmup=args.warmup)
+    return 0
+
+
 def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
@@ -113,6 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="also write the result JSON to this path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
     p.set_defaults(handler=_eval, takes_overrides=True)
+
+    p = sub.add_parser(
+        "train",
+        help="train a model (train.algorithm sft today; rl comes with the rollout loop)",
+        description="Supervised fine-tuning on multi-turn chat JSONL (loss on assistant tokens only) "
+        "through the trainer backend. Writes the resolved config, metrics.jsonl, checkpoints every "
+        "train.save_every steps and the final HF model (RUN_DIR/final) into the run folder. "
+        "train.backend fsdp2 with train.world_size N spawns N local ranks, or runs as one rank "
+        "under `torchrun --nproc-per-node N -m noria.cli train ...`.",
+        epilog=CONFIG_HELP,
+    )
+    p.add_argument("config", help="YAML config with model, data and train sections (see examples/sft_tiny.yaml)")
+    p.add_argument("--run-dir", help="run folder (default runs/<name>-<time>); must not hold a run already")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last committed checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines even on a terminal")
+    p.set_defaults(handler=_train, takes_overrides=True)
 
     p = sub.add_parser(
         "serve",
@@ -189,6 +223,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_bench_prefix, takes_overrides=False)
+
+    p = bsub.add_parser(
+        "train",
+        help="tokens/s of one RL training step: Noria's trainer vs transformers on padded batches (and TRL)",
+        description="The same sequences (seeded lengths, random ids, half prompt half response) go "
+        "through one GRPO-style optimizer step (forward, backward, AdamW) in Noria's backend and in "
+        "each peer, every side in a fresh subprocess; tokens/s counts real tokens, memory is the "
+        "peak RSS growth of the step; the bound is 6 * params * tokens/s at the bf16 GEMM rate "
+        "measured in the run.",
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    p.add_argument("--sequences", type=int, default=32, help="sequences per step")
+    p.add_argument("--min-len", type=int, default=64, help="shortest sequence (tokens)")
+    p.add_argument("--max-len", type=int, default=512, help="longest sequence (tokens)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per side (after --warmup)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="Noria's packed tokens per micro-batch")
+    p.add_argument("--peers", default="hf_padded,trl", help="comma-separated peers: hf_padded, trl (empty for none)")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_bench_train, takes_overrides=False)
 
     p = sub.add_parser(
         "config",

@@ -273,6 +273,12 @@ class TrainConfig:
     teacher: str | None = option(
         None, "Teacher model (catalog name or HF folder) for compute_logprobs(which='teacher'), e.g. on-policy distillation; null loads none."
     )
+    global_batch: int = option(8, "Sequences per optimizer step (SFT: chat rows; the last step of the data may have fewer).")
+    max_steps: int | None = option(None, "Stop after this many optimizer steps; null runs until data.epochs passes are done.")
+    save_every: int = option(0, "Optimizer steps between checkpoints in RUN_DIR/checkpoints (what --resume restarts from); 0 saves none.")
+    max_seq_tokens: int | None = option(
+        2048, "SFT: chats longer than this many tokens are cut on the right (their tail is not trained on); null keeps them whole."
+    )
 
     def validate(self) -> None:
         if self.world_size < 1 or self.micro_batch_tokens < 1 or self.logprob_chunk_tokens < 1:
@@ -283,6 +289,11 @@ class TrainConfig:
             raise ConfigError("train.max_nonfinite_skips must be >= 0")
         if self.teacher is not None and not self.teacher.strip():
             raise ConfigError("train.teacher must be a model name or folder, or null")
+        if self.global_batch < 1 or self.save_every < 0:
+            raise ConfigError(f"train.global_batch must be >= 1 and train.save_every >= 0, got {self.global_batch}, {self.save_every}")
+        for key in ("max_steps", "max_seq_tokens"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} must be >= 1 or null, got {getattr(self, key)}")
         for section in (self.optim, self.loss, self.lora):
             section.validate()
 
@@ -331,6 +342,15 @@ class RunConfig:
                 section.validate()
         if self.reward.name is None and self.data.task is None and self.train.algorithm == "rl":
             raise ConfigError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
+        if self.train.algorithm == "sft":
+            _check_sft_data(self.data)
+
+
+def _check_sft_data(data: DataConfig) -> None:
+    if data.path is None:
+        raise ConfigError('train.algorithm sft trains on chat rows: set data.path to a JSONL file of {"messages": [...]} rows')
+    if data.format not in ("auto", "jsonl") or (data.format == "auto" and not data.path.endswith(".jsonl")):
+        raise ConfigError(f"train.algorithm sft reads JSONL chat rows; data.path {data.path!r} is not a .jsonl file")
 
 
 def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, min_p: float, max_new: int) -> None:

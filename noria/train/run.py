@@ -1,0 +1,338 @@
+"""``noria train``: the supervised fine-tuning job (``train.algorithm: sft``) and its run folder.
+
+The loop (``run_sft``), one optimizer step per pass::
+
+    chat JSONL --prepare_sft (validate + tokenize every row; errors name file:line) --> samples
+    PromptSource (seeded shuffle per epoch, resumable cursor) --next_batch(global_batch)--> rows
+      -> pack_samples -> FSDPBackend.train_step (sft_loss: token-mean NLL on assistant tokens)
+      -> metrics.jsonl line (+ progress bar or plain line) -> every save_every steps: checkpoint
+    after the last step: RUN_DIR/final/ (HF folder: transformers and ``noria eval`` load it)
+
+Run folder (DESIGN.md section 7)::
+
+    RUN_DIR/config.yaml                  the resolved config
+    RUN_DIR/metrics.jsonl                one line per optimizer step (rank 0 writes)
+    RUN_DIR/checkpoints/step-000010/     DCP checkpoint; ``extra["data"]`` is the data cursor
+    RUN_DIR/final/                       config.json + safetensors + tokenizer files
+
+Resuming (``--resume RUN_DIR``) restores the last committed checkpoint (weights, AdamW, RNG, step)
+and the data cursor, and drops metrics lines written after that checkpoint, so the resumed run
+repeats exactly the steps an uninterrupted run would take. The config must match the saved one
+except ``train.max_steps`` (a run may be extended) and ``run_dir``.
+
+Distributed (``train.backend: fsdp2``, ``train.world_size`` > 1): under torchrun (``RANK`` set)
+every rank runs the loop; otherwise ``train`` spawns ``world_size`` local ranks itself on a free
+loopback port. Data is validated once, before any rank starts or any model loads.
+
+Not guaranteed: the RL loop (``train.algorithm: rl``) comes with the rollout loop; bitwise-equal
+losses after a resume hold on one process (not across a change of world size).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from noria.config import RunConfig, save_config, to_dict
+from noria.data import PromptSource
+from noria.errors import NoriaError
+from noria.train.checkpoint import checkpoint_dir, latest_checkpoint
+from noria.train.sft import SFTDataError, chat_sample, read_chat_jsonl
+from noria.types import Prompt, Sample
+
+RESUME_MAY_CHANGE = ("run_dir", "train.max_steps")
+"""Config keys a resumed run may set differently from the saved config."""
+
+
+@dataclass
+class SFTData:
+    """The validated, tokenized training set."""
+
+    samples: list[Sample]
+    """One sample per chat row, in file order; loss mask 1 on assistant tokens."""
+    records: list[Prompt]
+    """The chat rows as prompt records (``index`` = position in ``samples``), for ``PromptSource``."""
+
+
+def train(config: RunConfig, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None) -> Path:
+    """The ``noria train`` job: validate data, then run the loop (spawning ranks if needed)."""
+    if config.train.algorithm == "rl":
+        raise NoriaError("train.algorithm rl: the RL loop is not available yet (it comes with the rollout loop); use train.algorithm sft")
+    data = prepare_sft(config)
+    if config.train.backend == "single":
+        return run_sft(config, data, run_dir, resume, progress)
+    if os.environ.get("RANK") is not None:  # under torchrun
+        return run_rank(config, data, run_dir, resume, progress)
+    folder = resolve_run_dir(config, run_dir, resume)
+    check_run_folder(folder, config, resume is not None)  # once here, not as a crash on every rank
+    spawn_ranks(config, data, folder, resume is not None, progress)
+    return folder
+
+
+# ------------------------------------------------------------------------------------- data
+
+
+def prepare_sft(config: RunConfig) -> SFTData:
+    """Read, validate and tokenize every chat row; errors name the file and line, no model loads."""
+    from noria.models import load_tokenizer
+    from noria.models.catalog import model_path
+
+    path = config.data.path
+    if not Path(path).is_file():
+        raise SFTDataError(f"data.path {path}: file not found")
+    rows = read_chat_jsonl(path)
+    if not rows:
+        raise SFTDataError(f"{path}: no chat rows")
+    lines = row_lines(path)
+    tokenizer = load_tokenizer(model_path(config.model.path))
+    samples = [
+        truncate(chat_sample(messages, tokenizer, where=f"{path}:{line}"), config.train.max_seq_tokens)
+        for messages, line in zip(rows, lines)
+    ]
+    records = [Prompt(tuple(m), None, {}, i, path) for i, m in enumerate(rows)]
+    return SFTData(samples, records)
+
+
+def row_lines(path: str | Path) -> list[int]:
+    """1-based line numbers of the non-blank lines (the rows ``read_chat_jsonl`` returns)."""
+    return [n for n, line in enumerate(Path(path).read_text().splitlines(), start=1) if line.strip()]
+
+
+def truncate(sample: Sample, max_tokens: int | None) -> Sample:
+    """Cut ``sample`` on the right to ``max_tokens`` tokens (prompt first, then response)."""
+    if max_tokens is None or len(sample.prompt_ids) + len(sample.response_ids) <= max_tokens:
+        return sample
+    keep = max(max_tokens - len(sample.prompt_ids), 0)
+    sample.prompt_ids = sample.prompt_ids[:max_tokens]
+    sample.response_ids, sample.loss_mask = sample.response_ids[:keep], sample.loss_mask[:keep]
+    return sample
+
+
+def total_steps(config: RunConfig, n_rows: int) -> int:
+    """Optimizer steps of the run: every epoch's rows in batches of ``global_batch``, capped by max_steps."""
+    steps = math.ceil(n_rows * config.data.epochs / config.train.global_batch)
+    return min(steps, config.train.max_steps) if config.train.max_steps else steps
+
+
+# ------------------------------------------------------------------------------------- loop
+
+
+def run_sft(config: RunConfig, data: SFTData, run_dir: str | None, resume: str | None, progress: bool | None) -> Path:
+    """The SFT loop on this process (one rank of it under FSDP2); see the module docstring."""
+    from noria.models.catalog import model_path
+    from noria.train.fsdp import FSDPBackend, init_distributed
+    from noria.train.losses import sft_loss
+    from noria.train.packing import pack_samples
+
+    rank = init_distributed(config.train.device)[0] if config.train.backend == "fsdp2" else 0
+    folder = agree_run_dir(config, run_dir, resume)
+    check_run_folder(folder, config, resume is not None)
+    source = PromptSource.from_config(data.records, config.data)
+    steps = total_steps(config, len(data.samples))
+    backend = FSDPBackend(config.train, loss_fn=sft_loss, model_impl=config.model.impl, seed=config.seed)
+    backend.init(model_path(config.model.path), total_steps=steps)
+    if resume is not None:
+        restore(backend, source, folder)
+    barrier()  # every rank has checked the saved config before rank 0 rewrites it
+    if rank == 0:
+        config.run_dir = str(folder)
+        save_config(config, folder / "config.yaml")
+    log = StepLog(folder / "metrics.jsonl", rank == 0, steps, backend.step, progress)
+    while backend.step < steps and not source.exhausted:
+        rows = source.next_batch(config.train.global_batch)
+        metrics = backend.train_step(pack_samples([data.samples[r.index] for r in rows]))
+        log.write(step_row(metrics, source.epoch))
+        if config.train.save_every and backend.step % config.train.save_every == 0:
+            backend.save(checkpoint_dir(folder, backend.step), extra={"data": source.state_dict()})
+    log.close()
+    backend.export_hf(folder / "final")
+    if rank == 0:
+        print(f"noria train: {backend.step} steps; model in {folder / 'final'}", file=sys.stderr)
+    return folder
+
+
+# ------------------------------------------------------------------------------- run folder
+
+
+def resolve_run_dir(config: RunConfig, run_dir: str | None, resume: str | None) -> Path:
+    """The run folder: --resume, else --run-dir, else config.run_dir, else runs/<name>-<time>."""
+    if resume is not None and run_dir is not None and Path(run_dir).resolve() != Path(resume).resolve():
+        raise NoriaError(f"--run-dir {run_dir} and --resume {resume} name different run folders")
+    folder = resume or run_dir or config.run_dir or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(folder)
+
+
+def agree_run_dir(config: RunConfig, run_dir: str | None, resume: str | None) -> Path:
+    """``resolve_run_dir`` on rank 0, shared with every rank (the default name has a timestamp)."""
+    import torch.distributed as dist
+
+    folder = [str(resolve_run_dir(config, run_dir, resume))]
+    if dist.is_initialized():
+        dist.broadcast_object_list(folder, src=0)
+    return Path(folder[0])
+
+
+def check_run_folder(folder: Path, config: RunConfig, resume: bool) -> None:
+    """A fresh run needs a folder without a run in it; a resumed one, the same config as saved."""
+    if resume:
+        check_same_config(folder, config)
+    elif (folder / "metrics.jsonl").exists() or latest_checkpoint(folder) is not None:
+        raise NoriaError(f"run folder {folder} already holds a run: continue it with --resume {folder}, or pick another --run-dir")
+
+
+def restore(backend: Any, source: PromptSource, folder: Path) -> None:
+    """Continue the run in ``folder`` from its last committed checkpoint (or from step 0 if none)."""
+    ckpt = latest_checkpoint(folder)
+    if ckpt is not None:
+        extra = backend.load(ckpt)
+        source.load_state_dict(extra["data"])
+    if backend.rank == 0:
+        keep_metrics_through(folder / "metrics.jsonl", backend.step)
+        print(f"noria train: resuming {folder} at step {backend.step} ({ckpt or 'no checkpoint yet'})", file=sys.stderr)
+
+
+def check_same_config(folder: Path, config: RunConfig) -> None:
+    """Raise unless ``config`` equals the run's saved config outside ``RESUME_MAY_CHANGE``."""
+    saved_file = folder / "config.yaml"
+    if not saved_file.is_file():
+        raise NoriaError(f"--resume {folder}: no config.yaml there, so it is not a run folder")
+    saved, now = flatten(yaml.safe_load(saved_file.read_text())), flatten(to_dict(config))
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k not in RESUME_MAY_CHANGE)
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
+        raise NoriaError(f"--resume {folder}: the config differs from the run's config.yaml ({detail})")
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections -> ``{"a.b": value}``."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "task_args":
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def keep_metrics_through(path: Path, step: int) -> None:
+    """Drop metrics lines of steps after ``step`` (and a line cut short by a crash)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", math.inf) <= step:
+            kept.append(line + "\n")
+    path.write_text("".join(kept))
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+
+class StepLog:
+    """metrics.jsonl plus a progress bar (on a TTY) or one plain line per step; rank 0 only."""
+
+    def __init__(self, path: Path, active: bool, total: int, start: int, progress: bool | None) -> None:
+        self.active = active
+        self.total = total
+        self.file = path.open("a") if active else None
+        tty = sys.stderr.isatty() if progress is None else progress
+        self.bar = None
+        if active and tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+            self.bar.update(1)
+        else:
+            print(plain_line(row, self.total), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def step_row(metrics: dict[str, float], epoch: int) -> dict[str, Any]:
+    """One metrics.jsonl line: step, loss, grad_norm, lr, tokens, seconds (+ loss tokens, epoch)."""
+    return {
+        "step": int(metrics["step"]),
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "lr": metrics["lr"],
+        "tokens": int(metrics["tokens"]),
+        "loss_tokens": int(metrics["loss_tokens"]),
+        "seconds": round(metrics["step_time_s"], 4),
+        "epoch": epoch,
+        "skipped": bool(metrics["skipped"]),
+    }
+
+
+def plain_line(row: dict[str, Any], total: int) -> str:
+    """The log line printed per step when stderr is not a terminal."""
+    return (
+        f"step {row['step']}/{total} loss {row['loss']:.4f} grad_norm {row['grad_norm']:.3f} "
+        f"lr {row['lr']:.2e} tokens {row['tokens']} {row['tokens'] / max(row['seconds'], 1e-9):.0f} tok/s"
+    )
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+def spawn_ranks(config: RunConfig, data: SFTData, folder: Path, resume: bool, progress: bool | None) -> None:
+    """Run ``world_size`` FSDP2 ranks as local processes (gloo on CPU, NCCL on CUDA)."""
+    import torch.multiprocessing as mp
+
+    args = (config.train.world_size, free_port(), config, data, str(folder), resume, progress)
+    mp.spawn(_rank_main, args=args, nprocs=config.train.world_size, join=True)
+
+
+def _rank_main(rank: int, world: int, port: int, config: RunConfig, data: SFTData, folder: str, resume: bool, progress) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    run_rank(config, data, folder, folder if resume else None, progress)
+
+
+def run_rank(config: RunConfig, data: SFTData, run_dir: str | None, resume: str | None, progress: bool | None) -> Path:
+    """``run_sft`` as one FSDP2 rank, leaving the process group torn down."""
+    import torch.distributed as dist
+
+    try:
+        return run_sft(config, data, run_dir, resume, progress)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op on one process)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
