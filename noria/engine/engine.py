@@ -330,7 +330,7 @@ class Engine:
             return [], [], None
         k = max(r.request.top_logprobs_num for r in reqs)
         params = [r.request.sampling for r in reqs]
-        res = sample(logits, params, [r.generator for r in reqs], self._generator, k)
+        res = sample(logits, params, [r.generator for r in reqs], self._generator, k, self.config.deterministic)
         top = None
         if res.top_ids is not None:
             top = [list(zip(i, lp)) for i, lp in zip(res.top_ids.tolist(), res.top_logprobs.tolist())]

@@ -144,14 +144,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Logits fp32 [number of sampling chunks, V], in chunk order."""
+        """Logits [number of sampling chunks, V] in the model's dtype, in chunk order (the sampler
+        works in fp32 and widens on the fly: no fp32 copy of the logits)."""
         ids, positions, slots, ctx = self._prepare(chunks)
         rows = self._to_device(self._last_rows(chunks), torch.long)
         if self.fast is not None:
             hidden = self.fast.hidden_states(ids, positions, ctx)[0]
-            return self.fast.lm_head(hidden.index_select(0, rows)).float()
+            return self.fast.lm_head(hidden.index_select(0, rows))
         hidden = self.model.hidden_states(ids, positions, attn=ctx)[0]
-        return self.model.lm_head(hidden.index_select(0, rows)).float()
+        return self.model.lm_head(hidden.index_select(0, rows))
 
     @staticmethod
     def _last_rows(chunks: list[Chunk]) -> list[int]:

@@ -8,12 +8,20 @@ Logprobs are ``log_softmax(logits / T)`` (``log_softmax(logits)`` when greedy), 
 top-k and min-p truncation: that is the distribution a trainer recomputes at the same temperature
 (see ``GenerateOutput.logprobs``).
 
-Randomness. A row is sampled with the exponential-race trick (argmax of ``p / E`` with
-``E ~ Exp(1)``), which equals a draw from ``p``. Rows with a generator of their own draw their
-noise from it alone, so a seeded request's samples do not depend on what else is in the batch;
-unseeded rows share the engine's generator and do depend on batch order.
+How. On the CPU one fused C++ pass per row (``kernels/sampling.cpp``) computes the max, the
+log-sum-exp, the token and its logprob, with no ``[S, V]`` temporaries; elsewhere the same recipe
+runs in torch. Top-k/top-p/min-p rows (sort-based) and top-k logprobs go through torch, and only
+when some row asks for them. Fused logprobs equal ``log_softmax`` to fp32 rounding (a different
+summation order); ``exact_logprobs`` takes them from ``torch.log_softmax`` itself.
 
-Blocking: none; pure tensor code on the logits' device (no host sync; callers read the results).
+Randomness. A sampled row draws ONE uniform ``u`` and takes the inverse CDF: the first id whose
+running probability mass exceeds ``u`` (vocabulary order). Rows with a generator of their own draw
+``u`` from it alone, so a seeded request's samples do not depend on what else is in the batch;
+unseeded rows share the engine's generator and do depend on batch order. (Before this, rows used
+the exponential-race trick with V noise draws per row; a given seed now yields other tokens than
+it did then. The C++ and torch paths can differ when ``u`` falls within rounding of a CDF boundary.)
+
+Blocking: reads one float per seeded row from its generator; otherwise tensor code.
 Not guaranteed: ties in argmax break toward the lower id, as torch does.
 """
 
@@ -46,26 +54,112 @@ def sample(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
     top_logprobs_num: int = 0,
+    exact_logprobs: bool = False,
 ) -> SampleResult:
-    """Sample one token per row; see the module docstring."""
-    logits = logits.float()
-    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    # x / 1.0 == x bitwise: skip a full pass over [S, V] when no row has a temperature (greedy).
-    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    token_ids = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        probs = _truncate(logprobs[rows].exp(), [params[i] for i in sampled_rows])
-        noise = _exponential_noise(probs, [generators[i] for i in sampled_rows], default_generator)
-        token_ids = token_ids.index_copy(0, rows, (probs / noise).argmax(dim=-1))
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    """Sample one token per row; see the module docstring.
+
+    ``exact_logprobs``: take the chosen logprobs from ``torch.log_softmax`` (the trainer's op, bit
+    for bit) instead of the fused kernel (equal to rounding); deterministic mode asks for it.
+    """
+    uniforms = _uniforms(params, generators, default_generator)
+    temps = torch.tensor([0.0 if p.greedy else float(p.temperature) for p in params])
+    fused = _fused_kernel(logits)
+    if fused is not None:
+        token_ids, chosen = fused.sample_rows(logits.contiguous(), temps, uniforms)
+    else:
+        token_ids, chosen = _sample_torch(logits.float(), temps, uniforms)
+    truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p)]
+    if truncated:
+        rows = torch.tensor(truncated, device=logits.device)
+        token_ids = token_ids.index_copy(0, rows, _sample_truncated(logits, params, truncated, uniforms))
+    logprobs = None
+    if exact_logprobs or top_logprobs_num > 0:
+        logprobs = _log_softmax(logits, params)
+    if exact_logprobs:
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     result = SampleResult(token_ids=token_ids, logprobs=chosen)
     if top_logprobs_num > 0:
         top = logprobs.topk(min(top_logprobs_num, logprobs.shape[1]), dim=-1)
         result.top_ids, result.top_logprobs = top.indices, top.values
     return result
+
+
+def _fused_kernel(logits: torch.Tensor):
+    """The C++ sampler for CPU logits, or None (CUDA, no compiler): then the torch fallback runs."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    try:
+        from noria.engine import kernels
+    except ImportError:
+        return None
+    return kernels.cpu_kernel() if kernels.fused_kernels_enabled() else None
+
+
+def _uniforms(
+    params: list[SamplingParams], generators: list[torch.Generator | None], default: torch.Generator | None
+) -> torch.Tensor:
+    """One U[0, 1) per row: from the row's own generator when seeded, else from the shared one."""
+    u = torch.zeros(len(params))
+    shared = [i for i, (p, g) in enumerate(zip(params, generators)) if not p.greedy and g is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), generator=default, device=_device(default))
+    for i, (p, gen) in enumerate(zip(params, generators)):
+        if not p.greedy and gen is not None:
+            u[i] = torch.rand(1, generator=gen, device=_device(gen)).item()
+    return u
+
+
+def _device(gen: torch.Generator | None) -> torch.device:
+    return gen.device if gen is not None else torch.device("cpu")
+
+
+def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    logits = logits.float()
+    temps = [1.0 if p.greedy else float(p.temperature) for p in params]
+    # x / 1.0 == x bitwise: skip a full pass over [S, V] when no row has a temperature (greedy).
+    if all(t == 1.0 for t in temps):
+        return logits
+    return logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
+
+
+def _log_softmax(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    return torch.log_softmax(_scaled(logits, params), dim=-1)
+
+
+def _sample_torch(logits: torch.Tensor, temps: torch.Tensor, uniforms: torch.Tensor):
+    """The kernel's recipe in torch (argmax for greedy rows, inverse CDF for the others)."""
+    t = torch.where(temps > 0, temps, torch.ones_like(temps)).to(logits.device).unsqueeze(1)
+    logprobs = torch.log_softmax(logits / t, dim=-1)
+    token_ids = logits.argmax(dim=-1)
+    sampled = (temps > 0).nonzero().flatten().tolist()
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        drawn = _inverse_cdf(logprobs[rows].exp(), uniforms[rows].to(logits.device))
+        token_ids = token_ids.index_copy(0, rows, drawn)
+    return token_ids, logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row: the first id whose running sum of (unnormalized) weights exceeds u * total."""
+    cdf = weights.cumsum(dim=-1)
+    ids = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    # Rounding can leave u * total at the very end: fall back to the last id with mass.
+    last = weights.shape[1] - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.minimum(ids, last)
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _sample_truncated(
+    logits: torch.Tensor, params: list[SamplingParams], rows: list[int], uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Inverse-CDF draws over the top-k/top-p/min-p truncated distribution of the given rows."""
+    idx = torch.tensor(rows, device=logits.device)
+    sub = [params[i] for i in rows]
+    probs = torch.softmax(_scaled(logits.index_select(0, idx), sub), dim=-1)
+    return _inverse_cdf(_truncate(probs, sub), uniforms[rows].to(logits.device))
 
 
 def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -85,19 +179,3 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     remove[:, 0] = False
     sorted_p = sorted_p.masked_fill(remove, 0.0)
     return torch.zeros_like(probs).scatter(1, order, sorted_p)
-
-
-def _exponential_noise(
-    probs: torch.Tensor, generators: list[torch.Generator | None], default: torch.Generator | None
-) -> torch.Tensor:
-    noise = torch.empty_like(probs)
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
-        idx = torch.tensor(shared, device=probs.device)
-        draws = torch.empty(len(shared), probs.shape[1], device=probs.device)
-        noise.index_copy_(0, idx, draws.exponential_(generator=default))
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            noise[i].exponential_(generator=gen)
-    # exponential_ can return exactly 0 in fp32; 0 would make p/0 = inf win regardless of p.
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp")]
 _lock = threading.Lock()
 _module = None
 _failure: str | None = None
@@ -73,12 +73,12 @@ def _build():
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in _SOURCES)
     flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", *_capability_flags()]
     tag = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
     return load(
         name=f"noria_paged_attention_{tag}",
-        sources=[str(_SOURCE)],
+        sources=[str(p) for p in _SOURCES],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         verbose=False,
@@ -141,3 +141,8 @@ def paged_decode_attention(
         if impl == "cpu_kernel":
             raise RuntimeError(f"the C++ paged attention kernel could not be built: {_failure}")
     return reference_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, block_size, scale)
+
+
+def fused_kernels_enabled() -> bool:
+    """False when ``NORIA_NO_CPU_KERNEL=1`` asks for the torch code everywhere."""
+    return os.environ.get("NORIA_NO_CPU_KERNEL") != "1"

@@ -267,6 +267,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
 
 }  // namespace
 
+std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor uniforms);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("sample_rows", &sample_rows, "fused per-row sampling and logprob (CPU)");
 }
