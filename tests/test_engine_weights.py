@@ -153,3 +153,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_deterministic_logprobs_do_not_depend_on_40_neighbours_with_a_real_vocab():
+    # SmolLM2's shapes (hidden 576, vocab 49152): bf16 F.linear rows change with M above 32 here, so
+    # deterministic mode must cut steps into sub-steps of <= 32 tokens; toy shapes never show it.
+    from noria.models import DecoderLM
+    from noria.models.config import ModelArgs, RopeScaling
+
+    args = ModelArgs(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=128, num_layers=1, num_heads=9,
+        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=RopeScaling(), qkv_bias=False,
+        o_bias=False, mlp_bias=False, qk_norm=False, tie_word_embeddings=True, max_position_embeddings=512,
+        bos_token_id=None, eos_token_ids=(2,),
+    )
+    torch.manual_seed(0)
+    model = DecoderLM(args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model = model.to(torch.bfloat16).eval()
+    config = EngineConfig(kv_cache_tokens=8192, block_size=16, max_running_requests=64, attention="torch", deterministic=True)
+    engine = Engine(model, None, config)
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True, seed=11)
+    reqs = [GenerateRequest(input_ids=[100 + 37 * s + i for i in range(6 + s % 5)], sampling=params) for s in range(40)]
+    alone = []
+    for r in reqs:
+        engine.flush_cache()
+        alone.append(engine.generate_batch([r])[0])
+    engine.flush_cache()
+    batched = engine.generate_batch(reqs)
+    assert [b.output_ids for b in batched] == [a.output_ids for a in alone]
+    assert [b.logprobs for b in batched] == [a.logprobs for a in alone]  # bitwise
+    engine.shutdown(1)

@@ -17,7 +17,8 @@ This is the only engine module with device code (with ``sampling``): metadata is
 host and moved once per step; nothing here reads device values back. A CUDA path slots in by
 choosing another decode function here. Blocking: the forward itself (torch releases the GIL).
 Not guaranteed: batch invariance unless ``deterministic`` (then decode attention also runs one
-sequence at a time) and the model runs in bf16 (see DESIGN §6).
+sequence at a time and a step runs as sub-steps of ``DETERMINISTIC_ROWS`` tokens) and the model runs in bf16
+(see DESIGN §6).
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ from noria.engine.scheduler import Chunk
 from noria.models.decoder import DecoderLM
 
 DecodeFn = Callable[..., torch.Tensor]
+
+DETERMINISTIC_ROWS = 32
+"""Deterministic mode runs a step as sub-steps of at most this many tokens (long chunks split like
+chunked prefill, their K/V written before the next piece attends). Measured on this CPU (torch
+2.13, bf16, SmolLM2 shapes): ``F.linear`` rows equal the M = 1 result for every M <= 32, while
+from M = 33 on oneDNN switches kernels and rows change in the last bits (the 49152 x 576 lm_head
+and the 1536 x 576 / 576 x 1536 MLP at M >= 33, the 576 x 576 projections at M = 64, 128, ...),
+so a sequence's logits would depend on how many tokens shared its step."""
 
 
 @dataclass
@@ -144,6 +153,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Logits [number of sampling chunks, V], in chunk order (see ``_forward``)."""
+        if self.deterministic:
+            return torch.cat([self._forward(group) for group in _split_rows(chunks, DETERMINISTIC_ROWS)])
+        return self._forward(chunks)
+
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits [number of sampling chunks, V] in the model's dtype, in chunk order (the sampler
         works in fp32 and widens on the fly: no fp32 copy of the logits)."""
         ids, positions, slots, ctx = self._prepare(chunks)
@@ -151,8 +166,7 @@ class ModelRunner:
         if self.fast is not None:
             hidden = self.fast.hidden_states(ids, positions, ctx)[0]
             return self.fast.lm_head(hidden.index_select(0, rows))
-        hidden = self.model.hidden_states(ids, positions, attn=ctx)[0]
-        return self.model.lm_head(hidden.index_select(0, rows))
+        return self.model.lm_head(self.model.hidden_states(ids, positions, attn=ctx)[0].index_select(0, rows))
 
     @staticmethod
     def _last_rows(chunks: list[Chunk]) -> list[int]:
@@ -213,3 +227,20 @@ class ModelRunner:
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         # Step metadata is small; one host->device copy per tensor per step.
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+
+def _split_rows(chunks: list[Chunk], limit: int):
+    """The step's chunks in order, as groups of at most ``limit`` tokens; a chunk crossing a group
+    boundary is cut in two (only its last piece samples, as ``Chunk.sample`` says)."""
+    group, size = [], 0
+    for c in chunks:
+        start, end = c.start, c.start + c.n
+        while start < end:
+            n = min(end - start, limit - size)
+            group.append(Chunk(c.req, start, n))
+            size, start = size + n, start + n
+            if size == limit:
+                yield group
+                group, size = [], 0
+    if group:
+        yield group
