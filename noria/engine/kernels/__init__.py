@@ -1,4 +1,8 @@
-"""Attention kernels of the engine: paged decode attention.
+"""C++ kernels of the engine on CPU: paged decode attention and the fused sampler.
+
+One extension (``paged_attention.cpp`` + ``sampling.cpp``) holds both; ``sample_rows`` is used by
+``noria.engine.sampling`` (see there) and is off, like the attention kernel, under
+``NORIA_NO_CPU_KERNEL=1``.
 
 ``paged_decode_attention`` computes one query token per sequence against that sequence's cached
 K/V, which live in a shared pool and are found through a block table (see ``kv_cache``). Two
