@@ -125,11 +125,43 @@ class RolloutConfig:
     top_k: int = option(-1, "Keep only the k most likely tokens; -1 keeps all.")
     min_p: float = option(0.0, "Drop tokens whose probability is below min_p times the top token's.")
     stop: list[str] = option(factory=list, help="Stop strings; generation ends after the first one produced.")
+    prompts_per_step: int | None = option(
+        None,
+        "Prompts sampled per rollout step. Batch invariant: prompts_per_step * n_samples = "
+        "train.global_batch * train.steps_per_rollout; set three, the fourth is derived.",
+    )
+    placement: Literal["colocated", "disaggregated"] = option(
+        "colocated",
+        "colocated: the engine runs in the trainer's process and pauses (KV memory released) while it trains; "
+        "disaggregated: the engine is its own `noria serve` process (or the server at engine_url).",
+    )
+    engine_url: str | None = option(
+        None, "disaggregated: base URL of a running engine server (noria serve, SGLang); null starts `noria serve` itself."
+    )
+    max_staleness: int = option(
+        0, "Largest allowed trainer version minus the oldest weight version in a group; 0 is synchronous RL."
+    )
+    engine_timeout_s: float = option(
+        600.0, "Seconds one rollout request may take before the engine is declared dead and the run stops."
+    )
 
     def validate(self) -> None:
         _check_sampling("rollout", self.temperature, self.top_p, self.top_k, self.min_p, self.max_new_tokens)
         if self.n_samples < 1:
             raise ConfigError(f"rollout.n_samples must be >= 1, got {self.n_samples}")
+        if self.prompts_per_step is not None and self.prompts_per_step < 1:
+            raise ConfigError(f"rollout.prompts_per_step must be >= 1 or null, got {self.prompts_per_step}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.engine_timeout_s <= 0:
+            raise ConfigError(f"rollout.engine_timeout_s must be > 0, got {self.engine_timeout_s}")
+        if self.engine_url is not None and self.placement != "disaggregated":
+            raise ConfigError("rollout.engine_url names an external engine: it needs rollout.placement: disaggregated")
+        if self.max_staleness > 0 and self.placement == "colocated":
+            raise ConfigError(
+                "rollout.max_staleness > 0 (asynchronous RL) needs rollout.placement: disaggregated; a colocated engine "
+                "pauses while the trainer runs, so it cannot generate ahead"
+            )
 
 
 @dataclass
@@ -273,7 +305,14 @@ class TrainConfig:
     teacher: str | None = option(
         None, "Teacher model (catalog name or HF folder) for compute_logprobs(which='teacher'), e.g. on-policy distillation; null loads none."
     )
-    global_batch: int = option(8, "Sequences per optimizer step (SFT: chat rows; the last step of the data may have fewer).")
+    global_batch: int | None = option(
+        None,
+        "Sequences per optimizer step (SFT: chat rows, default 8; the last step of the data may have fewer). "
+        "RL: derived from the batch invariant when null (see rollout.prompts_per_step).",
+    )
+    steps_per_rollout: int | None = option(
+        None, "RL: optimizer steps taken on each rollout step's samples (split into global_batch slices); null derives it (default 1)."
+    )
     max_steps: int | None = option(None, "Stop after this many optimizer steps; null runs until data.epochs passes are done.")
     save_every: int = option(0, "Optimizer steps between checkpoints in RUN_DIR/checkpoints (what --resume restarts from); 0 saves none.")
     max_seq_tokens: int | None = option(
@@ -289,13 +328,32 @@ class TrainConfig:
             raise ConfigError("train.max_nonfinite_skips must be >= 0")
         if self.teacher is not None and not self.teacher.strip():
             raise ConfigError("train.teacher must be a model name or folder, or null")
-        if self.global_batch < 1 or self.save_every < 0:
-            raise ConfigError(f"train.global_batch must be >= 1 and train.save_every >= 0, got {self.global_batch}, {self.save_every}")
-        for key in ("max_steps", "max_seq_tokens"):
+        if self.save_every < 0:
+            raise ConfigError(f"train.save_every must be >= 0, got {self.save_every}")
+        for key in ("max_steps", "max_seq_tokens", "global_batch", "steps_per_rollout"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1 or null, got {getattr(self, key)}")
         for section in (self.optim, self.loss, self.lora):
             section.validate()
+
+
+@dataclass
+class SyncConfig:
+    """Weight sync from the trainer to the rollout engines (``noria.sync``)."""
+
+    transport: Literal["auto", "ipc", "broadcast", "disk"] = option(
+        "auto",
+        "ipc: in process or shared memory; broadcast: torch.distributed group from trainer rank 0 (gloo / NCCL); "
+        "disk: safetensors folder the engine loads. auto: ipc when colocated, broadcast for a noria engine "
+        "started by the run, disk for an external engine_url.",
+    )
+    bucket_mb: int = option(256, "Tensors are sent in buckets of about this many MiB.")
+    verify: bool = option(False, "After every update, compare a checksum of every engine tensor with the trainer's.")
+    disk_dir: str | None = option(None, "disk transport: folder the weights are written to; null uses RUN_DIR/weights.")
+
+    def validate(self) -> None:
+        if self.bucket_mb < 1:
+            raise ConfigError(f"sync.bucket_mb must be >= 1, got {self.bucket_mb}")
 
 
 @dataclass
@@ -310,8 +368,13 @@ class EvalConfig:
     top_p: float = option(1.0, "Nucleus sampling threshold (ignored when greedy).")
     n_samples: int = option(1, "Answers per prompt; accuracy averages over all of them (pass@1 estimate).")
     seed: int = option(0, "Seed for sampled evaluation.")
+    every: int = option(
+        0, "noria train (RL): evaluate on the rollout engine before step 1, every this many steps and at the end; 0 never."
+    )
 
     def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"eval.every must be >= 0, got {self.every}")
         _check_sampling("eval", self.temperature, self.top_p, -1, 0.0, self.max_new_tokens)
         for key in ("batch_size", "n_samples"):
             if getattr(self, key) < 1:
@@ -333,6 +396,7 @@ class RunConfig:
     rollout: RolloutConfig = option(factory=RolloutConfig, help="Rollout sampling.")
     engine: EngineConfig = option(factory=EngineConfig, help="The built-in rollout engine.")
     train: TrainConfig = option(factory=TrainConfig, help="The trainer.")
+    sync: SyncConfig = option(factory=SyncConfig, help="Weight sync to the engines.")
     eval: EvalConfig = option(factory=EvalConfig, help="Evaluation.")
 
     def validate(self) -> None:
@@ -344,6 +408,54 @@ class RunConfig:
             raise ConfigError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
         if self.train.algorithm == "sft":
             _check_sft_data(self.data)
+            if self.train.global_batch is None:
+                self.train.global_batch = 8
+        else:
+            resolve_batch(self)
+
+
+def resolve_batch(config: RunConfig) -> None:
+    """Fill in the RL batch invariant ``P * n = G * K`` (prompts per step, samples per prompt,
+    global batch, optimizer steps per rollout) from the values set; raise if they disagree.
+
+    ``n`` always has a value (default 8). Of P, G and K: a missing K is 1 unless P and G are both set;
+    if P and G are both missing, P is 8 prompts; the one still missing is derived, and must come out
+    a whole number. The resolved values are written back, so the saved config holds all four.
+    """
+    r, t = config.rollout, config.train
+    n = r.n_samples
+    if t.steps_per_rollout is None and (r.prompts_per_step is None or t.global_batch is None):
+        t.steps_per_rollout = 1
+    if r.prompts_per_step is None and t.global_batch is None:
+        r.prompts_per_step = 8
+    k = t.steps_per_rollout
+    if r.prompts_per_step is None:
+        if (t.global_batch * k) % n:
+            raise ConfigError(
+                f"batch invariant: train.global_batch ({t.global_batch}) * train.steps_per_rollout ({k}) must be a "
+                f"multiple of rollout.n_samples ({n}) to derive rollout.prompts_per_step"
+            )
+        r.prompts_per_step = t.global_batch * k // n
+    elif t.global_batch is None:
+        if (r.prompts_per_step * n) % k:
+            raise ConfigError(
+                f"batch invariant: rollout.prompts_per_step ({r.prompts_per_step}) * rollout.n_samples ({n}) must be a "
+                f"multiple of train.steps_per_rollout ({k}) to derive train.global_batch"
+            )
+        t.global_batch = r.prompts_per_step * n // k
+    elif k is None:
+        if (r.prompts_per_step * n) % t.global_batch:
+            raise ConfigError(
+                f"batch invariant: rollout.prompts_per_step ({r.prompts_per_step}) * rollout.n_samples ({n}) must be a "
+                f"multiple of train.global_batch ({t.global_batch}) to derive train.steps_per_rollout"
+            )
+        t.steps_per_rollout = r.prompts_per_step * n // t.global_batch
+    if r.prompts_per_step * n != t.global_batch * t.steps_per_rollout:
+        raise ConfigError(
+            f"batch invariant broken: rollout.prompts_per_step * rollout.n_samples = {r.prompts_per_step} * {n} = "
+            f"{r.prompts_per_step * n}, but train.global_batch * train.steps_per_rollout = {t.global_batch} * "
+            f"{t.steps_per_rollout} = {t.global_batch * t.steps_per_rollout}; set three of them and leave the fourth null"
+        )
 
 
 def _check_sft_data(data: DataConfig) -> None:
