@@ -30,10 +30,17 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.config import load_config
-    from noria.train.run import train
 
     config = load_config(args.config, overrides)
-    train(config, run_dir=args.run_dir, resume=args.resume, progress=False if args.no_progress else None)
+    progress = False if args.no_progress else None
+    if config.train.algorithm == "rl":
+        from noria.launch.local import run_rl
+
+        run_rl(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
+    else:
+        from noria.train.run import train
+
+        train(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
     return 0
 
 
@@ -134,10 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train",
-        help="train a model (train.algorithm sft today; rl comes with the rollout loop)",
-        description="Supervised fine-tuning on multi-turn chat JSONL (loss on assistant tokens only) "
-        "through the trainer backend. Writes the resolved config, metrics.jsonl, checkpoints every "
-        "train.save_every steps and the final HF model (RUN_DIR/final) into the run folder. "
+        help="train a model: RL (GRPO and friends, train.algorithm rl) or SFT (train.algorithm sft)",
+        description="RL (train.algorithm rl): the loop of rollout on the engine (colocated in this "
+        "process, or disaggregated as a `noria serve` process: rollout.placement), rewards, trainer "
+        "steps and weight sync, with evaluation every eval.every steps on the rollout engine. "
+        "SFT (train.algorithm sft): multi-turn chat JSONL, loss on assistant tokens only. "
+        "Both write the resolved config, metrics.jsonl, checkpoints every train.save_every steps "
+        "(continue with --resume RUN_DIR) and the final HF model (RUN_DIR/final) into the run folder. "
         "train.backend fsdp2 with train.world_size N spawns N local ranks, or runs as one rank "
         "under `torchrun --nproc-per-node N -m noria.cli train ...`.",
         epilog=CONFIG_HELP,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -602,11 +603,16 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads `1e-6` (no dot) as a string; it is a number here
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # a YAML-parsed override like `--name 123` is still a name
     if tp in (int, float, bool, str) and (type(value) is not tp):
         raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
     return value
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 def load_prompts(data_cfg: DataConfig, split: str) -> list[Prompt]:
     """The prompts of ``split`` ("train" or "test"): a task split, or the file the config names."""
     if data_cfg.task is not None:
-        return tasks.generate_split(data_cfg.task, split, data_cfg.task_args)
+        try:
+            return tasks.generate_split(data_cfg.task, split, data_cfg.task_args)
+        except ValueError as e:  # unknown task or argument, a problem space too small: name the key
+            raise DataError(f"data.task / data.task_args: {e}") from e
     path = _split_path(data_cfg, split)
     fields = FieldMap(data_cfg.prompt_key, data_cfg.label_key, tuple(data_cfg.metadata_keys))
     dataset = read_prompt_file(path, fields, data_cfg.format, data_cfg.skip_bad_rows)

@@ -1,0 +1,467 @@
+"""The local launcher: builds an RL ``Job`` on one machine and runs ``noria.loop.rl_loop`` on it.
+
+What it owns: turning a ``RunConfig`` into running parts, and the parts' per-step bookkeeping:
+
+- data: the task's (or file's) train and test prompts, rendered once; too-long ones dropped;
+- the engine, by ``rollout.placement``: ``colocated`` builds the built-in ``Engine`` in this
+  process (it pauses and releases its KV memory while the trainer runs); ``disaggregated`` starts
+  ``noria serve`` as a child process on a free loopback port, or uses ``rollout.engine_url``;
+- the trainer backend (``FSDPBackend``, one process), the weight sync (``noria.sync``), the group
+  buffer, and the run folder (config.yaml, metrics.jsonl, eval.jsonl, checkpoints/, final/).
+
+Order of checks: the config is validated when loaded; prompts, reward and run folder are checked
+here before any model loads, so a bad input costs seconds, not a model load.
+
+Resume (``--resume RUN_DIR``): the last committed checkpoint restores weights, AdamW, RNG, the data
+cursor, the buffer, the step, the group counter and the weight version; the engine, started from the
+base model, receives the checkpoint's weights under that version before the first rollout, and
+metrics lines after the checkpoint are dropped so the resumed run repeats exactly the same steps.
+
+Not guaranteed: RL on several trainer processes (``train.world_size`` > 1) and several engines
+come with the distributed launcher; a colocated engine shares this process's CPU threads with the
+trainer (they never run at the same time in synchronous RL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from noria.config import RunConfig, save_config
+from noria.errors import NoriaError
+from noria.metrics import RunLog, mean
+from noria.rollout import EngineFailure, GroupBuffer, HttpEngineClient, LocalEngineClient, RolloutContext, rollout_groups
+from noria.rollout.generate import RolloutResult
+from noria.types import Group, Prompt, Sample, Status
+
+SERVE_READY_TIMEOUT_S = 600.0
+
+
+def run_rl(config: RunConfig, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None) -> Path:
+    """``noria train`` for ``train.algorithm: rl``: build the job, run the loop, clean up."""
+    from noria.loop import rl_loop
+
+    job = Job.build(config, run_dir, resume, progress)
+    try:
+        asyncio.run(job.run(rl_loop))
+    finally:
+        job.close()
+    return job.folder
+
+
+class Job:
+    """The parts of one RL run and the calls the loop makes on them (see ``noria.loop``)."""
+
+    # ------------------------------------------------------------------------------------ build
+
+    @classmethod
+    def build(cls, config: RunConfig, run_dir: str | None, resume: str | None, progress: bool | None) -> Job:
+        from noria.train.run import check_run_folder, resolve_run_dir
+
+        check_supported(config)
+        folder = resolve_run_dir(config, run_dir, resume)
+        check_run_folder(folder, config, resume is not None)
+        job = cls(config, folder, progress)
+        job.load_data()  # prompts and reward are checked before any model loads
+        job.start_parts(resume is not None)
+        return job
+
+    def __init__(self, config: RunConfig, folder: Path, progress: bool | None) -> None:
+        from noria.rewards.registry import resolve_reward
+
+        self.config = config
+        self.folder = folder
+        self.progress = progress
+        self.reward = resolve_reward(config)
+        self.step = 0
+        self.next_group_id = 0
+        self.version = 0
+        self.total_steps = 0
+        self.buffer = GroupBuffer(capacity=max(4 * config.rollout.prompts_per_step, 1), max_staleness=config.rollout.max_staleness)
+        self.engine_process: subprocess.Popen | None = None
+        self.local_engine: Any = None
+        self.client: Any = None
+        self.backend: Any = None
+        self.sync: Any = None
+        self.log: RunLog | None = None
+        self.last_eval_step: int | None = None
+        self.timer: dict[str, float] = {}
+
+    def load_data(self) -> None:
+        from noria.data import PromptSource, drop_long, load_prompts, render_prompts
+        from noria.models import load_tokenizer
+        from noria.models.catalog import model_path
+        from noria.rewards.registry import get_reward
+
+        cfg = self.config
+        get_reward(self.reward.name)  # an unknown reward or import path fails here
+        self.tokenizer = load_tokenizer(model_path(cfg.model.path))
+        train = render_prompts(load_prompts(cfg.data, "train"), self.tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
+        kept, dropped = drop_long(train, cfg.data.max_prompt_tokens)
+        if not kept:
+            raise NoriaError(f"no training prompts left ({len(train)} loaded, {dropped} over data.max_prompt_tokens)")
+        self.prompt_ids = {r.prompt.index: r.ids for r in kept}
+        self.source = PromptSource.from_config([r.prompt for r in kept], cfg.data)
+        self.dropped_prompts = dropped
+        self.test_prompts: list[tuple[Prompt, list[int]]] = []
+        if cfg.eval.every > 0:
+            test = load_prompts(cfg.data, "test")[: cfg.eval.limit]
+            rendered = render_prompts(test, self.tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
+            self.test_prompts = [(r.prompt, r.ids) for r in drop_long(rendered, cfg.data.max_prompt_tokens)[0]]
+        per_epoch = len(kept) * cfg.data.epochs // cfg.rollout.prompts_per_step
+        self.total_steps = min(per_epoch, cfg.train.max_steps) if cfg.train.max_steps else per_epoch
+        if self.total_steps < 1:
+            raise NoriaError(
+                f"{len(kept)} training prompts x {cfg.data.epochs} epochs do not fill one step of "
+                f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}"
+            )
+
+    def start_parts(self, resume: bool) -> None:
+        from noria.models.catalog import model_path
+        from noria.train import FSDPBackend
+
+        cfg = self.config
+        path = model_path(cfg.model.path)
+        self.client, target = self.start_engine(path)
+        self.backend = FSDPBackend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
+        self.backend.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
+        self.sync = build_weight_sync(cfg, target, self.folder)
+        if resume:
+            self.restore()
+        cfg.run_dir = str(self.folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.folder / "config.yaml")
+        self.log = RunLog(self.folder, self.total_steps, self.step, self.progress)
+
+    def start_engine(self, path: Path) -> tuple[Any, Any]:
+        """(the client rollout uses, the target weight sync pushes to)."""
+        cfg = self.config
+        timeout = cfg.rollout.engine_timeout_s
+        if cfg.rollout.placement == "colocated":
+            from noria.engine import Engine
+
+            self.local_engine = Engine.from_path(path, cfg.engine, dtype=cfg.model.dtype, device=cfg.model.device, seed=cfg.seed)
+            return LocalEngineClient(self.local_engine, timeout), self.local_engine
+        url = cfg.rollout.engine_url
+        if url is None:
+            self.engine_process, url = start_server(path, cfg, self.folder)
+        return HttpEngineClient(url, timeout_s=timeout, process=self.engine_process), url
+
+    # ------------------------------------------------------------------------------------ loop calls
+
+    async def run(self, loop_fn: Any) -> None:
+        if self.step > 0 or self.version > 0:  # resumed: the engine still serves the base model
+            await self.sync_weights(advance=False)
+        await loop_fn(self)
+        self.log.close()
+        print(f"noria train: {self.step} steps; model in {self.folder / 'final'}", file=sys.stderr)
+
+    def begin_step(self) -> None:
+        self.timer = {"start": time.perf_counter()}
+
+    def next_prompts(self) -> list[tuple[Prompt, list[int]]]:
+        prompts = self.source.next_batch(self.config.rollout.prompts_per_step)
+        return [(p, self.prompt_ids[p.index]) for p in prompts]
+
+    async def rollout(self, prompts: list[tuple[Prompt, list[int]]]) -> RolloutResult:
+        ctx = RolloutContext(self.client, self.tokenizer, self.config.rollout, seed=self.config.seed)
+        result = await rollout_groups(ctx, prompts, self.next_group_id, self.config.rollout.n_samples, self.reward)
+        self.next_group_id += len(prompts)
+        return result
+
+    def put_groups(self, groups: list[Group]) -> None:
+        for group in groups:
+            self.buffer.put(group)  # a dropped group is counted by reason (buffer/dropped/<reason>)
+
+    def take_groups(self, n: int) -> list[Group]:
+        return self.buffer.take(n, self.version)
+
+    @contextlib.asynccontextmanager
+    async def trainer_turn(self) -> AsyncIterator[None]:
+        """Colocated: pause the engine (requests retracted) and release its KV memory meanwhile."""
+        if self.config.rollout.placement != "colocated":
+            yield
+            return
+        await self.client.pause()
+        await self.client.release_memory()
+        try:
+            yield
+        finally:
+            await self.client.resume_memory()
+            await self.client.resume()
+
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        """``steps_per_rollout`` optimizer steps on the groups' trainable samples."""
+        from noria.train import pack_samples
+        from noria.train.algorithms import compute_advantages
+
+        t0 = time.perf_counter()
+        cfg = self.config.train
+        kept = [trainable(g) for g in groups]
+        kept = [g for g in kept if g]
+        samples = [s for g in kept for s in g]
+        if not samples:
+            return {"time/train_s": time.perf_counter() - t0, "train/skipped_no_samples": 1.0}
+        advantages = compute_advantages(cfg.loss, [[s.reward for s in g] for g in kept])
+        flat_adv = [a for per_group in advantages for a in per_group]
+        k = cfg.steps_per_rollout
+        size = math.ceil(len(samples) / k)
+        slices = [(samples[i : i + size], flat_adv[i : i + size]) for i in range(0, len(samples), size)]
+        batches = [pack_samples(s, a) for s, a in slices]
+        old = [self.backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
+        parts = [self.backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
+        out = average(parts)
+        out["optimizer_step"] = out.pop("step", float(self.backend.step))
+        out["train/samples"] = float(len(samples))
+        out["time/train_s"] = time.perf_counter() - t0
+        return out
+
+    async def sync_weights(self, advance: bool = True) -> dict[str, float]:
+        """Push the trainer's weights to the engines as the next version (or the current one on resume)."""
+        version = self.version + 1 if advance else self.version
+        bucket = self.config.sync.bucket_mb << 20
+        metrics = await asyncio.to_thread(self.sync.push, self.backend.state_dict_for_sync(bucket), version)
+        self.version = version
+        self.backend.weight_version = version
+        return metrics
+
+    def end_step(self, rollout: RolloutResult, groups: list[Group], train: dict[str, float], sync: dict[str, float]) -> None:
+        self.step += 1
+        row = {"step": self.step, "version": self.version}
+        row.update(rollout_metrics(rollout, self.config.rollout.n_samples))
+        row.update(self.buffer.metrics())
+        row.update(train)
+        row.update(sync)
+        row["groups/trained"] = float(len(groups))
+        row.update(self.engine_metrics())
+        row["seconds"] = time.perf_counter() - self.timer["start"]
+        self.log.write_step(row)
+
+    async def evaluate(self, when: str) -> None:
+        """Greedy accuracy on the held-out prompts, on the rollout engine; a failure is logged, not raised."""
+        every = self.config.eval.every
+        if every <= 0 or not self.test_prompts or self.last_eval_step == self.step:
+            return
+        due = {"start": self.step == 0, "step": self.step % every == 0 and self.step < self.total_steps, "end": True}[when]
+        if not due:
+            return
+        self.last_eval_step = self.step
+        start = time.perf_counter()
+        try:
+            ctx = RolloutContext(self.client, self.tokenizer, eval_sampling(self.config), seed=self.config.eval.seed, greedy=self.config.eval.temperature == 0)
+            result = await rollout_groups(ctx, self.test_prompts, 0, self.config.eval.n_samples, self.reward)
+        except EngineFailure:
+            raise
+        except Exception as e:  # an evaluation failure never stops training
+            self.log.write_eval({"step": self.step, "version": self.version, "skipped": f"{type(e).__name__}: {e}"})
+            return
+        samples = [s for g in result.groups for s in g.samples]
+        scored = [s.reward for s in samples if s.reward is not None]
+        row = {
+            "step": self.step,
+            "version": self.version,
+            "accuracy": mean(scored),
+            "n_prompts": len(result.groups),
+            "n_answers": len(samples),
+            "failed": len(samples) - len(scored),
+            "truncated": sum(s.status is Status.TRUNCATED for s in samples),
+            "seconds": time.perf_counter() - start,
+        }
+        self.log.write_eval(row, samples)
+
+    def save(self, when: str) -> None:
+        every = self.config.train.save_every
+        if when == "end":
+            self.backend.export_hf(self.folder / "final")
+        if every and (self.step % every == 0 or when == "end") and self.step > 0:
+            from noria.train import checkpoint_dir
+
+            target = checkpoint_dir(self.folder, self.step)
+            if not target.exists():
+                self.backend.save(target, extra=self.checkpoint_extra())
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {
+            "rl_step": self.step,
+            "next_group_id": self.next_group_id,
+            "version": self.version,
+            "data": self.source.state_dict(),
+            "buffer": self.buffer.state_dict(),
+        }
+
+    def restore(self) -> None:
+        from noria.train import latest_checkpoint
+        from noria.train.run import keep_metrics_through
+
+        ckpt = latest_checkpoint(self.folder)
+        if ckpt is not None:
+            extra = self.backend.load(ckpt)
+            self.step = int(extra["rl_step"])
+            self.next_group_id = int(extra["next_group_id"])
+            self.version = int(extra["version"])
+            self.backend.weight_version = self.version
+            self.source.load_state_dict(extra["data"])
+            self.buffer.load_state_dict(extra["buffer"])
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            keep_metrics_through(self.folder / name, self.step)
+        self.last_eval_step = self.step if self.step > 0 else None
+        print(f"noria train: resuming {self.folder} at step {self.step} ({ckpt or 'no checkpoint yet'})", file=sys.stderr)
+
+    def engine_metrics(self) -> dict[str, float]:
+        if self.local_engine is None:
+            return {}
+        m = self.local_engine.metrics()
+        return {"engine/prefix_hit_rate": float(m["prefix_hit_rate"]), "engine/retractions": float(m["retractions"])}
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+        if self.sync is not None:
+            with contextlib.suppress(Exception):
+                self.sync.close()
+        if self.local_engine is not None:
+            self.local_engine.shutdown(drain_timeout_s=1.0)
+        if self.engine_process is not None:
+            stop_server(self.engine_process)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def check_supported(config: RunConfig) -> None:
+    if config.train.algorithm != "rl":
+        raise NoriaError("run_rl needs train.algorithm: rl")
+    if config.train.world_size > 1:
+        raise NoriaError("train.world_size > 1 for RL needs the distributed launcher (not available yet); use world_size 1")
+    if config.rollout.max_staleness > 0:
+        raise NoriaError("rollout.max_staleness > 0 (asynchronous RL) is not available yet; use 0")
+
+
+def backend_options(config: RunConfig) -> dict[str, Any]:
+    """Keyword options of the backend that depend on other sections (deterministic numerics)."""
+    import inspect
+
+    from noria.train import FSDPBackend
+
+    if "deterministic" in inspect.signature(FSDPBackend.__init__).parameters:
+        return {"deterministic": config.engine.deterministic}
+    return {}
+
+
+def build_weight_sync(config: RunConfig, target: Any, folder: Path) -> Any:
+    import dataclasses
+
+    from noria.sync import build_sync
+
+    cfg = config.sync
+    if cfg.transport == "auto" and config.rollout.engine_url is not None:
+        cfg = dataclasses.replace(cfg, transport="disk")  # an external server loads a folder
+    return build_sync(cfg, [target], run_dir=folder)
+
+
+def trainable(group: Group) -> list[Sample]:
+    """The samples of ``group`` that can be trained on: generated to the end and scored."""
+    return [s for s in group.samples if s.status in (Status.COMPLETED, Status.TRUNCATED) and s.reward is not None]
+
+
+def average(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each metric over optimizer steps (max / min for extrema, the last value for counters)."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: dict[str, float] = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts if key in p]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        elif key in ("step", "lr"):
+            out[key] = values[-1]
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def rollout_metrics(rollout: RolloutResult, n_samples: int) -> dict[str, float]:
+    samples = [s for g in rollout.groups for s in g.samples]
+    rewards = [s.reward for s in samples if s.reward is not None]
+    lengths = [len(s.response_ids) for s in samples]
+    tokens = sum(lengths)
+    solved = [g for g in rollout.groups if any((s.reward or 0) > 0 for s in g.samples)]
+    uniform = [g for g in rollout.groups if len({s.reward for s in g.samples}) == 1]
+    out = {
+        "rollout/reward_mean": mean(rewards),
+        "rollout/response_len_mean": mean(lengths),
+        "rollout/truncated_frac": mean([s.status is Status.TRUNCATED for s in samples]),
+        "rollout/aborted": float(sum(s.status is Status.ABORTED for s in samples)),
+        "rollout/groups_solved_frac": len(solved) / max(len(rollout.groups), 1),
+        "rollout/groups_zero_variance_frac": len(uniform) / max(len(rollout.groups), 1),
+        "rollout/tokens": float(tokens),
+        "rollout/tokens_per_s": tokens / max(rollout.seconds - rollout.reward_seconds, 1e-9),
+        "time/rollout_s": rollout.seconds,
+        "time/reward_s": rollout.reward_seconds,
+    }
+    out.update({k: float(v) for k, v in rollout.counts.as_metrics().items()})
+    return out
+
+
+def eval_sampling(config: RunConfig) -> Any:
+    import dataclasses
+
+    e = config.eval
+    return dataclasses.replace(config.rollout, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=-1, min_p=0.0)
+
+
+# ------------------------------------------------------------------------------ engine server process
+
+
+def start_server(path: Path, config: RunConfig, folder: Path) -> tuple[subprocess.Popen, str]:
+    """``noria serve`` on a free loopback port as a child process; waits until it answers /health."""
+    from noria.router.sglang_router import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "noria", "serve", "--model", str(path), "--port", str(port)]
+    cmd += ["--dtype", config.model.dtype, "--device", config.model.device, "--weight-version", "0"]
+    for f in fields(config.engine):
+        value = getattr(config.engine, f.name)
+        if value is not None:
+            cmd += [f"--engine.{f.name}", json.dumps(value) if not isinstance(value, str) else value]
+    folder.mkdir(parents=True, exist_ok=True)
+    log = open(folder / "engine.log", "ab")
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SERVE_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = (folder / "engine.log").read_text(errors="replace")[-2000:]
+            raise EngineFailure(f"engine server (noria serve) exited with code {process.returncode} while starting:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return process, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop_server(process)
+    raise EngineFailure(f"engine server at {url} did not become healthy within {SERVE_READY_TIMEOUT_S:g} s (see {folder / 'engine.log'})")
+
+
+def stop_server(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,0 +1,199 @@
+"""Engine clients: how rollout talks to an engine, in process or over HTTP, with the same calls.
+
+What this module owns: ``EngineClient``, the small async surface the rollout and the loop use
+(``generate``, ``pause``, ``resume``, ``release_memory``, ``resume_memory``, ``weight_version``),
+and its two implementations:
+
+- ``LocalEngineClient(engine)``: the built-in ``Engine`` in this process (colocated placement);
+- ``HttpEngineClient(base_url)``: ``noria serve``, an SGLang server, or a router in front of them,
+  through SGLang's native HTTP API (``/generate`` with ``input_ids``, ``return_logprob``).
+
+Both return ``GenerateOutput`` records: token ids, the log-probability of every sampled token and
+the weight version that produced each token (an SGLang server reports one version per request; it
+is repeated per token).
+
+Failure: a dead engine (the in-process thread stopped, the server refuses connections or its
+process exited) raises ``EngineFailure`` naming the engine; a request running past
+``timeout_s`` raises it too, so a rollout never waits forever. Nothing is retried here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import httpx
+
+from noria.engine.protocol import GenerateOutput, GenerateRequest
+from noria.errors import NoriaError
+from noria.router.client import RoutedClient
+
+
+class EngineFailure(NoriaError):
+    """An engine died, stopped answering, or took longer than allowed; the message names it."""
+
+
+class EngineClient(Protocol):
+    """What rollout needs from an engine."""
+
+    name: str
+    """Human-readable name used in errors (``in-process engine`` or the base URL)."""
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def release_memory(self) -> None: ...
+
+    async def resume_memory(self) -> None: ...
+
+    async def weight_version(self) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+
+class LocalEngineClient:
+    """The built-in engine running in this process."""
+
+    def __init__(self, engine: Any, timeout_s: float = 600.0, name: str = "in-process engine") -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.name = name
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        try:
+            return await asyncio.wait_for(self.engine.generate(req), self.timeout_s)
+        except TimeoutError as e:
+            raise EngineFailure(f"{self.name}: no answer within rollout.engine_timeout_s={self.timeout_s:g} s") from e
+        except NoriaError:
+            raise
+        except Exception as e:  # EngineDead and anything else the engine thread raised
+            raise EngineFailure(f"{self.name} failed: {type(e).__name__}: {e}") from e
+
+    async def pause(self) -> None:
+        await self.engine.pause("retract")
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def release_memory(self) -> None:
+        release = getattr(self.engine, "release_memory_occupation", None)
+        if release is not None:
+            await asyncio.to_thread(release)
+
+    async def resume_memory(self) -> None:
+        resume = getattr(self.engine, "resume_memory_occupation", None)
+        if resume is not None:
+            await asyncio.to_thread(resume)
+
+    async def weight_version(self) -> int:
+        return int(self.engine.weight_version)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class HttpEngineClient:
+    """An engine server (``noria serve``, SGLang) or a router, over SGLang's native HTTP API."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0, process: Any = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.name = f"engine at {self.base_url}"
+        self.timeout_s = timeout_s
+        self.process = process
+        """The engine's ``subprocess.Popen`` when this run started it; checked when a request fails."""
+        self.http = RoutedClient(self.base_url, api_key=api_key, timeout_s=timeout_s)
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        body = {
+            "input_ids": req.input_ids,
+            "sampling_params": sampling_dict(req),
+            "return_logprob": True,
+            "rid": req.rid or None,
+        }
+        if req.rid == "":
+            body.pop("rid")
+        data = await self._call(self.http.generate(body, routing_key=req.routing_key))
+        return output_from_sglang(data, req)
+
+    async def pause(self) -> None:
+        await self._post("/pause_generation", {"mode": "retract"})
+
+    async def resume(self) -> None:
+        await self._post("/continue_generation", {})
+
+    async def release_memory(self) -> None:
+        await self._post("/release_memory_occupation", {}, missing_ok=True)
+
+    async def resume_memory(self) -> None:
+        await self._post("/resume_memory_occupation", {}, missing_ok=True)
+
+    async def weight_version(self) -> int:
+        data = await self._call(self.http.http.get("/get_weight_version"))
+        data.raise_for_status()
+        return int(data.json()["weight_version"])
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def _post(self, path: str, body: dict[str, Any], missing_ok: bool = False) -> Any:
+        response = await self._call(self.http.http.post(path, json=body))
+        if missing_ok and response.status_code == 404:
+            return None
+        if response.is_error:
+            raise EngineFailure(f"{self.name}{path} answered {response.status_code}: {response.text[:500]}")
+        return response.json()
+
+    async def _call(self, awaitable: Any) -> Any:
+        try:
+            return await awaitable
+        except httpx.HTTPStatusError as e:
+            raise EngineFailure(f"{self.name}: {e}") from e
+        except (httpx.TransportError, OSError) as e:
+            raise EngineFailure(f"{self.name} is unreachable ({type(e).__name__}: {e}){self._exit_note()}") from e
+
+    def _exit_note(self) -> str:
+        if self.process is not None and self.process.poll() is not None:
+            return f"; its process exited with code {self.process.returncode}"
+        return ""
+
+
+def sampling_dict(req: GenerateRequest) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` for ``req`` (defaults left out)."""
+    s = req.sampling
+    out: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature}
+    for key, default in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("ignore_eos", False), ("seed", None)):
+        if getattr(s, key) != default:
+            out[key] = getattr(s, key)
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        out["stop_token_ids"] = list(s.stop_token_ids)
+    return out
+
+
+def output_from_sglang(data: dict[str, Any], req: GenerateRequest) -> GenerateOutput:
+    """An SGLang ``/generate`` response -> ``GenerateOutput`` (per-token versions filled in)."""
+    info = data.get("meta_info", {})
+    ids = list(data.get("output_ids", []))
+    logprobs = [float(entry[0]) for entry in info.get("output_token_logprobs", [])]
+    if len(logprobs) != len(ids):
+        raise EngineFailure(
+            f"engine answered {len(ids)} output ids but {len(logprobs)} logprobs (was return_logprob honoured?)"
+        )
+    versions = info.get("weight_versions")
+    if versions is None:  # SGLang: one version (a string) for the whole request
+        version = info.get("weight_version")
+        versions = [int(version) if version is not None else -1] * len(ids)
+    return GenerateOutput(
+        rid=str(info.get("id", req.rid)),
+        output_ids=ids,
+        logprobs=logprobs,
+        weight_versions=[int(v) for v in versions],
+        text=data.get("text", ""),
+        finish_reason=info.get("finish_reason"),
+        prompt_tokens=int(info.get("prompt_tokens", len(req.input_ids))),
+        cached_tokens=int(info.get("cached_tokens", 0)),
+    )
