@@ -15,10 +15,13 @@ event loop keeps running during a step.
 What blocks on what:
 
 - ``await generate`` / ``stream``: until the request finishes (each streamed part after a step).
-- ``await pause`` / ``resume``, ``flush_cache``, weight updates: until the current step ends and
-  the command has run. Weight updates are synchronous methods (call them via
-  ``asyncio.to_thread`` from async code); a distributed update receives the tensors on the
-  caller's thread while generation continues, then copies between steps.
+- ``await pause`` / ``resume``, ``flush_cache``, ``release_memory_occupation`` /
+  ``resume_memory_occupation``: until the current step ends and the command has run.
+- weight updates (synchronous methods; call them via ``asyncio.to_thread`` from async code): they
+  are staged first (``weights.WeightStage``): bytes are validated and copied into staging buffers on
+  the caller's thread while generation continues (a distributed update receives there too); the
+  commit then swaps the buffers into the parameters between two steps (no copy) and repacks the
+  fast path's weights. A failed update, at any point before the commit, changes nothing.
 - ``submit`` / ``abort``: never (they post a command).
 
 Callbacks run on the engine thread and must not block (``generate`` and ``stream`` hand results to
@@ -101,6 +104,9 @@ class Engine:
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
         self._groups: dict[str, Any] = {}
+        self._stage = weights.WeightStage(self.model)
+        self._kv_shape: tuple[int, ...] | None = None  # set while the KV cache is released
+        self._paused_before_release = False
         self._closing = False
         self._stop = False
         self._error: BaseException | None = None
@@ -191,7 +197,14 @@ class Engine:
         await asyncio.wrap_future(self._post_future(lambda: self.scheduler.pause(mode)))
 
     async def resume(self) -> None:
-        await asyncio.wrap_future(self._post_future(self.scheduler.resume))
+        """Continue generating; refused while the KV cache is released (resume its memory first)."""
+
+        def resume() -> None:
+            if self._kv_shape is not None:
+                raise RequestError("the KV cache is released: call resume_memory_occupation first")
+            self.scheduler.resume()
+
+        await asyncio.wrap_future(self._post_future(resume))
 
     def flush_cache(self) -> int:
         """Drop the prefix cache (blocks in use stay with their requests); returns blocks dropped."""
@@ -210,16 +223,86 @@ class Engine:
     # ------------------------------------------------------------------------------ weights
 
     def update_weights_from_state_dict(self, named_tensors: dict[str, torch.Tensor] | Iterable, version: int) -> None:
-        """Copy HF-named tensors (a subset is fine) between steps; validates everything first."""
-        tensors = dict(named_tensors)
-        weights.check_shapes(self.model, {n: tuple(t.shape) for n, t in tensors.items()})
-        self._apply_update(lambda: weights.copy_into(self.model, tensors), version)
+        """Copy HF-named tensors (a subset is fine) in one update; validates everything first."""
+        self._single_update(lambda uid: self.stage_weights(named_tensors, uid), version)
 
     def update_weights_from_disk(self, folder: str | Path, version: int) -> None:
-        """Load a safetensors folder (HF names) between steps; shapes checked from headers first."""
-        files = weights.folder_files(folder)
-        weights.check_folder(self.model, files)
-        self._apply_update(lambda: weights.copy_from_folder(self.model, files), version)
+        """Load a safetensors folder (HF names; a subset is fine): every header is checked, then every
+        tensor is read into staging, then swapped in. A bad or unreadable folder changes nothing."""
+        self._single_update(lambda uid: self.stage_weights_from_disk(folder, uid), version)
+
+    def update_weights_from_ipc(self, handle: dict[str, Any], tensors: list[dict[str, Any]], version: int) -> None:
+        """Copy tensors out of another process's shared-memory segment or CUDA IPC buffer
+        (see :func:`weights.open_ipc`), in one update."""
+        self._single_update(lambda uid: self.stage_weights_from_ipc(handle, tensors, uid), version)
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list, shapes: list, version: int, group_name: str
+    ) -> None:
+        """Receive tensors broadcast by rank 0 (in ``names`` order), in one update."""
+        self._single_update(lambda uid: self.stage_weights_from_distributed(names, dtypes, shapes, group_name, uid), version)
+
+    def stage_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable, update_id: str) -> int:
+        """Stage part of update ``update_id`` (see :class:`weights.WeightStage`); the model is untouched
+        until :meth:`commit_weights`. Returns the number of tensors staged."""
+        with self._stage.transaction(update_id) as stage:
+            return weights.stage_tensors(stage, named_tensors)
+
+    def stage_weights_from_disk(self, folder: str | Path, update_id: str) -> int:
+        with self._stage.transaction(update_id) as stage:
+            return weights.stage_from_folder(stage, folder)
+
+    def stage_weights_from_ipc(self, handle: dict[str, Any], tensors: list[dict[str, Any]], update_id: str) -> int:
+        with self._stage.transaction(update_id) as stage:
+            with weights.open_ipc(handle, self.device) as buf:
+                return weights.stage_from_ipc(stage, buf, weights.parse_manifest(tensors, buf.numel()))
+
+    def stage_weights_from_distributed(
+        self, names: list[str], dtypes: list, shapes: list, group_name: str, update_id: str
+    ) -> int:
+        """Receive a bucket broadcast by rank 0 into staging (generation continues meanwhile)."""
+        if group_name not in self._groups:
+            raise weights.WeightUpdateError(f"no weight update group named {group_name!r}")
+        with self._stage.transaction(update_id) as stage:
+            return weights.stage_from_broadcast(stage, self._groups[group_name], names, dtypes, shapes, self.device)
+
+    def commit_weights(self, update_id: str, version: int) -> list[str]:
+        """Swap the staged update into the model between two steps and tag it ``version``; returns the
+        parameters changed. Generated tokens from the next step on carry the new version."""
+        _check_version(version)
+
+        def apply() -> list[str]:
+            changed = self._stage.commit(update_id)
+            self.runner.refresh_weights()
+            self.weight_version = version
+            self.radix.flush()  # cached KV was computed with the old weights
+            return changed
+
+        return self._call(apply)
+
+    def discard_weights(self, update_id: str | None = None) -> bool:
+        """Drop a staged, uncommitted update (any if None); True if there was one."""
+        return self._stage.discard(update_id)
+
+    def _single_update(self, stage: Callable[[str], int], version: int) -> None:
+        _check_version(version)
+        update_id = f"single-{uuid.uuid4().hex}"
+        stage(update_id)
+        self.commit_weights(update_id, version)
+
+    def weight_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """dtype and shape of every tensor an update may name (HF names; a tied head included)."""
+        return self._stage.specs()
+
+    def weight_checksums(self, names: Iterable[str] | None = None, algo: str = "sha256") -> dict[str, str]:
+        """``{name: hex digest}`` of the live weights (:func:`weights.tensor_checksum`): bitwise
+        exact. Runs on the caller's thread; waits for a staging copy or a commit in progress."""
+        names = list(self.weight_specs() if names is None else names)
+        with self._stage.lock:
+            tensors = [self._stage.tensor(n) for n in names]
+            with concurrent.futures.ThreadPoolExecutor(max(1, min(4, torch.get_num_threads()))) as pool:
+                sums = list(pool.map(lambda t: weights.tensor_checksum(t, algo), tensors))
+        return dict(zip(names, sums))
 
     def init_weights_update_group(
         self,
@@ -240,32 +323,49 @@ class Engine:
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._groups.pop(group_name, None)
 
-    def update_weights_from_distributed(
-        self, names: list[str], dtypes: list, shapes: list, version: int, group_name: str
-    ) -> None:
-        """Receive tensors broadcast by rank 0 (in ``names`` order), then copy them between steps."""
-        if group_name not in self._groups:
-            raise weights.WeightUpdateError(f"no weight update group named {group_name!r}")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise weights.WeightUpdateError("names, dtypes and shapes must have the same length")
-        weights.check_shapes(self.model, {n: tuple(s) for n, s in zip(names, shapes)})
-        dtypes = [weights.parse_dtype(d) for d in dtypes]
-        tensors = weights.receive_broadcast(self._groups[group_name], names, dtypes, shapes, self.device)
-        self._apply_update(lambda: weights.copy_into(self.model, tensors), version)
+    # ------------------------------------------------------------------------------ memory
 
-    def _apply_update(self, copy: Callable[[], None], version: int) -> None:
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise weights.WeightUpdateError(f"weight version must be an integer, got {version!r}")
+    def release_memory_occupation(self) -> None:
+        """Free the KV cache (SGLang's name): pause with retraction (running requests go back to the
+        queue with their output so far), drop the prefix cache, free the K/V pools and the weight
+        staging buffers. Requests wait until :meth:`resume_memory_occupation`."""
 
-        def apply() -> None:
-            try:
-                copy()
-            finally:  # a failed disk read may have copied part: serve what the model now holds
-                self.runner.refresh_weights()
-            self.weight_version = version
-            self.radix.flush()  # cached KV was computed with the old weights
+        def release() -> None:
+            if self._kv_shape is not None:
+                return
+            self._paused_before_release = self.scheduler.paused is not None
+            self.scheduler.pause("retract")
+            self.radix.flush()
+            if self.kv.allocator.num_free_blocks != self.kv.num_blocks:
+                raise RuntimeError("KV blocks are still held after retracting every request")
+            self._kv_shape = tuple(self.kv.k_pools[0].shape)
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.kv.k_pools = [empty] * len(self.kv.k_pools)
+            self.kv.v_pools = [empty] * len(self.kv.v_pools)
+            self._stage.release()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
-        self._call(apply)
+        self._call(release)
+
+    def resume_memory_occupation(self) -> None:
+        """Allocate the KV cache again and resume generation (unless it was paused before release)."""
+
+        def resume() -> None:
+            if self._kv_shape is None:
+                return
+            layers = len(self.kv.k_pools)
+            self.kv.k_pools = [torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+            self.kv.v_pools = [torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+            self._kv_shape = None
+            if not self._paused_before_release:
+                self.scheduler.resume()
+
+        self._call(resume)
+
+    @property
+    def memory_released(self) -> bool:
+        return self._kv_shape is not None
 
     # ------------------------------------------------------------------------------ observability
 
@@ -452,6 +552,11 @@ class _Stats:
             return 0.0
         span = window[-1][0] - window[0][0]
         return sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+
+
+def _check_version(version: Any) -> None:
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise weights.WeightUpdateError(f"weight version must be an integer, got {version!r}")
 
 
 def _resolve(future: asyncio.Future, out: GenerateOutput) -> None:

@@ -28,6 +28,15 @@ field. A missing or wrong API key is 401. Anything the engine raises that is not
 Every response carries the engine's current weight version in the ``X-Weight-Version`` header, and
 generation results carry the version that produced their tokens in the body.
 
+Weight updates (``noria.sync`` is the client): every update is staged, then committed, so a refused
+or failed one (HTTP 400, naming the tensor or file) leaves the weights and version as they were.
+Noria's extensions to SGLang's API: ``/update_weights_from_ipc`` (a shared-memory segment or CUDA
+IPC buffer of a process on this machine), ``update_id`` on it and on
+``/update_weights_from_distributed`` (stage a part only), ``/commit_weights`` and
+``/discard_weights`` (apply or drop all parts of one update), ``/weights_info`` (names, dtypes,
+shapes) and ``/weights_checksum`` (bitwise hashes of the live weights). SGLang's
+``/release_memory_occupation`` and ``/resume_memory_occupation`` free and re-allocate the KV cache.
+
 ``/update_weights_from_tensor`` takes JSON, not SGLang's pickled tensors (unpickling a request body
 would run arbitrary code)::
 
@@ -62,6 +71,7 @@ from aiohttp import web
 
 from noria.config import ConfigError, EngineConfig, ModelConfig, option
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from noria.errors import NoriaError
 
 # ------------------------------------------------------------------------------------------ config
 
@@ -211,7 +221,7 @@ class EngineServer:
             response = await handler(request)
         except HttpError as e:
             response = _error_response(e.status, e.message, e.kind)
-        except RequestError as e:
+        except (RequestError, NoriaError) as e:  # NoriaError: e.g. a refused weight update
             response = _error_response(400, str(e), INVALID)
         except web.HTTPException as e:  # 404, 405 from routing
             response = _error_response(e.status, e.reason or "", "not_found" if e.status == 404 else INVALID)
@@ -442,6 +452,13 @@ class NativeApi:
             "/init_weights_update_group": ("POST", self.init_weights_update_group),
             "/update_weights_from_distributed": ("POST", self.update_weights_from_distributed),
             "/update_weights_from_tensor": ("POST", self.update_weights_from_tensor),
+            "/update_weights_from_ipc": ("POST", self.update_weights_from_ipc),
+            "/commit_weights": ("POST", self.commit_weights),
+            "/discard_weights": ("POST", self.discard_weights),
+            "/weights_info": ("GET", self.weights_info),
+            "/weights_checksum": ("GET", self.weights_checksum),
+            "/release_memory_occupation": ("POST", self.release_memory_occupation),
+            "/resume_memory_occupation": ("POST", self.resume_memory_occupation),
         }
         for path, (method, handler) in routes.items():
             router.add_route(method, path, handler)
@@ -697,15 +714,93 @@ class NativeApi:
         return web.json_response({"success": True, "message": f"joined group {group}"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """SGLang's fields; with ``update_id`` (a Noria extension) the tensors are only staged, and
+        ``/commit_weights`` applies every part of that update at once."""
         body = await read_json(request)
-        reject_unknown(body, {"names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache"})
+        reject_unknown(body, {"names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache", "update_id"})
         names, dtypes, shapes = (want(body, k, list) for k in ("names", "dtypes", "shapes"))
         if names is None or dtypes is None or shapes is None or not len(names) == len(dtypes) == len(shapes):
             raise RequestError("names, dtypes and shapes are required lists of the same length")
         group = want(body, "group_name", str, "weight_update_group")
+        update_id = want(body, "update_id", str)
+        if update_id:
+            n = await self.s.blocking(self.s.engine.stage_weights_from_distributed, names, dtypes, shapes, group, update_id)
+            return self._staged(update_id, n)
         version = self._version(body)
         await self.s.blocking(self.s.engine.update_weights_from_distributed, names, dtypes, shapes, version, group)
         return self._updated(f"received {len(names)} tensor(s) over {group}")
+
+    async def update_weights_from_ipc(self, request: web.Request) -> web.Response:
+        """Tensors in a shared-memory segment (``{"kind": "shm", "name", "size"}``) or a CUDA IPC
+        buffer of a process on this machine, located by ``tensors: [{name, dtype, shape, offset}]``.
+        With ``update_id`` they are staged only (see ``/commit_weights``)."""
+        body = await read_json(request)
+        reject_unknown(body, {"handle", "tensors", "update_id", "weight_version"})
+        handle, tensors = want(body, "handle", dict), want(body, "tensors", list)
+        if handle is None or not tensors:
+            raise RequestError("handle (an object) and tensors (a non-empty list) are required")
+        update_id = want(body, "update_id", str)
+        if update_id:
+            n = await self.s.blocking(self.s.engine.stage_weights_from_ipc, handle, tensors, update_id)
+            return self._staged(update_id, n)
+        version = self._version(body)
+        await self.s.blocking(self.s.engine.update_weights_from_ipc, handle, tensors, version)
+        return self._updated(f"copied {len(tensors)} tensor(s) from {handle.get('kind')} ipc")
+
+    async def commit_weights(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        reject_unknown(body, {"update_id", "weight_version"})
+        update_id = want(body, "update_id", str)
+        if not update_id:
+            raise RequestError("update_id: give the id the update's parts were staged under")
+        version = self._version(body)
+        changed = await self.s.blocking(self.s.engine.commit_weights, update_id, version)
+        return self._updated(f"committed update {update_id}: {len(changed)} parameter(s)")
+
+    async def discard_weights(self, request: web.Request) -> web.Response:
+        body = await read_json(request, required=False)
+        reject_unknown(body, {"update_id"})
+        dropped = await self.s.blocking(self.s.engine.discard_weights, want(body, "update_id", str))
+        return web.json_response({"success": True, "discarded": dropped})
+
+    def _staged(self, update_id: str, n: int) -> web.Response:
+        return web.json_response({
+            "success": True, "message": f"staged {n} tensor(s) for update {update_id}", "update_id": update_id,
+            "weight_version": self.s.engine.weight_version,
+        })  # fmt: skip
+
+    async def weights_info(self, request: web.Request) -> web.Response:
+        """Every tensor an update may name, with dtype and shape; checksum algorithms on offer."""
+        from noria.engine.weights import CHECKSUM_ALGOS, dtype_name
+
+        specs = self.s.engine.weight_specs()
+        return web.json_response({
+            "tensors": {n: {"dtype": dtype_name(d), "shape": list(shape)} for n, (d, shape) in specs.items()},
+            "checksum_algos": list(CHECKSUM_ALGOS),
+            "weight_version": self.s.engine.weight_version,
+        })  # fmt: skip
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        """``{"checksums": {name: hex}}`` of the live weights; ``names`` (a JSON list, or a
+        comma-separated query parameter) limits them, ``algo`` picks the hash (default sha256)."""
+        body = await read_json(request, required=False)
+        reject_unknown(body, {"names", "algo"})
+        names = want(body, "names", list)
+        if names is None and request.query.get("names"):
+            names = request.query["names"].split(",")
+        algo = want(body, "algo", str) or request.query.get("algo", "sha256")
+        sums = await self.s.blocking(self.s.engine.weight_checksums, names, algo)
+        return web.json_response({"algo": algo, "checksums": sums, "weight_version": self.s.engine.weight_version})
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        await read_json(request, required=False)
+        await self.s.blocking(self.s.engine.release_memory_occupation)
+        return web.json_response({"success": True, "message": "KV cache released"})
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        await read_json(request, required=False)
+        await self.s.blocking(self.s.engine.resume_memory_occupation)
+        return web.json_response({"success": True, "message": "KV cache allocated"})
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         body = await read_json(request)

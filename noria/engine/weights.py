@@ -1,30 +1,65 @@
-"""Weight updates of a running engine: validation, the broadcast group, and the copy itself.
+"""Weight updates of a running engine: validation, staging, the sources, and checksums.
 
-Three sources, one rule: names and shapes are checked against the model BEFORE any parameter is
-touched, so a bad update raises and leaves the old weights (and version) in place. Sources:
+One rule for every source: an update is **staged** first and **committed** last. Staging checks each
+tensor's name, shape and dtype against the model (before any byte is copied), then copies it into a
+staging buffer shaped like the parameter; the model is not touched. Commit swaps the staged buffers
+into the parameters (``param.data = buffer``: no copy, O(number of tensors)) and keeps the retired
+tensors as the next update's buffers. So a failed update, at any point before commit, leaves the
+old weights bit for bit and the old version; and the copy of the bytes happens on the caller's
+thread while the engine keeps generating, the engine pauses only for the swap.
 
-- a state dict (HF names; a subset is fine) from the same process;
-- a safetensors folder (HF layout; validated from file headers, tensors read during the copy);
-- a torch.distributed broadcast from rank 0 of a group made by :func:`create_update_group`. The
-  trainer side calls the same function with ``rank=0`` (it hosts the rendezvous store). The group
-  is standalone (its own store and backend object), so it never touches a default process group
-  the host process may already have.
+Sources (all stage into :class:`WeightStage`):
 
-Blocking: :func:`receive_broadcast` blocks until rank 0 has sent every tensor; group creation
-blocks until all ``world_size`` ranks have joined. Copies (:func:`copy_into`) are the caller's to
-schedule between engine steps.
-Not guaranteed: an I/O error in the middle of a disk update leaves a mix of old and new tensors
-(shapes are validated first; contents are not checksummed here).
+- tensors in the same process (a state dict, HF names, a subset is fine);
+- a safetensors folder: every file header is parsed and checked (names, shapes, dtypes, data
+  offsets inside the file) before any tensor is read; then each tensor is read through a private
+  mmap straight into its buffer (:func:`folder_entries`, :func:`stage_from_folder`);
+- an IPC buffer from another process on the same machine: a POSIX shared-memory segment
+  (``/dev/shm/<name>``, mapped copy-on-write, never written) or a CUDA IPC handle, plus a manifest
+  of (name, dtype, shape, byte offset) validated against the buffer size (:func:`open_ipc`);
+- a torch.distributed broadcast from rank 0 of a group made by :func:`create_update_group` (the
+  trainer calls it with ``rank=0``; it hosts the store). The group is standalone (its own store and
+  backend object), so it never touches a default process group the host process may have. Tensors
+  are received straight into their staging buffers; when the metadata is refused, the tensors are
+  still received (into scratch) so that rank 0 is never left blocked in a broadcast.
+
+Transactions: an update may arrive in several parts (buckets) under one ``update_id``; a part
+with a new id drops whatever an older, uncommitted id had staged; a part that fails discards the
+whole update, and that id is refused afterwards (a trainer that ignores an error cannot commit
+half an update).
+
+Checksums (:func:`tensor_checksum`): a hash (``sha256``, or ``xxh3_128`` where the xxhash package is
+installed) of a tensor's dtype, shape and raw bytes, so two tensors match only if they are bitwise
+equal. The trainer hashes its tensors cast to the engine's dtype and compares.
+
+Blocking: group creation blocks until all ``world_size`` ranks have joined; a broadcast receive
+until rank 0 has sent every tensor. Staging holds :attr:`WeightStage.lock`; so do commit and
+checksums, which therefore wait for a staging copy in progress.
+Memory: the staging buffers are one extra copy of the updated tensors, kept between updates (warm
+memory for the next one) until :meth:`WeightStage.release`.
+Not guaranteed: a broadcast whose metadata cannot even be parsed cannot be drained (rank 0 then
+waits for its group timeout); a shared-memory or CUDA IPC source must stay unchanged until the
+call returns (the sender's job).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import datetime
+import hashlib
+import json
+import mmap
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
 from noria.errors import NoriaError
@@ -32,70 +67,457 @@ from noria.models.checkpoint import tensor_files
 
 
 class WeightUpdateError(NoriaError):
-    """A weight update names an unknown tensor or has a wrong shape; nothing was changed."""
+    """A weight update was refused or failed; the model and its version are unchanged."""
 
 
-def check_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Raise :class:`WeightUpdateError` unless every name is a parameter of that shape."""
-    if not shapes:
-        raise WeightUpdateError("weight update holds no tensors")
-    params = model.state_dict()
-    for name, shape in shapes.items():
-        if name not in params:
-            raise WeightUpdateError(f"weight update: unknown tensor '{name}' (not a model parameter)")
-        if tuple(shape) != tuple(params[name].shape):
-            raise WeightUpdateError(
-                f"weight update: tensor '{name}' has shape {tuple(shape)}, the model's is {tuple(params[name].shape)}"
-            )
+# ------------------------------------------------------------------------------------------ dtypes
 
-
-@torch.no_grad()
-def copy_into(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy (with dtype/device conversion) into the named parameters; call check_shapes first."""
-    params = model.state_dict()
-    for name, tensor in tensors.items():
-        params[name].copy_(tensor)
-
-
-def folder_files(folder: str | Path) -> dict[str, Path]:
-    """Map tensor name -> file of a safetensors folder (single file or sharded index)."""
-    try:
-        return tensor_files(folder)
-    except FileNotFoundError as e:
-        raise WeightUpdateError(f"weight update from disk: {e}") from e
-
-
-def check_folder(model: nn.Module, files: dict[str, Path]) -> None:
-    """Validate a folder's tensors from their headers alone (no data read)."""
-    shapes = {}
-    for f in sorted(set(files.values())):
-        with safe_open(f, framework="pt") as sf:
-            for name in sf.keys():
-                if files.get(name) == f:
-                    shapes[name] = tuple(sf.get_slice(name).get_shape())
-    check_shapes(model, shapes)
-
-
-@torch.no_grad()
-def copy_from_folder(model: nn.Module, files: dict[str, Path]) -> None:
-    """Read each tensor and copy it in, one at a time (peak memory: one tensor)."""
-    params = model.state_dict()
-    by_file: dict[Path, list[str]] = {}
-    for name, f in files.items():
-        by_file.setdefault(f, []).append(name)
-    for f, names in by_file.items():
-        with safe_open(f, framework="pt") as sf:
-            for name in names:
-                params[name].copy_(sf.get_tensor(name))
+ST_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool,
+}  # fmt: skip
+"""safetensors' dtype names."""
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from ``torch.bfloat16``, ``"bfloat16"``, ``"torch.bfloat16"`` or ``"BF16"``."""
     if isinstance(name, torch.dtype):
         return name
+    if isinstance(name, str) and name in ST_DTYPES:
+        return ST_DTYPES[name]
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise WeightUpdateError(f"weight update: unknown dtype {name!r}")
     return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+# -------------------------------------------------------------------------------------- validation
+
+
+def _check_one(name: str, dtype: torch.dtype | None, shape: tuple[int, ...], specs: dict) -> None:
+    if name not in specs:
+        raise WeightUpdateError(f"weight update: unknown tensor '{name}' (not a model parameter)")
+    want_dtype, want_shape = specs[name]
+    if tuple(shape) != tuple(want_shape):
+        raise WeightUpdateError(f"weight update: tensor '{name}' has shape {tuple(shape)}, the model's is {tuple(want_shape)}")
+    if dtype is not None and dtype != want_dtype and not (dtype.is_floating_point and want_dtype.is_floating_point):
+        raise WeightUpdateError(
+            f"weight update: tensor '{name}' has dtype {dtype_name(dtype)}, the model's is {dtype_name(want_dtype)} "
+            "(only floating-point dtypes convert)"
+        )
+
+
+# ----------------------------------------------------------------------------------------- staging
+
+
+class WeightStage:
+    """Staging buffers of the update in flight, swapped into the model's parameters on commit.
+
+    Names are the model's state-dict names; a tied head (``lm_head.weight`` of a model with tied
+    embeddings) is the same parameter as the embedding, so staging either name stages both.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.lock = threading.RLock()
+        self.update_id: str | None = None
+        self._params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        first_name = {id(p): n for n, p in self._params.items()}
+        self._canon: dict[str, str] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            if id(t) not in first_name:
+                raise TypeError(f"model state '{name}' is a buffer; weight updates swap parameters only")
+            self._canon[name] = first_name[id(t)]
+        self._staged: dict[str, torch.Tensor] = {}
+        self._staged_as: dict[str, str] = {}  # canonical name -> the name it was staged under
+        self._spare: dict[str, torch.Tensor] = {}
+        self._refused: set[str] = set()
+
+    # ------------------------------------------------------------------------------ queries
+
+    def specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """dtype and shape of every state-dict name (tied aliases included)."""
+        return {n: (self._params[c].dtype, tuple(self._params[c].shape)) for n, c in self._canon.items()}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The live parameter data of a state-dict name."""
+        if name not in self._canon:
+            raise WeightUpdateError(f"unknown tensor '{name}' (not a model parameter)")
+        return self._params[self._canon[name]].detach()
+
+    @property
+    def staged_names(self) -> list[str]:
+        return list(self._staged)
+
+    # ------------------------------------------------------------------------------ staging
+
+    @contextlib.contextmanager
+    def transaction(self, update_id: str) -> Iterator[WeightStage]:
+        """Stage under ``update_id``; any error discards the whole update and refuses the id."""
+        with self.lock:
+            if update_id in self._refused:
+                raise WeightUpdateError(f"weight update {update_id!r} failed earlier and was discarded; start a new one")
+            if update_id != self.update_id:
+                self._drop_staged()
+                self.update_id = update_id
+            try:
+                yield self
+            except BaseException as e:
+                self._refused.add(update_id)
+                self._drop_staged()
+                self.update_id = None
+                if isinstance(e, (WeightUpdateError, KeyboardInterrupt)) or not isinstance(e, Exception):
+                    raise
+                raise WeightUpdateError(f"weight update {update_id!r} failed while staging: {type(e).__name__}: {e}") from e
+
+    def check(self, name: str, dtype: torch.dtype | None, shape: Iterable[int]) -> None:
+        """Validate one incoming tensor (name, dtype, shape) without copying anything."""
+        _check_one(name, dtype, tuple(int(d) for d in shape), self._spec_of(name))
+
+    def _spec_of(self, name: str) -> dict:
+        if name not in self._canon:
+            return {}
+        p = self._params[self._canon[name]]
+        return {name: (p.dtype, tuple(p.shape))}
+
+    def direct_buffer(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The buffer to receive ``name`` into in place (validated by the caller), or None where the
+        data must go through :meth:`put` (another dtype, or a tied alias already staged)."""
+        canon = self._canon[name]
+        if self._staged_as.get(canon, name) != name or self._params[canon].dtype != dtype:
+            return None
+        self._staged_as[canon] = name
+        return self._buffer(canon)
+
+    def _buffer(self, canon: str) -> torch.Tensor:
+        buf = self._staged.get(canon)
+        if buf is None:
+            buf = self._spare.pop(canon, None)
+            if buf is None:
+                p = self._params[canon]
+                buf = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            self._staged[canon] = buf
+        return buf
+
+    @torch.no_grad()
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Validate and copy one tensor into its staging buffer (call inside :meth:`transaction`)."""
+        self.check(name, tensor.dtype, tensor.shape)
+        canon = self._canon[name]
+        other = self._staged_as.get(canon)
+        if other is not None and other != name:  # a tied alias: fine only if both say the same
+            if not torch.equal(self._staged[canon], tensor.to(self._staged[canon].dtype)):
+                raise WeightUpdateError(
+                    f"weight update: '{name}' and '{other}' are one tied parameter in this model, "
+                    "but the update gives them different values"
+                )
+            return
+        self._buffer(canon).copy_(tensor)
+        self._staged_as[canon] = name
+
+    def commit(self, update_id: str) -> list[str]:
+        """Swap the staged buffers into the parameters; returns the parameters changed."""
+        with self.lock:
+            if update_id != self.update_id or not self._staged:
+                raise WeightUpdateError(f"weight update {update_id!r} has nothing staged to commit")
+            changed = list(self._staged)
+            for canon, buf in self._staged.items():
+                param = self._params[canon]
+                old = param.data
+                param.data = buf
+                self._spare[canon] = old
+            self._staged, self._staged_as = {}, {}
+            self.update_id = None
+            return changed
+
+    def discard(self, update_id: str | None = None) -> bool:
+        """Drop a staged, uncommitted update (any, if ``update_id`` is None); True if one was."""
+        with self.lock:
+            if self.update_id is None or (update_id is not None and update_id != self.update_id):
+                return False
+            self._drop_staged()
+            self.update_id = None
+            return True
+
+    def release(self) -> None:
+        """Free the spare buffers (the next update allocates them again)."""
+        with self.lock:
+            self._spare.clear()
+
+    def _drop_staged(self) -> None:
+        self._spare.update(self._staged)
+        self._staged, self._staged_as = {}, {}
+
+
+def stage_tensors(stage: WeightStage, named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
+    """Stage in-process tensors; every name/shape/dtype is checked before the first copy."""
+    items = list(named.items() if isinstance(named, dict) else named)
+    if not items:
+        raise WeightUpdateError("weight update holds no tensors")
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise WeightUpdateError(f"weight update: '{name}' is a {type(t).__name__}, not a tensor")
+        stage.check(name, t.dtype, t.shape)
+    for name, t in items:
+        stage.put(name, t)
+    return len(items)
+
+
+# -------------------------------------------------------------------------------------------- disk
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor of a safetensors file, located from the header alone."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    start: int
+    """Absolute byte offset of the data in the file."""
+    end: int
+
+
+def read_header(file: Path) -> list[FileTensor]:
+    """Parse and check a safetensors header: dtypes known, offsets inside the file and consistent."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise WeightUpdateError(f"{file}: not a safetensors file (shorter than 8 bytes)")
+        n = int.from_bytes(head, "little")
+        if n <= 0 or 8 + n > size:
+            raise WeightUpdateError(f"{file}: header length {n} does not fit in the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightUpdateError(f"{file}: the safetensors header is not valid JSON: {e}") from e
+    base, out = 8 + n, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = ST_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightUpdateError(f"{file}: bad header entry for tensor '{name}': {info!r}") from e
+        if not 0 <= start <= end or base + end > size or end - start != nbytes(dtype, shape):
+            raise WeightUpdateError(
+                f"{file}: tensor '{name}' ({dtype_name(dtype)} {list(shape)}) has data offsets [{start}, {end}] "
+                f"that do not fit its size or the file ({size} bytes): truncated or corrupt"
+            )
+        out.append(FileTensor(name, dtype, shape, file, base + start, base + end))
+    return out
+
+
+def folder_entries(folder: str | Path) -> list[FileTensor]:
+    """Every tensor of a safetensors folder (single file or sharded index), headers checked."""
+    try:
+        files = tensor_files(folder)
+    except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        raise WeightUpdateError(f"weight update from disk: {e}") from e
+    entries = []
+    for f in sorted(set(files.values())):
+        try:
+            entries += [e for e in read_header(f) if files.get(e.name) == f]
+        except OSError as e:
+            raise WeightUpdateError(f"weight update from disk: cannot read {f}: {e}") from e
+    missing = sorted(set(files) - {e.name for e in entries})
+    if missing:
+        raise WeightUpdateError(f"weight update from disk: the index of {folder} lists '{missing[0]}', which its file lacks")
+    if not entries:
+        raise WeightUpdateError(f"weight update from disk: {folder} holds no tensors")
+    return entries
+
+
+def stage_from_folder(stage: WeightStage, folder: str | Path) -> int:
+    """Validate every header entry of ``folder``, then read each tensor into its staging buffer."""
+    entries = folder_entries(folder)
+    for e in entries:
+        stage.check(e.name, e.dtype, e.shape)
+    by_file: dict[Path, list[FileTensor]] = {}
+    for e in entries:
+        by_file.setdefault(e.file, []).append(e)
+    for file, items in by_file.items():
+        with _mapped(file) as mm:
+            data = torch.frombuffer(mm, dtype=torch.uint8)
+            for e in items:
+                stage.put(e.name, _typed_view(data, e.start, e.end, e.dtype, e.shape))
+            del data
+    return len(entries)
+
+
+@contextlib.contextmanager
+def _mapped(file: Path) -> Iterator[mmap.mmap]:
+    """A private (copy-on-write, never written) mapping of a whole file, pages populated up front."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        yield mm
+    finally:
+        _close(mm)
+
+
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a tensor view is still alive somewhere: the mapping goes when it does
+        pass
+
+
+def _typed_view(data: torch.Tensor, start: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``data[start:end]`` (uint8) seen as ``dtype`` and ``shape``; copied when misaligned for the dtype."""
+    raw = data[start:end]
+    if start % _itemsize(dtype):
+        raw = raw.clone()
+    return raw.view(dtype).view(shape)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# --------------------------------------------------------------------------------------------- ipc
+
+SHM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class IpcTensor:
+    """One tensor inside an IPC buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset in the buffer (a multiple of the dtype's size)."""
+
+
+def parse_manifest(tensors: Any, size: int) -> list[IpcTensor]:
+    """``[{name, dtype, shape, offset}, ...]`` checked against a buffer of ``size`` bytes."""
+    if not isinstance(tensors, list) or not tensors:
+        raise WeightUpdateError("ipc weight update: 'tensors' must be a non-empty list of {name, dtype, shape, offset}")
+    out = []
+    for i, t in enumerate(tensors):
+        try:
+            name, dtype = str(t["name"]), parse_dtype(t["dtype"])
+            shape, offset = tuple(int(d) for d in t["shape"]), int(t["offset"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightUpdateError(f"ipc weight update: tensors[{i}] is malformed: {t!r}") from e
+        end = offset + nbytes(dtype, shape)
+        if offset < 0 or end > size or offset % _itemsize(dtype) or any(d < 0 for d in shape):
+            raise WeightUpdateError(
+                f"ipc weight update: tensor '{name}' at byte {offset} ({dtype_name(dtype)} {list(shape)}) does not fit "
+                f"a buffer of {size} bytes aligned to its dtype"
+            )
+        out.append(IpcTensor(name, dtype, shape, offset))
+    return out
+
+
+@contextlib.contextmanager
+def open_ipc(handle: dict[str, Any], device: torch.device) -> Iterator[torch.Tensor]:
+    """A uint8 tensor over the sender's buffer: ``{"kind": "shm", "name", "size"}`` or
+    ``{"kind": "cuda", ...}`` (the fields of ``UntypedStorage._share_cuda_``, bytes in base64)."""
+    if not isinstance(handle, dict):
+        raise WeightUpdateError("ipc weight update: 'handle' must be an object")
+    kind = handle.get("kind")
+    if kind == "shm":
+        with _open_shm(handle) as buf:
+            yield buf
+    elif kind == "cuda":
+        yield _open_cuda(handle, device)
+    else:
+        raise WeightUpdateError(f"ipc weight update: handle kind must be 'shm' or 'cuda', got {kind!r}")
+
+
+@contextlib.contextmanager
+def _open_shm(handle: dict[str, Any]) -> Iterator[torch.Tensor]:
+    name, size = handle.get("name"), handle.get("size")
+    if not isinstance(name, str) or not SHM_NAME.match(name):
+        raise WeightUpdateError(f"ipc weight update: bad shared-memory segment name {name!r}")
+    if not isinstance(size, int) or size <= 0:
+        raise WeightUpdateError(f"ipc weight update: segment size must be a positive integer, got {size!r}")
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as e:
+        raise WeightUpdateError(
+            f"ipc weight update: shared-memory segment {name!r} not found (is the engine on another machine?)"
+        ) from e
+    try:
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise WeightUpdateError(f"ipc weight update: segment {name!r} holds {actual} bytes, the update says {size}")
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        yield torch.frombuffer(mm, dtype=torch.uint8)
+    finally:
+        _close(mm)
+
+
+def _open_cuda(handle: dict[str, Any], device: torch.device) -> torch.Tensor:
+    if not torch.cuda.is_available():
+        raise WeightUpdateError("ipc weight update: a CUDA IPC handle needs CUDA in the engine process")
+    try:
+        fields = (
+            int(handle["device"]), base64.b64decode(handle["handle"]), int(handle["size"]), int(handle["offset"]),
+            base64.b64decode(handle["ref_counter_handle"]), int(handle["ref_counter_offset"]),
+            base64.b64decode(handle["event_handle"]) if handle.get("event_handle") else b"",
+            bool(handle["event_sync_required"]),
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise WeightUpdateError(f"ipc weight update: malformed CUDA IPC handle: {e}") from e
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{fields[0]}").set_(storage)
+
+
+def cuda_handle(buffer: torch.Tensor) -> dict[str, Any]:
+    """The JSON form of a CUDA tensor's IPC handle (the sender side of :func:`open_ipc`)."""
+    device, handle, size, offset, ref_handle, ref_offset, event, sync = buffer.untyped_storage()._share_cuda_()
+    return {
+        "kind": "cuda", "device": int(device), "handle": base64.b64encode(handle).decode(), "size": int(size),
+        "offset": int(offset), "ref_counter_handle": base64.b64encode(ref_handle).decode(),
+        "ref_counter_offset": int(ref_offset), "event_handle": base64.b64encode(event or b"").decode(),
+        "event_sync_required": bool(sync),
+    }  # fmt: skip
+
+
+def stage_from_ipc(stage: WeightStage, buffer: torch.Tensor, manifest: list[IpcTensor], base: int = 0) -> int:
+    """Validate every manifest entry, then copy each tensor out of ``buffer`` into staging."""
+    for t in manifest:
+        stage.check(t.name, t.dtype, t.shape)
+    for t in manifest:
+        start = base + t.offset
+        stage.put(t.name, _typed_view(buffer, start, start + nbytes(t.dtype, t.shape), t.dtype, t.shape))
+    return len(manifest)
+
+
+# --------------------------------------------------------------------------------------- broadcast
 
 
 def create_update_group(
@@ -108,29 +530,87 @@ def create_update_group(
     timeout_s: float = 300.0,
 ):
     """A standalone process group; rank 0 hosts the TCP store. Blocks until all ranks join."""
+    if backend not in ("gloo", "nccl"):
+        raise WeightUpdateError(f"weight update group: backend must be gloo or nccl, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    raise WeightUpdateError(f"weight update group: backend must be gloo or nccl, got {backend!r}")
+    return dist.ProcessGroupNCCL(store, rank, world_size)
 
 
-def receive_broadcast(
-    group, names: list[str], dtypes: list, shapes: list, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Receive each named tensor from rank 0, in order, into new buffers (the model is untouched)."""
-    out = {}
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        buf = torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=device)
-        group.broadcast(buf, 0).wait()
-        out[name] = buf
-    return out
+def stage_from_broadcast(
+    stage: WeightStage, group, names: list[str], dtypes: list, shapes: list, device: torch.device
+) -> int:
+    """Receive each named tensor from rank 0 (in order) into its staging buffer.
+
+    The metadata is validated first; if it is refused, every tensor is still received into scratch
+    memory (rank 0 is sending them regardless) and the error is raised afterwards."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise WeightUpdateError("names, dtypes and shapes must have the same length")
+    parsed = [parse_dtype(d) for d in dtypes]  # unparseable: nothing can be drained
+    dims = [tuple(int(d) for d in s) for s in shapes]
+    error: WeightUpdateError | None = None
+    try:
+        if not names:
+            raise WeightUpdateError("weight update holds no tensors")
+        for name, dtype, shape in zip(names, parsed, dims):
+            stage.check(name, dtype, shape)
+    except WeightUpdateError as e:
+        error = e
+    for name, dtype, shape in zip(names, parsed, dims):
+        buf = None if error is not None else stage.direct_buffer(name, dtype)
+        if buf is not None:
+            group.broadcast(buf, 0).wait()
+            continue
+        tmp = torch.empty(shape, dtype=dtype, device=device)
+        group.broadcast(tmp, 0).wait()
+        if error is None:
+            try:
+                stage.put(name, tmp)
+            except WeightUpdateError as e:  # keep receiving: rank 0 sends the rest regardless
+                error = e
+    if error is not None:
+        raise error
+    return len(names)
 
 
-def send_broadcast(group, tensors: dict[str, torch.Tensor]) -> None:
-    """The rank-0 side of :func:`receive_broadcast` (trainers and tests call this)."""
-    for tensor in tensors.values():
-        group.broadcast(tensor.contiguous(), 0).wait()
+def send_broadcast(group, tensors: dict[str, torch.Tensor] | Iterable[torch.Tensor]) -> None:
+    """The rank-0 side of a broadcast update (trainers and tests call this)."""
+    for tensor in tensors.values() if isinstance(tensors, dict) else tensors:
+        group.broadcast(tensor.detach().contiguous(), 0).wait()
+
+
+# --------------------------------------------------------------------------------------- checksums
+
+
+def _xxhash():
+    try:
+        import xxhash
+
+        return xxhash
+    except ImportError:
+        return None
+
+
+CHECKSUM_ALGOS: tuple[str, ...] = (("xxh3_128",) if _xxhash() is not None else ()) + ("sha256",)
+"""Checksum algorithms this process can compute, fastest first."""
+
+
+def tensor_checksum(tensor: torch.Tensor, algo: str = "sha256") -> str:
+    """Hex digest of dtype, shape and raw bytes: equal only for bitwise-equal tensors."""
+    if algo == "sha256":
+        h = hashlib.sha256()
+    elif algo == "xxh3_128" and _xxhash() is not None:
+        h = _xxhash().xxh3_128()
+    else:
+        raise WeightUpdateError(f"checksum algorithm {algo!r} is not available here (have {list(CHECKSUM_ALGOS)})")
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    h.update(f"{dtype_name(t.dtype)}{list(tensor.shape)}".encode())
+    if t.numel():
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()
