@@ -105,7 +105,10 @@ class Job:
         from noria.rewards.registry import get_reward
 
         cfg = self.config
-        get_reward(self.reward.name)  # an unknown reward or import path fails here
+        try:
+            get_reward(self.reward.name)  # an unknown reward or import path fails here
+        except (ValueError, ImportError) as e:
+            raise NoriaError(f"reward.name: {e}") from e
         self.tokenizer = load_tokenizer(model_path(cfg.model.path))
         train = render_prompts(load_prompts(cfg.data, "train"), self.tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
         kept, dropped = drop_long(train, cfg.data.max_prompt_tokens)
