@@ -777,6 +777,7 @@ class NativeApi:
         return web.json_response({
             "tensors": {n: {"dtype": dtype_name(d), "shape": list(shape)} for n, (d, shape) in specs.items()},
             "checksum_algos": list(CHECKSUM_ALGOS),
+            "device": str(getattr(self.s.engine, "device", "cpu")),
             "weight_version": self.s.engine.weight_version,
         })  # fmt: skip
 

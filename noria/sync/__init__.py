@@ -1,0 +1,100 @@
+"""Weight sync: the trainer's new weights reach every rollout engine, tagged with a version.
+
+What this package owns: moving buckets of ``(HF name, tensor)`` (``FSDPBackend.state_dict_for_sync``)
+into engines, checking and timing it, and verifying the result. It is where ``train`` and
+``engine`` meet; neither imports the other.
+
+Entry point::
+
+    sync = build_sync(cfg.sync, [engine_or_url, ...], run_dir=RUN_DIR, source=MODEL_DIR)
+    metrics = sync.push(backend.state_dict_for_sync(cfg.sync.bucket_mb << 20), version=v)
+    sync.close()
+
+Targets: an in-process ``noria.engine.Engine``, an :class:`HttpEngine` (``base_url``, optional API
+key) or a URL string. Transports (``sync.transport``; one for all targets):
+
+========== ============================================== =============================================
+transport  in-process ``Engine``                          engine server (``HttpEngine``)
+========== ============================================== =============================================
+ipc        hand the tensors over; the engine copies them  shared memory (/dev/shm) or CUDA IPC on the
+           into staging                                   same machine (:mod:`noria.sync.ipc`)
+broadcast  a gloo/NCCL group, the engine joins it in      gloo/NCCL group via /init_weights_update_group
+           a thread                                       and /update_weights_from_distributed
+disk       safetensors folder per version, loaded by      the same folder via /update_weights_from_disk
+           ``update_weights_from_disk``                   (SGLang and vLLM load it too)
+========== ============================================== =============================================
+
+``auto`` picks ipc for in-process engines and broadcast for engine servers (the RL job picks disk
+for an external ``engine_url``); mixed kinds need an explicit transport.
+
+Every engine stages a whole update before it changes anything, and commits it as one step (see
+``noria.engine.weights``): a push that fails (a tensor of the wrong name, shape or dtype, a
+missing or corrupt file or segment, an engine that errors) raises :class:`WeightSyncError` and
+leaves each engine's weights bit for bit and its version unchanged. With ``sync.verify`` every
+engine must then report the new version and, for every tensor sent, a checksum equal to the
+trainer's (exact: a hash of the bytes in the engine's dtype).
+
+Blocking and guarantees: see :class:`noria.sync.weight_sync.WeightSync` and each transport module.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+from typing import Any
+
+from noria.config import SyncConfig
+from noria.sync.errors import WeightSyncError
+from noria.sync.targets import HttpEngine, LocalTarget, as_target
+from noria.sync.weight_sync import Transport, WeightSync, bucketize
+
+TRANSPORTS = ("ipc", "broadcast", "disk")
+
+__all__ = ["HttpEngine", "TRANSPORTS", "WeightSync", "WeightSyncError", "build_sync", "bucketize", "resolve_transport"]
+
+
+def build_sync(cfg: SyncConfig, targets: list[Any], run_dir: Path | None = None, source: str | Path | None = None) -> WeightSync:
+    """A :class:`WeightSync` to ``targets`` with the transport ``cfg.transport`` resolves to.
+
+    ``run_dir``: the disk transport writes to ``cfg.disk_dir`` or else ``run_dir/weights``.
+    ``source``: a model folder whose config.json and tokenizer files go next to the disk
+    transport's weights (so that the folder is a complete HF checkpoint)."""
+    cfg.validate()
+    if not targets:
+        raise WeightSyncError("weight sync: no engines to push to")
+    wrapped = [as_target(t, i) for i, t in enumerate(targets)]
+    transport = resolve_transport(cfg.transport, wrapped)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(wrapped) + 2, thread_name_prefix="noria-sync")
+    impl = _transport(transport, wrapped, pool, cfg, run_dir, source)
+    return WeightSync(impl, wrapped, cfg.verify, pool)
+
+
+def resolve_transport(name: str, targets: list[Any]) -> str:
+    """``auto``: ipc for in-process engines, broadcast for engine servers; an explicit name as is."""
+    if name in TRANSPORTS:
+        return name
+    if name != "auto":
+        raise WeightSyncError(f"sync.transport must be auto or one of {TRANSPORTS}, got {name!r}")
+    local = [isinstance(t, LocalTarget) for t in targets]
+    if all(local):
+        return "ipc"
+    if not any(local):
+        return "broadcast"
+    raise WeightSyncError("sync.transport auto: the engines are both in process and servers; choose ipc, broadcast or disk")
+
+
+def _transport(name: str, targets: list[Any], pool: Any, cfg: SyncConfig, run_dir: Path | None, source: Any) -> Transport:
+    if name == "ipc":
+        from noria.sync.ipc import IpcTransport
+
+        return IpcTransport(targets, pool)
+    if name == "broadcast":
+        from noria.sync.broadcast import BroadcastTransport
+
+        return BroadcastTransport(targets, pool)
+    from noria.sync.disk import DiskTransport
+
+    if cfg.disk_dir is None and run_dir is None:
+        raise WeightSyncError("the disk transport needs sync.disk_dir or a run folder")
+    folder = Path(cfg.disk_dir) if cfg.disk_dir is not None else Path(run_dir) / "weights"
+    return DiskTransport(targets, pool, folder, Path(source) if source is not None else None)

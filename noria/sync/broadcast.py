@@ -1,0 +1,130 @@
+"""The ``broadcast`` transport: a torch.distributed group from the trainer (rank 0) to the engines.
+
+The group is made at the first push: the trainer hosts the rendezvous store on 127.0.0.1 (a free
+port) and every engine joins as rank 1..n (``/init_weights_update_group``, or
+``Engine.init_weights_update_group`` in process); gloo when the trainer's tensors are on the CPU,
+NCCL when they are on CUDA. Per bucket::
+
+    trainer:  post the bucket's names/dtypes/shapes to every engine ─▶ broadcast each tensor, in order
+    engines:  validate the metadata ─▶ receive each tensor straight into its staging buffer ─▶ reply
+
+then every engine commits the update. An engine that refuses a bucket still receives its tensors
+(into scratch), so the trainer never blocks on a refusal; it then answers with the error.
+
+Blocking: the broadcasts run on a helper thread while the trainer waits for the engines' replies;
+if an engine fails without receiving (it died, or lost the group), the push raises at once and the
+group is abandoned (the helper thread waits out :data:`GROUP_TIMEOUT_S` in the background); the
+next push makes a new group. Not guaranteed: engines on another machine (the store listens on
+127.0.0.1 only; use the disk transport there).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from noria.sync.errors import WeightSyncError
+from noria.sync.weight_sync import Bucket, Transport, for_each
+
+GROUP_TIMEOUT_S = 300.0
+"""How long a rendezvous or a broadcast may wait for the other ranks."""
+MASTER_ADDRESS = "127.0.0.1"
+
+
+class BroadcastTransport(Transport):
+    name = "broadcast"
+
+    def __init__(self, targets: list[Any], pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        super().__init__(targets, pool)
+        self.group: Any = None
+        self.group_name = ""
+        self.backend = ""
+
+    def send(self, buckets: Iterator[Bucket], version: int, update_id: str) -> None:
+        for bucket in buckets:
+            device = bucket[0][1].device
+            self._ensure_group("nccl" if device.type == "cuda" else "gloo")
+            tensors = [self._sendable(t) for _, t in bucket]
+            names = [n for n, _ in bucket]
+            dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+            shapes = [list(t.shape) for t in tensors]
+            replies = [self.pool.submit(t.stage_broadcast, names, dtypes, shapes, self.group_name, update_id) for t in self.targets]
+            self._broadcast(tensors, replies)
+        self.commit(version, update_id)
+
+    def close(self) -> None:
+        self._drop_group()
+
+    def _sendable(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if self.backend == "gloo" and t.device.type != "cpu":
+            t = t.cpu()
+        return t.contiguous()
+
+    def _broadcast(self, tensors: list[torch.Tensor], replies: list[concurrent.futures.Future]) -> None:
+        """Broadcast on a helper thread; raise as soon as an engine fails, else when all are done."""
+        sent: concurrent.futures.Future = concurrent.futures.Future()
+        group = self.group
+
+        def run() -> None:
+            try:
+                for t in tensors:
+                    group.broadcast(t, 0).wait()
+                sent.set_result(None)
+            except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
+                sent.set_exception(e)
+
+        threading.Thread(target=run, name="noria-sync-broadcast", daemon=True).start()
+        pending = {sent, *replies}
+        while pending:
+            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            for f in done:
+                if f.exception() is not None:
+                    if not sent.done():  # the broadcast is stuck on a rank that left: give the group up
+                        self._drop_group()
+                    elif pending:
+                        concurrent.futures.wait(pending)
+                    if f is sent:
+                        raise WeightSyncError(f"broadcast over group {self.group_name!r} failed: {f.exception()}")
+                    raise f.exception()
+
+    def _ensure_group(self, backend: str) -> None:
+        if self.group is not None and self.backend == backend:
+            return
+        self._drop_group()
+        from noria.engine.weights import create_update_group
+        from noria.router.sglang_router import free_port
+
+        port = free_port(MASTER_ADDRESS)
+        name = f"noria-sync-{uuid.uuid4().hex[:8]}"
+        world = len(self.targets) + 1
+        made: concurrent.futures.Future = concurrent.futures.Future()
+
+        def host() -> None:
+            try:
+                made.set_result(create_update_group(MASTER_ADDRESS, port, 0, world, name, backend, GROUP_TIMEOUT_S))
+            except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
+                made.set_exception(e)
+
+        threading.Thread(target=host, name="noria-sync-rendezvous", daemon=True).start()
+        for_each(self.pool, list(enumerate(self.targets)), lambda it: it[1].join_group(MASTER_ADDRESS, port, it[0] + 1, world, name, backend))
+        try:
+            self.group = made.result(timeout=GROUP_TIMEOUT_S)
+        except Exception as e:
+            raise WeightSyncError(f"weight sync group {name!r} ({backend}, {world} ranks) did not form: {e}") from e
+        self.group_name, self.backend = name, backend
+
+    def _drop_group(self) -> None:
+        if self.group is None:
+            return
+        for t in self.targets:
+            try:
+                t.leave_group(self.group_name)
+            except Exception:  # noqa: BLE001 -- best effort: the engine may be gone
+                pass
+        self.group = None

@@ -1,0 +1,157 @@
+"""The ``disk`` transport: a safetensors folder per version, loaded by every engine.
+
+What the folder is: ``DIR/v00000012/`` holding ``model.safetensors`` (one bucket) or
+``model-0000k-of-0000n.safetensors`` shards (one per bucket) with ``model.safetensors.index.json``,
+HF tensor names, ``format: pt`` metadata, plus ``config.json`` and the tokenizer files of
+``source`` when one is given. So an external SGLang or vLLM server can load it like any HF
+checkpoint (``/update_weights_from_disk``, ``reload_weights``).
+
+How data moves::
+
+    trainer:  write each bucket into DIR/.v00000012.partial-<id>/ ─▶ rename it to DIR/v00000012
+    engines:  /update_weights_from_disk (or Engine.update_weights_from_disk): check every header,
+              read every tensor into staging, swap in as version 12
+
+The rename is the publication: an engine is only ever given a complete folder, and a crashed
+trainer leaves a ``.partial`` folder that no engine is pointed at (the next push removes it). A
+push that fails removes its folder. After a successful push only the newest :data:`KEEP` version
+folders remain. Tensors are written straight from their memory (no serialised copy in between);
+CUDA tensors are copied to the host first.
+
+Blocking: ``send`` writes on the calling thread, then waits for every engine to load. Not
+guaranteed: durability across a power loss (no fsync); that engines on other machines see ``DIR``
+(it must be a shared filesystem for them).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from noria.sync.errors import WeightSyncError
+from noria.sync.weight_sync import Bucket, Transport, for_each
+
+KEEP = 2
+"""Version folders kept after a successful push (the newest ones)."""
+VERSION_DIR = re.compile(r"^v\d{8}$")
+
+
+class DiskTransport(Transport):
+    name = "disk"
+
+    def __init__(self, targets: list[Any], pool: concurrent.futures.ThreadPoolExecutor, folder: Path, source: Path | None = None) -> None:
+        super().__init__(targets, pool)
+        self.folder = Path(folder)
+        self.source = Path(source) if source is not None else None
+        self.last_folder: Path | None = None
+
+    def send(self, buckets: Iterator[Bucket], version: int, update_id: str) -> None:
+        final = self.write(buckets, version)
+        try:
+            for_each(self.pool, self.targets, lambda t: t.load_disk(final, version))
+        except BaseException:
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+        self.last_folder = final
+        self._prune()
+
+    def commit(self, version: int, update_id: str) -> None:
+        pass  # each engine loads a folder in one update
+
+    def write(self, buckets: Iterator[Bucket], version: int) -> Path:
+        """Write the buckets as a complete folder ``DIR/vNNNNNNNN`` (published by one rename)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob(".v*.partial-*"):  # left by a crashed push
+            shutil.rmtree(stale, ignore_errors=True)
+        final = self.folder / f"v{version:08d}"
+        tmp = self.folder / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            parts = [write_safetensors(tmp / f"part-{k}.safetensors", bucket) for k, bucket in enumerate(buckets)]
+            _name_shards(tmp, parts)
+            self._companions(tmp)
+            _publish(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def _companions(self, folder: Path) -> None:
+        if self.source is None:
+            return
+        from noria.models.checkpoint import COMPANION_FILES, CONFIG_FILE
+
+        for name in (CONFIG_FILE, *COMPANION_FILES):
+            if (self.source / name).is_file():
+                shutil.copy2(self.source / name, folder / name)
+
+    def _prune(self) -> None:
+        versions = sorted(p for p in self.folder.iterdir() if p.is_dir() and VERSION_DIR.match(p.name))
+        for old in versions[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def write_safetensors(path: Path, bucket: Bucket) -> tuple[Path, list[str], int]:
+    """Write one safetensors file straight from the tensors' memory; returns (path, names, bytes)."""
+    from noria.engine.weights import ST_NAMES
+
+    header: dict[str, Any] = {}
+    data, offset = [], 0
+    for name, t in bucket:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        if t.dtype not in ST_NAMES:
+            raise WeightSyncError(f"tensor '{name}': dtype {t.dtype} has no safetensors name")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        data.append(t)
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in data:
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+    return path, [name for name, _ in bucket], offset
+
+
+def _name_shards(folder: Path, parts: list[tuple[Path, list[str], int]]) -> None:
+    """Rename the parts as transformers names them and write the index for several."""
+    if not parts:
+        raise WeightSyncError("the update holds no tensors")
+    if len(parts) == 1:
+        parts[0][0].rename(folder / "model.safetensors")
+        return
+    weight_map, total = {}, 0
+    for k, (path, names, size) in enumerate(parts, start=1):
+        shard = f"model-{k:05d}-of-{len(parts):05d}.safetensors"
+        total += size
+        path.rename(folder / shard)
+        weight_map.update({n: shard for n in names})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` (a retried version) is moved aside first."""
+    if final.exists():
+        aside = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
