@@ -253,9 +253,32 @@ class Engine:
             return weights.stage_from_folder(stage, folder)
 
     def stage_weights_from_ipc(self, handle: dict[str, Any], tensors: list[dict[str, Any]], update_id: str) -> int:
+        """Stage tensors from another process: copied out of its buffer (``shm`` / ``cuda`` handle),
+        or, with ``{"kind": "staging"}``, already written into this engine's staging area
+        (:meth:`weights_staging_area`) and only checked here."""
         with self._stage.transaction(update_id) as stage:
+            if isinstance(handle, dict) and handle.get("kind") == "staging":
+                size = stage.arena.size if stage.arena is not None else 0
+                return stage.mark_written(weights.parse_manifest(tensors, size))
             with weights.open_ipc(handle, self.device) as buf:
                 return weights.stage_from_ipc(stage, buf, weights.parse_manifest(tensors, buf.numel()))
+
+    def weights_staging_area(self, update_id: str) -> dict[str, Any]:
+        """Begin update ``update_id`` with its staging buffers in shared memory that a process on
+        this machine may write directly (see :class:`weights.SharedArena`): the memfd's pid, fd and
+        size, and every tensor's byte offset, dtype and shape. CPU engines only. The first call
+        moves the weights into the arena between two steps (one copy)."""
+        if self.device.type != "cpu":
+            raise weights.WeightUpdateError("a shared staging area exists for CPU engines only; use a CUDA IPC handle")
+        if self._stage.arena is None:
+
+            def share() -> None:
+                self._stage.share()
+                self.runner.refresh_weights()
+
+            self._call(share)
+        with self._stage.transaction(update_id) as stage:
+            return stage.staging_area()
 
     def stage_weights_from_distributed(
         self, names: list[str], dtypes: list, shapes: list, group_name: str, update_id: str

@@ -31,7 +31,8 @@ generation results carry the version that produced their tokens in the body.
 Weight updates (``noria.sync`` is the client): every update is staged, then committed, so a refused
 or failed one (HTTP 400, naming the tensor or file) leaves the weights and version as they were.
 Noria's extensions to SGLang's API: ``/update_weights_from_ipc`` (a shared-memory segment or CUDA
-IPC buffer of a process on this machine), ``update_id`` on it and on
+IPC buffer of a process on this machine, or the engine's own staging area that such a process
+wrote, see ``/weights_staging_area``), ``update_id`` on it and on
 ``/update_weights_from_distributed`` (stage a part only), ``/commit_weights`` and
 ``/discard_weights`` (apply or drop all parts of one update), ``/weights_info`` (names, dtypes,
 shapes) and ``/weights_checksum`` (bitwise hashes of the live weights). SGLang's
@@ -453,6 +454,7 @@ class NativeApi:
             "/update_weights_from_distributed": ("POST", self.update_weights_from_distributed),
             "/update_weights_from_tensor": ("POST", self.update_weights_from_tensor),
             "/update_weights_from_ipc": ("POST", self.update_weights_from_ipc),
+            "/weights_staging_area": ("POST", self.weights_staging_area),
             "/commit_weights": ("POST", self.commit_weights),
             "/discard_weights": ("POST", self.discard_weights),
             "/weights_info": ("GET", self.weights_info),
@@ -746,6 +748,17 @@ class NativeApi:
         version = self._version(body)
         await self.s.blocking(self.s.engine.update_weights_from_ipc, handle, tensors, version)
         return self._updated(f"copied {len(tensors)} tensor(s) from {handle.get('kind')} ipc")
+
+    async def weights_staging_area(self, request: web.Request) -> web.Response:
+        """Begin update ``update_id`` with its staging buffers in a memfd a process on this machine
+        can map (``/proc/<pid>/fd/<fd>``) and write; then ``/update_weights_from_ipc`` with
+        ``{"kind": "staging"}`` names what was written, and ``/commit_weights`` applies it."""
+        body = await read_json(request)
+        reject_unknown(body, {"update_id"})
+        update_id = want(body, "update_id", str)
+        if not update_id:
+            raise RequestError("update_id: give the id of the update to stage")
+        return web.json_response(await self.s.blocking(self.s.engine.weights_staging_area, update_id))
 
     async def commit_weights(self, request: web.Request) -> web.Response:
         body = await read_json(request)

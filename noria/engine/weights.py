@@ -15,7 +15,7 @@ Sources (all stage into :class:`WeightStage`):
   offsets inside the file) before any tensor is read; then each tensor is read through a private
   mmap straight into its buffer (:func:`folder_entries`, :func:`stage_from_folder`);
 - an IPC buffer from another process on the same machine: a POSIX shared-memory segment
-  (``/dev/shm/<name>``, mapped copy-on-write, never written) or a CUDA IPC handle, plus a manifest
+  (``/dev/shm/<name>``, mapped read-only) or a CUDA IPC handle, plus a manifest
   of (name, dtype, shape, byte offset) validated against the buffer size (:func:`open_ipc`);
 - a torch.distributed broadcast from rank 0 of a group made by :func:`create_update_group` (the
   trainer calls it with ``rank=0``; it hosts the store). The group is standalone (its own store and
@@ -53,6 +53,7 @@ import mmap
 import os
 import re
 import threading
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,7 @@ class WeightStage:
         self._staged_as: dict[str, str] = {}  # canonical name -> the name it was staged under
         self._spare: dict[str, torch.Tensor] = {}
         self._refused: set[str] = set()
+        self.arena: SharedArena | None = None
 
     # ------------------------------------------------------------------------------ queries
 
@@ -253,13 +255,106 @@ class WeightStage:
             return True
 
     def release(self) -> None:
-        """Free the spare buffers (the next update allocates them again)."""
+        """Free the spare buffers (the next update allocates them again); not those of a shared arena."""
         with self.lock:
-            self._spare.clear()
+            if self.arena is None:
+                self._spare.clear()
+
+    # ------------------------------------------------------------------------------ shared arena
+
+    def share(self) -> SharedArena:
+        """Move the parameters and their staging buffers into a :class:`SharedArena` (once; the
+        caller runs this between engine steps, as it moves live parameters)."""
+        with self.lock:
+            if self.arena is None:
+                arena = SharedArena({c: (p.dtype, tuple(p.shape)) for c, p in self._params.items()})
+                self._drop_staged()
+                self.update_id = None
+                with torch.no_grad():
+                    for canon, param in self._params.items():
+                        live = arena.view(0, canon)
+                        live.copy_(param.data)
+                        param.data = live
+                        self._spare[canon] = arena.view(1, canon)
+                self.arena = arena
+            return self.arena
+
+    def staging_area(self) -> dict[str, Any]:
+        """Where a process on this machine writes the update in flight (inside :meth:`transaction`):
+        the arena's memfd and, for every name, the byte offset of its staging buffer."""
+        arena = self.arena
+        if arena is None:
+            raise WeightUpdateError("the engine's weights are not in shared memory")
+        tensors = {}
+        for name, canon in self._canon.items():
+            buf = self._staged.get(canon, self._spare.get(canon))
+            p = self._params[canon]
+            tensors[name] = {"offset": arena.offset(buf), "dtype": dtype_name(p.dtype), "shape": list(p.shape)}
+        return {"pid": os.getpid(), "fd": arena.fd, "size": arena.size, "tensors": tensors}
+
+    def mark_written(self, manifest: list[IpcTensor]) -> int:
+        """Count tensors written into the staging area by another process as staged (inside
+        :meth:`transaction`): each must sit exactly at its staging buffer, in the engine's dtype."""
+        arena = self.arena
+        if arena is None:
+            raise WeightUpdateError("the engine's weights are not in shared memory")
+        for t in manifest:
+            self.check(t.name, t.dtype, t.shape)
+            canon = self._canon[t.name]
+            buf = self._staged.get(canon, self._spare.get(canon))
+            if t.dtype != buf.dtype or t.offset != arena.offset(buf):
+                raise WeightUpdateError(
+                    f"ipc weight update: tensor '{t.name}' was written at byte {t.offset} as {dtype_name(t.dtype)}; "
+                    f"its staging buffer is at byte {arena.offset(buf)} as {dtype_name(buf.dtype)}"
+                )
+        for t in manifest:
+            canon = self._canon[t.name]
+            self._buffer(canon)
+            self._staged_as.setdefault(canon, t.name)
+        return len(manifest)
 
     def _drop_staged(self) -> None:
         self._spare.update(self._staged)
         self._staged, self._staged_as = {}, {}
+
+
+class SharedArena:
+    """The parameters and their staging buffers in one memfd, two regions laid out alike.
+
+    Another process on this machine maps it through ``/proc/<pid>/fd/<fd>`` and writes an update
+    straight into the staging buffers (one copy in all); the memory goes when the engine process
+    and the last mapping do (a memfd, nothing left in /dev/shm after a crash). Parameters and
+    staging buffers trade places at every commit, so both always live here."""
+
+    def __init__(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self.layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        offset = 0
+        for canon, (dtype, shape) in specs.items():
+            self.layout[canon] = (offset, dtype, shape)
+            offset += _aligned(nbytes(dtype, shape))
+        self.region = max(offset, ALIGN)
+        self.size = 2 * self.region
+        self.fd = os.memfd_create("noria-weights", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.size)
+        self._mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.data = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._base = self.data.data_ptr()
+
+    def view(self, region: int, canon: str) -> torch.Tensor:
+        offset, dtype, shape = self.layout[canon]
+        start = region * self.region + offset
+        return self.data[start : start + nbytes(dtype, shape)].view(dtype).view(shape)
+
+    def offset(self, tensor: torch.Tensor) -> int:
+        return tensor.data_ptr() - self._base
+
+
+ALIGN = 64
+"""Byte alignment of tensors in shared buffers (every dtype's size divides it)."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def stage_tensors(stage: WeightStage, named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
@@ -355,21 +450,32 @@ def stage_from_folder(stage: WeightStage, folder: str | Path) -> int:
         by_file.setdefault(e.file, []).append(e)
     for file, items in by_file.items():
         with _mapped(file) as mm:
-            data = torch.frombuffer(mm, dtype=torch.uint8)
+            data = _bytes_tensor(mm)
             for e in items:
                 stage.put(e.name, _typed_view(data, e.start, e.end, e.dtype, e.shape))
             del data
     return len(entries)
 
 
+def _map_read_only(fd: int, size: int) -> mmap.mmap:
+    """A read-only shared mapping, pages populated up front. (Not a private writable one: populating
+    that would copy every page to break copy-on-write.)"""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+
+
+def _bytes_tensor(mm: mmap.mmap) -> torch.Tensor:
+    """A uint8 tensor over a read-only mapping; only ever read (copied from) here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
 @contextlib.contextmanager
 def _mapped(file: Path) -> Iterator[mmap.mmap]:
-    """A private (copy-on-write, never written) mapping of a whole file, pages populated up front."""
+    """A read-only mapping of a whole file, pages populated up front."""
     fd = os.open(file, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = _map_read_only(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
     try:
@@ -442,6 +548,8 @@ def open_ipc(handle: dict[str, Any], device: torch.device) -> Iterator[torch.Ten
     if not isinstance(handle, dict):
         raise WeightUpdateError("ipc weight update: 'handle' must be an object")
     kind = handle.get("kind")
+    if kind == "staging":
+        raise WeightUpdateError("ipc weight update: a 'staging' handle has no buffer to open")
     if kind == "shm":
         with _open_shm(handle) as buf:
             yield buf
@@ -469,12 +577,11 @@ def _open_shm(handle: dict[str, Any]) -> Iterator[torch.Tensor]:
         actual = os.fstat(fd).st_size
         if actual < size:
             raise WeightUpdateError(f"ipc weight update: segment {name!r} holds {actual} bytes, the update says {size}")
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = _map_read_only(fd, size)
     finally:
         os.close(fd)
     try:
-        yield torch.frombuffer(mm, dtype=torch.uint8)
+        yield _bytes_tensor(mm)
     finally:
         _close(mm)
 

@@ -1,32 +1,41 @@
 """The ``ipc`` transport: engines on the trainer's machine, reached through memory.
 
-- An in-process ``Engine``: each bucket's tensors are handed over as they are; the engine copies
-  them into its staging buffers (one copy, on this thread) and swaps them in at commit.
-- An engine in another process (``noria serve`` on this machine): each bucket is packed into a
-  buffer the engine can map, and its manifest (name, dtype, shape, byte offset per tensor, plus
-  the buffer's handle) is posted to ``/update_weights_from_ipc``; the engine maps the buffer,
-  validates the manifest against it and copies the tensors into staging. The buffer is a POSIX
-  shared-memory segment (``/dev/shm``) for CPU tensors, or a CUDA buffer shared by its CUDA IPC
-  handle when both the trainer's tensors and the engine are on CUDA (no host round trip).
+Three paths, picked per engine:
 
-How the cross-process data moves (two buffers, so packing and the engines' copies overlap)::
+- **In process** (an ``Engine`` object): each bucket's tensors are handed over as they are; the
+  engine copies them into its staging buffers (one copy) and swaps them in at commit.
+- **Into the engine's staging area** (a CPU ``noria serve`` on this machine): the engine keeps its
+  weights and their staging buffers in a memfd (``/weights_staging_area`` says its pid, fd and every
+  tensor's offset); the trainer maps ``/proc/<pid>/fd/<fd>`` and copies each tensor straight into
+  its staging buffer, casting to the engine's dtype on the way (one copy in all, as in process).
+  Then it names what it wrote (``/update_weights_from_ipc`` with ``{"kind": "staging"}``; the
+  engine checks every name, dtype, shape and offset) and commits.
+- **Through a buffer the trainer owns** (where the engine's area cannot be mapped: a CUDA engine,
+  another PID namespace): each bucket is packed into a POSIX shared-memory segment (``/dev/shm``)
+  for CPU tensors, or a CUDA buffer shared by its CUDA IPC handle when the trainer's tensors and
+  the engine are on CUDA; its manifest (name, dtype, shape, byte offset, and the buffer's handle)
+  is posted to ``/update_weights_from_ipc``, and the engine maps it, validates the manifest against
+  it and copies the tensors into staging (two copies). Two buffers alternate, so packing bucket
+  k+1 overlaps the engines' copying of bucket k; a buffer is packed again only after every engine
+  has answered for the bucket before.
 
-    trainer thread:  pack bucket k into buffer k%2 ─▶ post manifest k ─▶ pack bucket k+1 into buffer (k+1)%2
-    engines:                                          map + copy bucket k into staging ─▶ reply
+Ownership and clean-up: the staging area belongs to the engine (a memfd: it goes with the engine
+process and the trainer's mapping, nothing stays in /dev/shm); the trainer keeps its mapping
+between pushes (warm pages) and drops it in ``close``. Segments belong to the trainer (engines only
+map them read-only); the two are kept between pushes (each sized to the largest bucket seen) and
+unlinked by ``close``, by a failed push, and at interpreter exit; a trainer killed with SIGKILL
+leaves them to the multiprocessing resource tracker.
 
-Before buffer k%2 is packed again (bucket k+2), every engine has answered for bucket k.
-
-Ownership and clean-up: the trainer creates, owns and unlinks the segments (engines only map them
-copy-on-write and never write). The two segments are kept between pushes (warm pages; each sized to
-the largest bucket seen) and unlinked by ``close``, by a failed push (clean-up on error), and at
-interpreter exit; a trainer killed with SIGKILL leaves them to the multiprocessing resource tracker.
-Not guaranteed: CUDA IPC needs both processes on the same GPU node and is untested on CPU-only
-machines; a segment cannot be seen from another machine (the engine answers with that error).
+Blocking: ``send`` copies on the calling thread and waits for every engine's answer.
+Not guaranteed: the trainer writes the staging area without a lock, so two pushes to one engine
+at once corrupt each other's staging (never the live weights); CUDA IPC needs both processes on
+one GPU node and is untested on CPU-only machines; none of this reaches another machine.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import mmap
 import os
 import uuid
 import weakref
@@ -36,8 +45,9 @@ from typing import Any
 
 import torch
 
+from noria.sync.errors import WeightSyncError
 from noria.sync.targets import LocalTarget, Specs
-from noria.sync.weight_sync import Bucket, Transport
+from noria.sync.weight_sync import Bucket, Transport, for_each
 
 ALIGN = 64
 """Byte alignment of every tensor in a buffer (any dtype's size divides it)."""
@@ -51,38 +61,81 @@ class IpcTransport(Transport):
         self.local = [t for t in targets if isinstance(t, LocalTarget)]
         self.remote = [t for t in targets if not isinstance(t, LocalTarget)]
         self._buffers: list[_Buffer | None] = [None, None]
+        self._areas: dict[str, _Area] = {}  # target name -> its mapped staging area
+        self._no_area: set[str] = set()  # targets whose area cannot be mapped: use segments
         self._remote_cuda: bool | None = None  # every remote engine on CUDA (asked once)
-        self._finalizer = weakref.finalize(self, _free_all, self._buffers)
+        self._finalizer = weakref.finalize(self, _free_all, self._buffers, self._areas)
 
     def send(self, buckets: Iterator[Bucket], version: int, update_id: str) -> None:
+        direct = self._open_areas(update_id)
+        via_buffer = [t for t in self.remote if t.name not in direct]
+        written: dict[str, list[dict[str, Any]]] = {name: [] for name in direct}
         inflight: list[list[concurrent.futures.Future] | None] = [None, None]
         try:
             for k, bucket in enumerate(buckets):
                 for target in self.local:
                     target.stage(bucket, update_id)
-                if self.remote:
+                for name, area in direct.items():
+                    written[name] += area.write(bucket)
+                if via_buffer:
                     slot = k % 2
                     _wait(inflight[slot])  # the engines are done with this buffer
                     handle, manifest = self._pack(slot, bucket)
-                    inflight[slot] = [self.pool.submit(t.stage_ipc, handle, manifest, update_id) for t in self.remote]
+                    inflight[slot] = [self.pool.submit(t.stage_ipc, handle, manifest, update_id) for t in via_buffer]
             for futures in inflight:
                 _wait(futures)
         except BaseException:
             for futures in inflight:  # let the engines finish reading before the buffers go
                 if futures:
                     concurrent.futures.wait(futures)
-            self._free()
+            self._free_buffers()
             raise
+        wrote = [t for t in self.remote if t.name in direct]
+        if wrote:
+            for_each(self.pool, wrote, lambda t: t.stage_ipc({"kind": "staging"}, written[t.name], update_id))
         self.commit(version, update_id)
 
     def close(self) -> None:
-        self._free()
+        _free_all(self._buffers, self._areas)
+
+    # ------------------------------------------------------------------------------ staging areas
+
+    def _open_areas(self, update_id: str) -> dict[str, _Area]:
+        """The mapped staging area of every remote engine that has one this process can map."""
+        out = {}
+        for target in self.remote:
+            if target.name in self._no_area:
+                continue
+            info = target.staging_area(update_id)
+            area = self._map(target.name, info) if info is not None else None
+            if area is None:
+                self._no_area.add(target.name)
+            else:
+                out[target.name] = area
+        return out
+
+    def _map(self, name: str, info: dict[str, Any]) -> _Area | None:
+        area = self._areas.get(name)
+        if area is not None and area.key == (info["pid"], info["fd"], info["size"]):
+            area.tensors = info["tensors"]
+            return area
+        if area is not None:
+            area.close()
+            del self._areas[name]
+        try:
+            area = _Area(info)
+        except OSError:  # another PID namespace or user: fall back to segments
+            return None
+        self._areas[name] = area
+        return area
+
+    # ------------------------------------------------------------------------------ own buffers
 
     def _pack(self, slot: int, bucket: Bucket) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Copy a bucket into buffer ``slot``: the handle and the manifest for the engines."""
         manifest, offset = [], 0
         for name, t in bucket:
-            manifest.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset})
+            manifest.append({"name": name, "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
             offset += _aligned(t.numel() * t.element_size())
         device = bucket[0][1].device
         cuda = device.type == "cuda" and all(t.device == device for _, t in bucket) and self._engines_on_cuda()
@@ -111,8 +164,48 @@ class IpcTransport(Transport):
             self._buffers[slot] = buf
         return buf
 
-    def _free(self) -> None:
-        _free_all(self._buffers)
+    def _free_buffers(self) -> None:
+        _free_all(self._buffers, {})
+
+
+class _Area:
+    """An engine's staging area mapped into this process (read-write, shared)."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.key = (info["pid"], info["fd"], info["size"])
+        self.tensors: dict[str, dict[str, Any]] = info["tensors"]
+        fd = os.open(f"/proc/{info['pid']}/fd/{info['fd']}", os.O_RDWR)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, info["size"], flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.data: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    @torch.no_grad()
+    def write(self, bucket: Bucket) -> list[dict[str, Any]]:
+        """Copy each tensor into its staging buffer (cast to the engine's dtype); the manifest."""
+        from noria.engine.weights import nbytes, parse_dtype
+
+        out = []
+        for name, t in bucket:
+            info = self.tensors.get(name)
+            if info is None:
+                raise WeightSyncError(f"unknown tensor '{name}' (not in the engine's staging area)")
+            dtype, shape, offset = parse_dtype(info["dtype"]), tuple(info["shape"]), int(info["offset"])
+            if tuple(t.shape) != shape:
+                raise WeightSyncError(f"tensor '{name}' has shape {tuple(t.shape)}, the engine's is {shape}")
+            dst = self.data[offset : offset + nbytes(dtype, shape)].view(dtype).view(shape)
+            dst.copy_(t)
+            out.append({"name": name, "dtype": info["dtype"], "shape": list(shape), "offset": offset})
+        return out
+
+    def close(self) -> None:
+        self.data = None  # the tensor must go before the mapping closes
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive: the mapping goes with it
+            pass
 
 
 class _Buffer:
@@ -148,7 +241,7 @@ class _Buffer:
                 shm.unlink()
 
 
-def _free_all(buffers: list[_Buffer | None]) -> None:
+def _free_all(buffers: list[_Buffer | None], areas: dict[str, _Area]) -> None:
     for i, buf in enumerate(buffers):
         if buf is not None:
             buffers[i] = None
@@ -156,6 +249,8 @@ def _free_all(buffers: list[_Buffer | None]) -> None:
                 buf.free()
             except FileNotFoundError:  # already unlinked
                 pass
+    for name in list(areas):
+        areas.pop(name).close()
 
 
 def _wait(futures: list[concurrent.futures.Future] | None) -> None:
@@ -167,3 +262,7 @@ def _wait(futures: list[concurrent.futures.Future] | None) -> None:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -13,6 +13,7 @@ call                   in process (``Engine`` method)       HTTP (noria serve; *
 ``checksums``          ``weight_checksums``                 ``POST /weights_checksum`` *
 ``stage``              ``stage_weights``                    (in process only)
 ``stage_ipc``          ``stage_weights_from_ipc``           ``POST /update_weights_from_ipc`` *
+``staging_area``       (in process: not needed)             ``POST /weights_staging_area`` *
 ``join_group``         ``init_weights_update_group``        ``POST /init_weights_update_group``
 ``stage_broadcast``    ``stage_weights_from_distributed``   ``POST /update_weights_from_distributed``
                                                             with ``update_id`` *
@@ -140,6 +141,14 @@ class HttpEngine:
 
     def stage_ipc(self, handle: dict[str, Any], tensors: list[dict[str, Any]], update_id: str) -> None:
         self._request("POST", "/update_weights_from_ipc", {"handle": handle, "tensors": tensors, "update_id": update_id})
+
+    def staging_area(self, update_id: str) -> dict[str, Any] | None:
+        """The engine's shared staging area for ``update_id``; None where it has none (a CUDA
+        engine, an older server)."""
+        try:
+            return self._request("POST", "/weights_staging_area", {"update_id": update_id}, missing_ok=True)
+        except WeightSyncError:
+            return None
 
     def join_group(self, address: str, port: int, rank: int, world_size: int, group: str, backend: str) -> None:
         body = {"master_address": address, "master_port": port, "rank_offset": rank, "world_size": world_size,

@@ -1,0 +1,386 @@
+"""``noria bench sync``: seconds and GB/s of a weight push per transport, against the raw primitive.
+
+For each model (SmolLM2-135M from the catalog; ``random-llama-1b``, a random 1.1B Llama built from
+a config with TinyLlama's shapes; or any model folder), all bf16, the trainer's tensors (HF names,
+the tied head left out as ``FSDPBackend.state_dict_for_sync`` does) are pushed as a new version in
+buckets of ``bucket_mb``, through ``noria.sync`` exactly as training does, to:
+
+==================== ============================================ ======================================
+case                 engine                                       primitive (same bytes, same machine)
+==================== ============================================ ======================================
+ipc in-process       ``Engine`` in this process                   memcpy: ``copy_`` into warm tensors
+ipc shared-memory    ``noria serve`` subprocess (/dev/shm)        memcpy, as above (one copy; the
+                                                                  transport makes two, overlapped)
+broadcast gloo       ``noria serve`` subprocess (gloo group)      gloo broadcast of the bytes as flat
+                                                                  bucket buffers to a subprocess, acked
+disk                 ``Engine`` in this process                   safetensors ``save_file`` + ``load_file``
+==================== ============================================ ======================================
+
+A push is timed from the first byte to the last engine's commit (the engine answered and serves
+the new version). Every figure is the best of ``repeats`` runs after one warm-up run (which
+creates groups, segments and staging buffers); ``ratio`` = push seconds / primitive seconds.
+
+The engines run in deterministic mode, which skips the CPU fast path's repacking of fused weights
+after an update: that repack belongs to the engine, costs the same on every transport, and is
+measured on its own row (``engine repack``, not included in the pushes). Verification is off
+(``sync.verify`` hashes the bytes: its cost is hashing, not transport).
+
+Not measured: NCCL and CUDA IPC (CPU machine), engines on other machines.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TRANSPORT_CASES = ("ipc", "ipc_shm", "broadcast", "disk")
+RANDOM_1B = "random-llama-1b"
+LLAMA_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}  # fmt: skip
+"""TinyLlama-1.1B's shapes."""
+CASE_NAMES = {
+    "ipc": "ipc in-process (Engine in this process)",
+    "ipc_shm": "ipc shared-memory (noria serve subprocess)",
+    "broadcast": "broadcast gloo (noria serve subprocess)",
+    "disk": "disk safetensors (Engine in this process)",
+}
+PRIMITIVES = {"ipc": "memcpy", "ipc_shm": "memcpy", "broadcast": "gloo_broadcast", "disk": "safetensors_write_read"}
+
+
+def run(
+    models: list[str] | tuple[str, ...] = ("smollm2-135m-instruct", RANDOM_1B),
+    transports: list[str] | tuple[str, ...] = TRANSPORT_CASES,
+    bucket_mb: int = 256,
+    repeats: int = 3,
+    json_path: str | None = None,
+    work_dir: str | None = None,
+) -> list[dict]:
+    """Measure every (model, transport) case, print the table, write the JSON; returns the results."""
+    from noria.bench import write_json
+
+    unknown = set(transports) - set(TRANSPORT_CASES)
+    if unknown or repeats < 1 or bucket_mb < 1 or not models:
+        raise ValueError(f"bad arguments: transports {sorted(unknown)} unknown (have {TRANSPORT_CASES}), or repeats/bucket_mb < 1")
+    results = []
+    root = Path(tempfile.mkdtemp(prefix="noria-bench-sync-", dir=work_dir))
+    try:
+        for model in models:
+            results += measure_model(model, list(transports), bucket_mb << 20, repeats, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print_results(results)
+    if json_path:
+        write_json(json_path, "sync", results)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def load_case_model(model: str, root: Path):
+    """(engine-side DecoderLM, model folder, label) in bf16; a random 1B model is written to ``root``."""
+    import torch
+
+    from noria.models import load_model
+    from noria.models.catalog import model_path
+
+    if model != RANDOM_1B:
+        folder = model_path(model)
+        return load_model(folder, dtype=torch.bfloat16), folder, Path(str(model)).name
+    from noria.models.config import ModelArgs
+    from noria.models.decoder import DecoderLM
+
+    with torch.device("meta"):
+        lm = DecoderLM(ModelArgs.from_hf_config(LLAMA_1B), hf_config=LLAMA_1B).to(torch.bfloat16)
+    lm = lm.to_empty(device="cpu")
+    lm.tie_weights()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    folder = root / RANDOM_1B
+    folder.mkdir()
+    from noria.sync.disk import write_safetensors
+
+    write_safetensors(folder / "model.safetensors", list(trainer_tensors(lm).items()))
+    (folder / "config.json").write_text(json.dumps(LLAMA_1B))
+    return lm.eval(), folder, RANDOM_1B
+
+
+def trainer_tensors(lm) -> dict[str, Any]:
+    """The tensors a trainer sends: every parameter once (a tied head is the embedding)."""
+    seen, out = set(), {}
+    for name, t in lm.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t.detach()
+    return out
+
+
+# ----------------------------------------------------------------------------------------- measure
+
+
+def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats: int, root: Path) -> list[dict]:
+    import torch
+
+    lm, folder, label = load_case_model(model, root)
+    sent = {n: t.clone() for n, t in trainer_tensors(lm).items()}  # the trainer's own copy
+    nbytes = sum(t.numel() * t.element_size() for t in sent.values())
+    params = sum(t.numel() for t in sent.values())
+    rows = []
+    for case in transports:
+        gc.collect()
+        push_s = _push_seconds(case, lm, folder, sent, bucket_bytes, repeats, root)
+        prim_s = _primitive_seconds(case, sent, bucket_bytes, repeats, root)
+        rows += _row(label, params, case, bucket_bytes, nbytes, push_s, prim_s)
+    repack = _repack_seconds(lm)
+    if repack is not None:
+        rows.append({"case": f"{label} bf16 engine repack after an update (any transport; not in the pushes)",
+                     "metric": "repack_s", "noria": round(repack, 4), "peers": {}, "bound": None})  # fmt: skip
+    del lm, sent
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
+def _row(label: str, params: int, case: str, bucket_bytes: int, nbytes: int, push_s: float, prim_s: float) -> list[dict]:
+    """Two rows per case: GB/s (bound: the primitive's GB/s) and seconds (bound: the primitive's)."""
+    name = (f"{label} bf16 params={params / 1e6:.0f}M bytes={nbytes / 1e6:.0f}MB bucket={bucket_bytes >> 20}MB "
+            f"{CASE_NAMES[case]} vs {PRIMITIVES[case]}")  # fmt: skip
+    return [
+        {"case": name, "metric": "gb_per_s", "noria": round(nbytes / push_s / 1e9, 3), "peers": {},
+         "bound": round(nbytes / prim_s / 1e9, 3)},
+        {"case": name, "metric": "push_s", "noria": round(push_s, 4), "peers": {}, "bound": round(prim_s, 4)},
+    ]  # fmt: skip
+
+
+def _best(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up: groups, segments, staging buffers, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _push_seconds(case: str, lm, folder: Path, sent: dict, bucket_bytes: int, repeats: int, root: Path) -> float:
+    from noria.config import SyncConfig
+    from noria.sync import build_sync, bucketize
+
+    transport = "ipc" if case == "ipc_shm" else case
+    cfg = SyncConfig(transport=transport, bucket_mb=max(1, bucket_bytes >> 20), disk_dir=str(root / "weights"))
+    with _engine(case, lm, folder) as target:
+        sync = build_sync(cfg, [target])
+        version = iter(range(1, 1 << 30))
+        try:
+            return _best(lambda: sync.push(bucketize(sent, bucket_bytes), next(version)), repeats)
+        finally:
+            sync.close()
+
+
+class _engine:
+    """The engine a case pushes to: an in-process Engine, or a ``noria serve`` subprocess (its URL)."""
+
+    def __init__(self, case: str, lm, folder: Path) -> None:
+        self.case, self.lm, self.folder = case, lm, folder
+        self.engine: Any = None
+        self.server: _Server | None = None
+
+    def __enter__(self):
+        from noria.config import EngineConfig
+        from noria.engine import Engine
+
+        if self.case in ("ipc", "disk"):
+            self.engine = Engine(_copy_model(self.lm), None, EngineConfig(**ENGINE))
+            return self.engine
+        self.server = _Server(self.folder)
+        return self.server.url
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.engine is not None:
+            self.engine.shutdown(1)
+            self.engine = None
+        if self.server is not None:
+            self.server.stop()
+
+
+ENGINE = {"kv_cache_tokens": 256, "block_size": 16, "deterministic": True}
+
+
+def _copy_model(lm):
+    import copy
+
+    return copy.deepcopy(lm)
+
+
+class _Server:
+    """``noria serve`` on a free loopback port, deterministic, small KV cache."""
+
+    def __init__(self, folder: Path) -> None:
+        import httpx
+
+        from noria.router.sglang_router import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "noria.cli", "serve", "--model", str(folder), "--port", str(self.port),
+               "--engine.kv_cache_tokens", str(ENGINE["kv_cache_tokens"]), "--engine.block_size", str(ENGINE["block_size"]),
+               "--engine.deterministic", "true"]  # fmt: skip
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"noria serve exited with {self.proc.returncode}: {self._log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"noria serve not ready after 300 s: {self._log()}")
+
+    def _log(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# -------------------------------------------------------------------------------------- primitives
+
+
+def _primitive_seconds(case: str, sent: dict, bucket_bytes: int, repeats: int, root: Path) -> float:
+    if case in ("ipc", "ipc_shm"):
+        return _memcpy_seconds(sent, repeats)
+    if case == "broadcast":
+        return _gloo_seconds(sent, bucket_bytes, repeats)
+    return _safetensors_seconds(sent, repeats, root)
+
+
+def _memcpy_seconds(sent: dict, repeats: int) -> float:
+    import torch
+
+    dst = {n: torch.empty_like(t) for n, t in sent.items()}
+
+    def copy() -> None:
+        with torch.no_grad():
+            for n, t in sent.items():
+                dst[n].copy_(t)
+
+    try:
+        return _best(copy, repeats)
+    finally:
+        del dst
+
+
+def _safetensors_seconds(sent: dict, repeats: int, root: Path) -> float:
+    from safetensors.torch import load_file, save_file
+
+    path = root / "primitive.safetensors"
+
+    def write_read() -> None:
+        save_file(sent, str(path), metadata={"format": "pt"})
+        load_file(str(path))
+
+    try:
+        return _best(write_read, repeats)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _gloo_seconds(sent: dict, bucket_bytes: int, repeats: int) -> float:
+    """Flat uint8 buffers of the buckets' sizes broadcast to a subprocess, which acks each round."""
+    import torch
+
+    from noria.engine.weights import create_update_group
+    from noria.router.sglang_router import free_port
+    from noria.sync import bucketize
+
+    sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in bucketize(sent, bucket_bytes)]
+    buffers = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    port = free_port()
+    job = json.dumps({"port": port, "sizes": sizes, "rounds": repeats + 1})
+    proc = subprocess.Popen([sys.executable, "-m", "noria.bench.sync", "recv", job])
+    try:
+        group = create_update_group("127.0.0.1", port, 0, 2, "bench-gloo", "gloo", timeout_s=300)
+        ack = torch.zeros(1)
+
+        def round_trip() -> None:
+            for buf in buffers:
+                group.broadcast(buf, 0).wait()
+            group.broadcast(ack, 1).wait()
+
+        return _best(round_trip, repeats)
+    finally:
+        proc.wait(60)
+
+
+def _receive_main(job: dict) -> None:
+    import torch
+
+    from noria.engine.weights import create_update_group
+
+    group = create_update_group("127.0.0.1", job["port"], 1, 2, "bench-gloo", "gloo", timeout_s=300)
+    buffers = [torch.empty(n, dtype=torch.uint8) for n in job["sizes"]]
+    for _ in range(job["rounds"]):
+        for buf in buffers:
+            group.broadcast(buf, 0).wait()
+        group.broadcast(torch.ones(1), 1).wait()
+
+
+def _repack_seconds(lm) -> float | None:
+    from noria.engine import inference
+
+    if not inference.supported(lm):
+        return None
+    fast = inference.FastDecoder(lm)
+    start = time.perf_counter()
+    fast.refresh()
+    return time.perf_counter() - start
+
+
+# -------------------------------------------------------------------------------------------- table
+
+
+def print_results(results: list[dict]) -> None:
+    from noria.bench import print_table
+
+    seconds = {r["case"]: r for r in results if r["metric"] == "push_s"}
+    rows = []
+    for r in results:
+        if r["metric"] == "repack_s":
+            rows.append([r["case"], r["noria"], None, None, None, None])
+        elif r["metric"] == "gb_per_s":
+            s = seconds[r["case"]]
+            rows.append([r["case"], s["noria"], r["noria"], s["bound"], r["bound"], s["noria"] / s["bound"]])
+    header = ["case", "push_s", "push_GB/s", "primitive_s", "primitive_GB/s", "ratio"]
+    print_table("weight sync: one push of every tensor, best of the repeats (ratio = push / primitive time)", header, rows)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "recv":
+        _receive_main(json.loads(sys.argv[2]))
