@@ -145,7 +145,7 @@ class WeightStage:
         self._staged: dict[str, torch.Tensor] = {}
         self._staged_as: dict[str, str] = {}  # canonical name -> the name it was staged under
         self._spare: dict[str, torch.Tensor] = {}
-        self._refused: set[str] = set()
+        self._refused: dict[str, None] = {}  # ids of failed updates (the newest 256), never committed
         self.arena: SharedArena | None = None
 
     # ------------------------------------------------------------------------------ queries
@@ -170,20 +170,25 @@ class WeightStage:
     def transaction(self, update_id: str) -> Iterator[WeightStage]:
         """Stage under ``update_id``; any error discards the whole update and refuses the id."""
         with self.lock:
-            if update_id in self._refused:
-                raise WeightUpdateError(f"weight update {update_id!r} failed earlier and was discarded; start a new one")
+            self._check_not_refused(update_id)
             if update_id != self.update_id:
                 self._drop_staged()
                 self.update_id = update_id
             try:
                 yield self
             except BaseException as e:
-                self._refused.add(update_id)
+                self._refused[update_id] = None
+                while len(self._refused) > 256:
+                    del self._refused[next(iter(self._refused))]
                 self._drop_staged()
                 self.update_id = None
                 if isinstance(e, (WeightUpdateError, KeyboardInterrupt)) or not isinstance(e, Exception):
                     raise
                 raise WeightUpdateError(f"weight update {update_id!r} failed while staging: {type(e).__name__}: {e}") from e
+
+    def _check_not_refused(self, update_id: str) -> None:
+        if update_id in self._refused:
+            raise WeightUpdateError(f"weight update {update_id!r} failed earlier and was discarded; start a new one")
 
     def check(self, name: str, dtype: torch.dtype | None, shape: Iterable[int]) -> None:
         """Validate one incoming tensor (name, dtype, shape) without copying anything."""
@@ -233,6 +238,7 @@ class WeightStage:
     def commit(self, update_id: str) -> list[str]:
         """Swap the staged buffers into the parameters; returns the parameters changed."""
         with self.lock:
+            self._check_not_refused(update_id)
             if update_id != self.update_id or not self._staged:
                 raise WeightUpdateError(f"weight update {update_id!r} has nothing staged to commit")
             changed = list(self._staged)
