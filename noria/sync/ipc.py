@@ -64,6 +64,8 @@ class IpcTransport(Transport):
         self._areas: dict[str, _Area] = {}  # target name -> its mapped staging area
         self._no_area: set[str] = set()  # targets whose area cannot be mapped: use segments
         self._remote_cuda: bool | None = None  # every remote engine on CUDA (asked once)
+        self.use_staging_area = True
+        """False: always go through the trainer's own buffers (to test or measure that path)."""
         self._finalizer = weakref.finalize(self, _free_all, self._buffers, self._areas)
 
     def send(self, buckets: Iterator[Bucket], version: int, update_id: str) -> None:
@@ -102,7 +104,9 @@ class IpcTransport(Transport):
 
     def _open_areas(self, update_id: str) -> dict[str, _Area]:
         """The mapped staging area of every remote engine that has one this process can map."""
-        out = {}
+        out: dict[str, _Area] = {}
+        if not self.use_staging_area:
+            return out
         for target in self.remote:
             if target.name in self._no_area:
                 continue

@@ -1,0 +1,162 @@
+"""Weight sync to a real ``noria serve`` subprocess on 127.0.0.1: ipc (the engine's shared staging
+area, and the trainer's own /dev/shm segments), gloo broadcast and disk, with verification; failed
+pushes and refused manifests change nothing; KV memory release and resume over HTTP.
+
+CPU only; one server (tiny random Llama, bf16) for the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from multiprocessing import shared_memory
+
+import httpx
+import pytest
+import torch
+
+from engine_server_util import ServeProcess
+from noria.config import SyncConfig
+from noria.models import load_model
+from noria.sync import WeightSyncError, build_sync, bucketize
+
+CASES = ("ipc", "ipc_segments", "broadcast", "disk")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    srv = ServeProcess(tiny_model_dir, "--engine.attention", "torch", log_dir=tmp_path_factory.mktemp("logs")).wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir) -> dict[str, torch.Tensor]:
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    return {n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"}
+
+
+def state(server) -> tuple[int, dict[str, str]]:
+    version = httpx.get(f"{server.url}/get_weight_version").json()["weight_version"]
+    return version, httpx.post(f"{server.url}/weights_checksum", json={"algo": "sha256"}).json()["checksums"]
+
+
+def make_sync(case: str, server, tmp_path):
+    transport = "ipc" if case == "ipc_segments" else case
+    sync = build_sync(SyncConfig(transport=transport, verify=True, bucket_mb=1), [server.url], run_dir=tmp_path)
+    if case == "ipc_segments":
+        sync.transport_impl.use_staging_area = False
+    return sync
+
+
+def sent_for(trainer: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(version)
+    return {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in trainer.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_push_to_a_server_and_verify(case, server, trainer, tmp_path):
+    version, _ = state(server)
+    with make_sync(case, server, tmp_path) as sync:
+        for v in (version + 1, version + 2):
+            metrics = sync.push(bucketize(sent_for(trainer, v), 30_000), v)  # verify=True: checksums compared
+    assert metrics["sync/verify_seconds"] > 0
+    now, sums = state(server)
+    assert now == version + 2
+    out = httpx.post(f"{server.url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert out["meta_info"]["weight_version"] == version + 2
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_failed_push_to_a_server_changes_nothing(case, server, trainer, tmp_path):
+    before = state(server)
+    buckets = list(bucketize(sent_for(trainer, 99), 30_000))
+
+    def dies_midway():
+        yield from buckets[:2]
+        raise RuntimeError("trainer lost a rank")
+
+    with make_sync(case, server, tmp_path) as sync:
+        with pytest.raises(RuntimeError, match="lost a rank"):
+            sync.push(dies_midway(), before[0] + 1)
+        with pytest.raises(WeightSyncError, match="shape"):
+            sync.push(iter([*buckets[:2], [("model.norm.weight", torch.ones(5))]]), before[0] + 1)
+    assert state(server) == before
+
+
+def _segment(tensor: torch.Tensor) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(create=True, size=tensor.numel() * tensor.element_size() + 64)
+    view = torch.frombuffer(shm.buf, dtype=torch.uint8)
+    view[: tensor.numel() * tensor.element_size()].view(tensor.dtype).copy_(tensor.reshape(-1))
+    del view
+    return shm
+
+
+def test_ipc_endpoint_checks_manifests_against_the_segment(server):
+    before = state(server)
+    norm = torch.full((64,), 0.5, dtype=torch.bfloat16)
+    shm = _segment(norm)
+    good = {"name": "model.norm.weight", "dtype": "bfloat16", "shape": [64], "offset": 0}
+    handle = {"kind": "shm", "name": shm.name, "size": shm.size}
+    try:
+        refused = [
+            ({**handle}, [{**good, "offset": shm.size - 64}], "does not fit"),  # runs past the segment
+            ({**handle}, [{**good, "offset": 1}], "aligned"),  # misaligned for bf16
+            ({**handle}, [{**good, "shape": [32]}], "shape"),
+            ({**handle}, [{**good, "name": "model.nope"}], "unknown tensor"),
+            ({**handle, "size": shm.size * 4}, [good], "holds"),  # the segment is smaller than claimed
+            ({**handle, "name": "../etc/passwd"}, [good], "bad shared-memory segment name"),
+            ({**handle, "name": "noria_sync_gone"}, [good], "not found"),
+            ({"kind": "staging"}, [good], "staging"),  # no area was handed out for this update
+        ]  # fmt: skip
+        for h, tensors, message in refused:
+            r = httpx.post(f"{server.url}/update_weights_from_ipc", json={"handle": h, "tensors": tensors, "weight_version": 50})
+            assert r.status_code == 400 and message in r.json()["error"]["message"], (message, r.text)
+        assert state(server) == before
+        r = httpx.post(f"{server.url}/update_weights_from_ipc", json={"handle": handle, "tensors": [good], "weight_version": 50})
+        assert r.status_code == 200 and r.json()["weight_version"] == 50
+    finally:
+        shm.close()
+        shm.unlink()
+    r = httpx.post(f"{server.url}/commit_weights", json={"update_id": "never-staged", "weight_version": 51})
+    assert r.status_code == 400 and "nothing staged" in r.json()["error"]["message"]
+
+
+def test_staging_area_rejects_writes_at_the_wrong_place(server, trainer):
+    area = httpx.post(f"{server.url}/weights_staging_area", json={"update_id": "area-1"}).json()
+    assert area["pid"] > 0 and area["size"] > 0 and "model.norm.weight" in area["tensors"]
+    before = state(server)
+    entry = area["tensors"]["model.norm.weight"]
+    wrong = {"name": "model.norm.weight", **entry, "offset": entry["offset"] + 64}
+    r = httpx.post(f"{server.url}/update_weights_from_ipc", json={"handle": {"kind": "staging"}, "tensors": [wrong], "update_id": "area-1"})
+    assert r.status_code == 400 and "staging buffer is at byte" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/commit_weights", json={"update_id": "area-1", "weight_version": 77})
+    assert r.status_code == 400 and "failed earlier" in r.json()["error"]["message"]
+    assert state(server) == before
+
+
+def test_weights_info_and_checksums(server, trainer):
+    info = httpx.get(f"{server.url}/weights_info").json()
+    assert info["tensors"]["model.norm.weight"] == {"dtype": "bfloat16", "shape": [64]}
+    assert "sha256" in info["checksum_algos"] and info["device"] == "cpu"
+    assert set(trainer) < set(info["tensors"])  # the tied lm_head.weight is listed too
+    one = httpx.get(f"{server.url}/weights_checksum", params={"names": "model.norm.weight,lm_head.weight"}).json()
+    assert set(one["checksums"]) == {"model.norm.weight", "lm_head.weight"} and one["algo"] == "sha256"
+    _, sums = state(server)
+    assert sums["lm_head.weight"] != sums["model.norm.weight"]
+    assert httpx.get(f"{server.url}/weights_checksum", params={"names": "nope"}).status_code == 400
+
+
+def test_release_and_resume_memory_over_http(server):
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            assert (await client.post("/release_memory_occupation")).status_code == 200
+            pending = asyncio.ensure_future(client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}}))
+            await asyncio.sleep(0.5)
+            assert not pending.done()  # queued while the KV cache is gone
+            r = await client.post("/continue_generation")
+            assert r.status_code == 400 and "resume_memory_occupation" in r.json()["error"]["message"]
+            assert (await client.post("/resume_memory_occupation")).status_code == 200
+            out = (await pending).json()
+            assert len(out["output_ids"]) == 3
+
+    asyncio.run(scenario())
