@@ -105,6 +105,14 @@ def _bench_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _bench_sync(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import sync
+
+    sync.run([m for m in args.models.split(",") if m], [t for t in args.transports.split(",") if t],
+             args.bucket_mb, args.repeats, args.json)
+    return 0
+
+
 def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
@@ -253,6 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="hf_padded,trl", help="comma-separated peers: hf_padded, trl (empty for none)")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_bench_train, takes_overrides=False)
+
+    p = bsub.add_parser(
+        "sync",
+        help="seconds and GB/s of a weight push per transport (ipc, shared memory, gloo broadcast, disk) vs the raw primitive",
+        description="Every tensor of a bf16 model pushed as a new version through noria.sync to an engine in this "
+        "process or a noria serve subprocess; the primitive moves the same bytes (memcpy, gloo broadcast, "
+        "safetensors write+read). Best of --repeats after a warm-up.",
+    )
+    p.add_argument("--models", default="smollm2-135m-instruct,random-llama-1b",
+                   help="comma-separated catalog names or model folders; random-llama-1b is a random 1.1B Llama")
+    p.add_argument("--transports", default="ipc,ipc_shm,broadcast,disk", help="comma-separated cases")
+    p.add_argument("--bucket-mb", type=int, default=256, help="bucket size of the push")
+    p.add_argument("--repeats", type=int, default=3, help="timed pushes per case (after one warm-up)")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_bench_sync, takes_overrides=False)
 
     p = sub.add_parser(
         "config",

@@ -30,7 +30,9 @@ Not measured: NCCL and CUDA IPC (CPU machine), engines on other machines.
 
 from __future__ import annotations
 
+import copy
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -140,12 +142,18 @@ def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats:
     sent = {n: t.clone() for n, t in trainer_tensors(lm).items()}  # the trainer's own copy
     nbytes = sum(t.numel() * t.element_size() for t in sent.values())
     params = sum(t.numel() for t in sent.values())
-    rows = []
-    for case in transports:
-        gc.collect()
-        push_s = _push_seconds(case, lm, folder, sent, bucket_bytes, repeats, root)
-        prim_s = _primitive_seconds(case, sent, bucket_bytes, repeats, root)
-        rows += _row(label, params, case, bucket_bytes, nbytes, push_s, prim_s)
+    rows, server = [], None
+    try:
+        for case in transports:
+            gc.collect()
+            if case in SERVED and server is None:  # one subprocess serves every cross-process case
+                server = _Server(folder)
+            push_s = _push_seconds(case, lm, server, sent, bucket_bytes, repeats, root)
+            prim_s = _primitive_seconds(case, sent, bucket_bytes, repeats, root)
+            rows += _row(label, params, case, bucket_bytes, nbytes, push_s, prim_s)
+    finally:
+        if server is not None:
+            server.stop()
     repack = _repack_seconds(lm)
     if repack is not None:
         rows.append({"case": f"{label} bf16 engine repack after an update (any transport; not in the pushes)",
@@ -177,54 +185,35 @@ def _best(fn: Callable[[], None], repeats: int) -> float:
     return best
 
 
-def _push_seconds(case: str, lm, folder: Path, sent: dict, bucket_bytes: int, repeats: int, root: Path) -> float:
-    from noria.config import SyncConfig
+def _push_seconds(case: str, lm, server: _Server | None, sent: dict, bucket_bytes: int, repeats: int, root: Path) -> float:
+    from noria.config import EngineConfig, SyncConfig
+    from noria.engine import Engine
     from noria.sync import build_sync, bucketize
 
     transport = "ipc" if case == "ipc_shm" else case
     cfg = SyncConfig(transport=transport, bucket_mb=max(1, bucket_bytes >> 20), disk_dir=str(root / "weights"))
-    with _engine(case, lm, folder) as target:
-        sync = build_sync(cfg, [target])
-        version = iter(range(1, 1 << 30))
-        try:
-            return _best(lambda: sync.push(bucketize(sent, bucket_bytes), next(version)), repeats)
-        finally:
-            sync.close()
+    engine = None if case in SERVED else Engine(copy.deepcopy(lm), None, EngineConfig(**ENGINE))
+    sync = build_sync(cfg, [server.url if engine is None else engine])
+    version = itertools.count(_next_version(engine, server))
+    try:
+        return _best(lambda: sync.push(bucketize(sent, bucket_bytes), next(version)), repeats)
+    finally:
+        sync.close()
+        if engine is not None:
+            engine.shutdown(1)
 
 
-class _engine:
-    """The engine a case pushes to: an in-process Engine, or a ``noria serve`` subprocess (its URL)."""
+def _next_version(engine, server: _Server | None) -> int:
+    if engine is not None:
+        return engine.weight_version + 1
+    import httpx
 
-    def __init__(self, case: str, lm, folder: Path) -> None:
-        self.case, self.lm, self.folder = case, lm, folder
-        self.engine: Any = None
-        self.server: _Server | None = None
-
-    def __enter__(self):
-        from noria.config import EngineConfig
-        from noria.engine import Engine
-
-        if self.case in ("ipc", "disk"):
-            self.engine = Engine(_copy_model(self.lm), None, EngineConfig(**ENGINE))
-            return self.engine
-        self.server = _Server(self.folder)
-        return self.server.url
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.engine is not None:
-            self.engine.shutdown(1)
-            self.engine = None
-        if self.server is not None:
-            self.server.stop()
+    return httpx.get(f"{server.url}/get_weight_version").json()["weight_version"] + 1
 
 
+SERVED = ("ipc_shm", "broadcast")
+"""Cases whose engine is a ``noria serve`` subprocess."""
 ENGINE = {"kv_cache_tokens": 256, "block_size": 16, "deterministic": True}
-
-
-def _copy_model(lm):
-    import copy
-
-    return copy.deepcopy(lm)
 
 
 class _Server:

@@ -1,0 +1,36 @@
+"""`noria bench sync` on the tiny model: every case runs and the JSON has DESIGN.md section 8's shape.
+
+CPU; starts two ``noria serve`` subprocesses and a gloo receiver (about 20 s). No timing
+assertions: a tiny model's figures on a shared machine mean nothing, only the plumbing is checked.
+"""
+
+import json
+
+import pytest
+
+from noria.bench import sync as bench_sync
+from noria.cli import main
+
+
+def test_bench_sync_writes_the_json_shape(tmp_path, tiny_model_dir):
+    out = tmp_path / "sync.json"
+    results = bench_sync.run([str(tiny_model_dir)], bucket_mb=1, repeats=1, json_path=str(out), work_dir=str(tmp_path))
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "sync" and {"command", "date", "machine"} <= set(doc)
+    assert doc["results"] == results
+    pushes = [r for r in results if r["metric"] in ("gb_per_s", "push_s")]
+    assert len(pushes) == 2 * len(bench_sync.TRANSPORT_CASES)
+    for row in pushes:
+        assert row["noria"] > 0 and row["bound"] > 0 and row["peers"] == {}
+        assert set(row) == {"case", "metric", "noria", "peers", "bound"}
+    cases = " ".join(r["case"] for r in pushes)
+    for words in ("in-process", "shared-memory (noria serve subprocess)", "broadcast gloo", "disk", "vs memcpy", "vs gloo_broadcast"):
+        assert words in cases
+    assert list(tmp_path.glob("noria-bench-sync-*")) == []  # the work folder is removed
+
+
+def test_bad_arguments_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="unknown"):
+        bench_sync.run([str(tiny_model_dir)], transports=["carrier-pigeon"])
+    with pytest.raises(SystemExit):
+        main(["bench", "sync", "--repeats", "x"])
