@@ -16,14 +16,19 @@ same numerics); ``refresh_weights`` must follow every weight update.
 This is the only engine module with device code (with ``sampling``): metadata is built on the
 host and moved once per step; nothing here reads device values back. A CUDA path slots in by
 choosing another decode function here. Blocking: the forward itself (torch releases the GIL).
-Not guaranteed: batch invariance unless ``deterministic`` (then decode attention also runs one
-sequence at a time and a step runs as sub-steps of ``DETERMINISTIC_ROWS`` tokens) and the model runs in bf16
-(see DESIGN §6).
+Deterministic mode: the model runs its own modules in exact numerics
+(``DecoderLM.set_exact_numerics``, set on the engine's model here: linear layers as 2-D matmuls of
+at most ``DETERMINISTIC_ROWS`` rows), and all attention (decode and prefill) goes through
+``noria.models.attention.exact_attention``, whose result for a token depends only on that token's
+query and its prefix. Each token then gets the same bits whatever shares its step or however its
+prompt was chunked, and the same bits as the trainer's deterministic forward
+(``FSDPBackend(deterministic=True)``), which runs the same arithmetic over whole sequences.
+Not guaranteed: batch invariance outside deterministic mode, or in deterministic mode in another
+dtype than bf16 or off the CPU (see DESIGN §6).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,17 +37,10 @@ import torch
 from noria.engine import attention_ref, inference
 from noria.engine.kv_cache import KVCache
 from noria.engine.scheduler import Chunk
+from noria.models.attention import attention_scale, exact_attention
 from noria.models.decoder import DecoderLM
 
 DecodeFn = Callable[..., torch.Tensor]
-
-DETERMINISTIC_ROWS = 32
-"""Deterministic mode runs a step as sub-steps of at most this many tokens (long chunks split like
-chunked prefill, their K/V written before the next piece attends). Measured on this CPU (torch
-2.13, bf16, SmolLM2 shapes): ``F.linear`` rows equal the M = 1 result for every M <= 32, while
-from M = 33 on oneDNN switches kernels and rows change in the last bits (the 49152 x 576 lm_head
-and the 1536 x 576 / 576 x 1536 MLP at M >= 33, the 576 x 576 projections at M = 64, 128, ...),
-so a sequence's logits would depend on how many tokens shared its step."""
 
 
 @dataclass
@@ -53,8 +51,9 @@ class _DecodeMeta:
     """int32 [S, max_blocks]."""
     context_lens: torch.Tensor
     """int32 [S]."""
-    slots: list[torch.Tensor] | None
-    """Per-sequence context slots (deterministic mode only)."""
+    slots: torch.Tensor | None
+    """Deterministic mode only: long [S, longest context], each sequence's context slots (past its
+    own context, whatever its padded table points to: the exact attention masks those keys)."""
 
 
 @dataclass
@@ -78,6 +77,7 @@ class PagedAttentionContext:
         prefills: list[_PrefillMeta],
         decode_fn: DecodeFn,
         scale: float,
+        deterministic: bool = False,
     ) -> None:
         self.kv = kv
         self._positions = positions
@@ -86,6 +86,7 @@ class PagedAttentionContext:
         self.prefills = prefills
         self.decode_fn = decode_fn
         self.scale = scale
+        self.deterministic = deterministic
 
     def positions(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
         return self._positions
@@ -99,16 +100,23 @@ class PagedAttentionContext:
         if self.decode is not None:
             out.index_copy_(0, self.decode.token_idx, self._attend_decode(q, k_pool, v_pool))
         for p in self.prefills:
-            out[p.start : p.start + p.n] = attention_ref.paged_prefill_attention(
-                q[p.start : p.start + p.n], k_pool, v_pool, p.slots, self.scale
-            )
+            out[p.start : p.start + p.n] = self._attend_prefill(q[p.start : p.start + p.n], k_pool, v_pool, p.slots)
         return out.unsqueeze(0)
+
+    def _attend_prefill(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor):
+        if not self.deterministic:
+            return attention_ref.paged_prefill_attention(q, k_pool, v_pool, slots, self.scale)
+        n, length = q.shape[0], slots.shape[0]
+        pos = torch.arange(length - n, length, device=q.device).unsqueeze(0)
+        k, v = k_pool.index_select(0, slots), v_pool.index_select(0, slots)
+        return exact_attention(q[None], k[None], v[None], self.scale, pos)[0]
 
     def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         d = self.decode
         q_dec = q.index_select(0, d.token_idx)
         if d.slots is not None:
-            return attention_ref.paged_decode_attention_per_seq(q_dec, k_pool, v_pool, d.slots, self.scale)
+            pos = (d.context_lens.long() - 1).unsqueeze(1)
+            return exact_attention(q_dec[:, None], k_pool[d.slots], v_pool[d.slots], self.scale, pos)[:, 0]
         return self.decode_fn(
             q_dec, k_pool, v_pool, d.block_tables, d.context_lens, self.kv.block_size, self.scale
         )
@@ -142,9 +150,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.deterministic = deterministic
         self.decode_fn = pick_decode_fn(attention, self.device)
-        self.scale = 1.0 / math.sqrt(model.args.head_dim)
+        self.scale = attention_scale(model.args.head_dim)
         # Deterministic mode runs exactly the trainer's modules; elsewhere packed weights on CPU.
         self.fast = None if deterministic or not inference.supported(model) else inference.FastDecoder(model)
+        if deterministic:
+            model.set_exact_numerics(next(model.parameters()).dtype)
 
     def refresh_weights(self) -> None:
         """Rebuild the engine-only weight copies from the model (call after every weight update)."""
@@ -153,12 +163,6 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Logits [number of sampling chunks, V], in chunk order (see ``_forward``)."""
-        if self.deterministic:
-            return torch.cat([self._forward(group) for group in _split_rows(chunks, DETERMINISTIC_ROWS)])
-        return self._forward(chunks)
-
-    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits [number of sampling chunks, V] in the model's dtype, in chunk order (the sampler
         works in fp32 and widens on the fly: no fp32 copy of the logits)."""
         ids, positions, slots, ctx = self._prepare(chunks)
@@ -204,6 +208,7 @@ class ModelRunner:
             prefills,
             self.decode_fn,
             self.scale,
+            self.deterministic,
         )
         return to_dev(ids, torch.long).unsqueeze(0), positions_t, new_slots, ctx
 
@@ -211,12 +216,15 @@ class ModelRunner:
         if not rows:
             return None
         width = max(len(c.block_table) for c in chunks)
-        tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
+        tables = self._to_device([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], torch.int32)
+        slots = None
+        if self.deterministic:  # the slots of every table entry, cut at the longest context
+            slots = attention_ref.slot_ids(tables, self.kv.block_size)[:, : max(c.start + 1 for c in chunks)]
         return _DecodeMeta(
             token_idx=self._to_device(rows, torch.long),
-            block_tables=self._to_device(tables, torch.int32),
+            block_tables=tables,
             context_lens=self._to_device([c.start + 1 for c in chunks], torch.int32),
-            slots=[self._context_slots(c) for c in chunks] if self.deterministic else None,
+            slots=slots,
         )
 
     def _context_slots(self, c: Chunk) -> torch.Tensor:
@@ -228,19 +236,3 @@ class ModelRunner:
         # Step metadata is small; one host->device copy per tensor per step.
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-
-def _split_rows(chunks: list[Chunk], limit: int):
-    """The step's chunks in order, as groups of at most ``limit`` tokens; a chunk crossing a group
-    boundary is cut in two (only its last piece samples, as ``Chunk.sample`` says)."""
-    group, size = [], 0
-    for c in chunks:
-        start, end = c.start, c.start + c.n
-        while start < end:
-            n = min(end - start, limit - size)
-            group.append(Chunk(c.req, start, n))
-            size, start = size + n, start + n
-            if size == limit:
-                yield group
-                group, size = [], 0
-    if group:
-        yield group

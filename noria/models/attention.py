@@ -17,10 +17,19 @@ only the context knows where each sequence starts.
 Contexts here use ``torch.nn.functional.scaled_dot_product_attention`` with ``enable_gqa`` (torch
 >= 2.5), so grouped-query heads are never materialised. Not guaranteed: outputs at padded query
 positions are finite but meaningless; callers mask them out.
+
+Deterministic mode (:func:`exact_attention`): SDPA's result for a query depends on how many other
+queries and keys share the call (measured on CPU in bf16: a row of a causal call differs from the
+same query alone over its prefix in most positions), so the engine (one decode query, prefill
+chunks cut anywhere) and the trainer (whole packed sequences) could never agree bit for bit
+through it. ``exact_attention`` computes every query from its own prefix with the same sequence of
+fp32 operations whatever the call holds; the engine's deterministic runner and
+``PackedContext(deterministic=True)`` both use it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -133,9 +142,11 @@ class PackedContext:
     ``seq_lens`` must sum to T. Positions restart at 0 for every sequence. Attention runs once per
     sequence rather than through one block-diagonal [T, T] mask: memory stays O(sum L^2) instead
     of O(T^2), and each sequence goes through the same causal kernel as when run alone.
+    ``deterministic``: attend through :func:`exact_causal_attention` (the engine's deterministic
+    arithmetic; gradients from SDPA) instead of SDPA.
     """
 
-    def __init__(self, seq_lens: Sequence[int] | torch.Tensor) -> None:
+    def __init__(self, seq_lens: Sequence[int] | torch.Tensor, deterministic: bool = False) -> None:
         lens = [
             int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)
         ]
@@ -143,6 +154,7 @@ class PackedContext:
             raise ValueError(f"seq_lens must be positive lengths, got {lens}")
         self.seq_lens = lens
         self.total = sum(lens)
+        self.deterministic = deterministic
 
     def positions(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
         self.check_shape(batch, seq_len)
@@ -153,10 +165,11 @@ class PackedContext:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.check_shape(q.shape[0], q.shape[1])
+        attend = exact_causal_attention if self.deterministic else _causal_sdpa
         outs, start = [], 0
         for n in self.seq_lens:
             end = start + n
-            outs.append(_sdpa(q[:, start:end], k[:, start:end], v[:, start:end], causal=True))
+            outs.append(attend(q[:, start:end], k[:, start:end], v[:, start:end]))
             start = end
         return torch.cat(outs, dim=1)
 
@@ -166,3 +179,111 @@ class PackedContext:
                 f"PackedContext expects one row of {self.total} tokens (sum of seq_lens), "
                 f"got a batch of shape {(batch, seq_len)}"
             )
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return _sdpa(q, k, v, causal=True)
+
+
+# --------------------------------------------------------------------------- deterministic mode
+
+EXACT_KEY_BLOCK = 64
+"""Keys per block in :func:`exact_attention`: every matmul there has a fixed inner size (head_dim
+for scores, this for values), which is what keeps its summation order fixed."""
+
+EXACT_QUERY_BLOCK = 128
+"""Queries per call in :func:`exact_causal_attention` (bounds memory; does not change results)."""
+
+
+def attention_scale(head_dim: int) -> float:
+    """The softmax scale, 1 / sqrt(head_dim); one expression for engine and trainer."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def exact_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos: torch.Tensor
+) -> torch.Tensor:
+    """Batch-invariant attention: q [B, n, Hq, D], k/v [B, L, Hkv, D] -> [B, n, Hq, D] in q's dtype.
+
+    Query i of row b sees keys 0 .. ``q_pos[b, i]`` (long [B, n]). Its output depends only on its
+    own query and those keys, bit for bit: not on B, n, L, the other queries, or keys past its own
+    (which may hold anything, NaN included). How, in fp32:
+
+    - keys go in blocks of :data:`EXACT_KEY_BLOCK` (the last one zero-padded) and every matmul
+      has a fixed inner size and width: scores are ``q @ k_block^T`` (inner size head_dim, width
+      the block), values ``p_block @ [v_block | 1]`` (inner size the block), which also sums the
+      softmax denominator in the ones column;
+    - masked keys get -inf, then ``exp(s - max)`` (elementwise; the max is exact);
+    - block results are added one after the other in key order: a block past a query's last key
+      adds exact zeros, so L changes nothing;
+    - a matrix never has one row (``n * Hq / Hkv == 1`` duplicates it): MKL's single-row kernel
+      sums in another order than its matrix kernel.
+
+    Measured, not promised by MKL (torch 2.13, this CPU): fp32 ``matmul`` gives each output element
+    the same bits for any number of rows from 2 up, any batch, fixed inner size and width (tests:
+    ``tests/test_exact_agreement.py``). Inner sizes above ~384 and small widths change the
+    summation order with the size, hence the blocks.
+    """
+    batch, n, hq, d = q.shape
+    length, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    rows = n * group
+    nb = -(-length // EXACT_KEY_BLOCK)
+    # Rows of each kv head are (query, query head of its group), so GQA heads share one matmul.
+    qf = q.float().reshape(batch, n, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(batch, hkv, 1, rows, d)
+    if rows == 1:
+        qf = qf.expand(batch, hkv, 1, 2, d)
+    scores = torch.matmul(qf, _key_blocks(k, nb, d).transpose(-1, -2).contiguous())  # [B, Hkv, nb, rows', block]
+    keys = torch.arange(nb * EXACT_KEY_BLOCK, device=q.device).view(nb, 1, EXACT_KEY_BLOCK)
+    row_pos = q_pos.repeat_interleave(group, dim=1)
+    row_pos = torch.cat([row_pos, row_pos], 1) if rows == 1 else row_pos
+    visible = keys <= row_pos.view(batch, 1, 1, -1, 1)
+    scores = torch.where(visible, scores * scale, float("-inf"))
+    probs = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))
+    vf = _key_blocks(v, nb, d + 1)
+    vf[..., d] = 1.0  # the ones column: p @ 1 is the softmax denominator
+    # Keys past every query of a row may be garbage (padded cache slots): 0 * NaN would be NaN.
+    unused = keys.view(1, nb, EXACT_KEY_BLOCK) > q_pos.amax(1).view(batch, 1, 1)
+    vf.masked_fill_(unused.view(batch, 1, nb, EXACT_KEY_BLOCK, 1), 0.0)
+    parts = torch.matmul(probs, vf)  # [B, Hkv, nb, rows', D + 1]
+    acc = parts[:, :, 0]
+    for j in range(1, nb):  # in key order, one block at a time
+        acc = acc + parts[:, :, j]
+    out = acc[:, :, :rows, :d] / acc[:, :, :rows, d:]
+    return out.reshape(batch, hkv, n, group, d).permute(0, 2, 1, 3, 4).reshape(batch, n, hq, d).to(q.dtype)
+
+
+def _key_blocks(x: torch.Tensor, nb: int, width: int) -> torch.Tensor:
+    """x [B, L, Hkv, D] -> fp32 [B, Hkv, nb, block, width], zero-padded past L and past D."""
+    batch, length, hkv, d = x.shape
+    out = x.new_zeros(batch, hkv, nb * EXACT_KEY_BLOCK, width, dtype=torch.float32)
+    out[:, :, :length, :d] = x.transpose(1, 2)
+    return out.view(batch, hkv, nb, EXACT_KEY_BLOCK, width)
+
+
+def exact_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of whole sequences through :func:`exact_attention`: q [B, T, Hq, D], k/v
+    [B, T, Hkv, D] -> [B, T, Hq, D]. Differentiable: the backward is SDPA's (recomputed), i.e.
+    the gradient of the same function up to rounding."""
+    return _ExactCausal.apply(q, k, v)
+
+
+class _ExactCausal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v)
+        batch, seq_len = q.shape[:2]
+        scale = attention_scale(q.shape[-1])
+        out = torch.empty_like(q)
+        for lo in range(0, seq_len, EXACT_QUERY_BLOCK):
+            hi = min(lo + EXACT_QUERY_BLOCK, seq_len)
+            pos = torch.arange(lo, hi, device=q.device).expand(batch, hi - lo)
+            out[:, lo:hi] = exact_attention(q[:, lo:hi], k[:, :hi], v[:, :hi], scale, pos)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = _sdpa(q, k, v, causal=True)
+        return torch.autograd.grad(out, (q, k, v), grad)

@@ -19,6 +19,16 @@ both, and keeps one code path for the numerics.
 Numerics follow transformers exactly (RMSNorm in fp32 then cast back before the weight; RoPE
 tables computed in fp32 and cast to the activation dtype), so fp32 logits agree to ~1e-5 and bf16
 runs see the same rounding points.
+
+Exact numerics (:meth:`DecoderLM.set_exact_numerics`, the deterministic mode of engine and trainer,
+bf16 on CPU): every op must give a token the same bits whatever else shares the call, so that the
+engine (one decode token, prefill chunks cut anywhere, other requests alongside) and the trainer
+(whole packed sequences) compute the same numbers. Norms, RoPE, SiLU, residual adds, embedding
+lookups and log-softmax do that as they are (measured: any number of rows). ``F.linear`` does not
+(see :data:`DETERMINISTIC_ROWS`), so in exact mode the linear layers compute through
+:func:`row_chunked_linear`, and every module computes in one dtype from casts of its parameters
+(the trainer keeps fp32 masters; autocast would keep an fp32 residual stream the engine does not
+have). Attention is the context's: ``attention.exact_attention`` in both deterministic contexts.
 """
 
 from __future__ import annotations
@@ -33,8 +43,72 @@ from noria.models.attention import AttentionContext, CausalContext
 from noria.models.config import ModelArgs, RopeScaling
 
 
+DETERMINISTIC_ROWS = 32
+"""Rows per matmul of :func:`row_chunked_linear`. Measured on this CPU (torch 2.13, bf16): a 2-D
+``F.linear`` gives each row the bits it gets alone for every M <= 32 rows; from M = 33 oneDNN
+switches kernels and rows change in the last bits (SmolLM2's 576 x 576, 1536 x 576, 576 x 1536 and
+49152 x 576 layers). A 3-D input ``[1, M, K]`` without bias is worse (MLP shapes change from M = 18
+on), which is why the chunks are 2-D."""
+
+
+def row_chunked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = DETERMINISTIC_ROWS
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as 2-D matmuls of at most ``rows`` rows of x, so that a row's
+    bits do not depend on how many rows share the call; the backward is one matmul per gradient."""
+    return _RowChunkedLinear.apply(x, weight, bias, rows)
+
+
+class _RowChunkedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, rows):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.cat([F.linear(flat[i : i + rows], weight, bias) for i in range(0, flat.shape[0], rows)])
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = (g @ weight).view_as(x) if ctx.needs_input_grad[0] else None
+        grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # Differentiable: gradients flow back to (fp32 master) parameters; a no-op in that dtype.
+    return None if t is None else t.to(dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear``; in exact mode (``exact_dtype`` set) :func:`row_chunked_linear` in that dtype."""
+
+    exact_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact_dtype is None:
+            return super().forward(x)
+        return row_chunked_linear(x, _cast(self.weight, self.exact_dtype), _cast(self.bias, self.exact_dtype))
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding``; in exact mode the lookup reads a cast of the table to ``exact_dtype``."""
+
+    exact_dtype: torch.dtype | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.exact_dtype is None:
+            return super().forward(ids)
+        return F.embedding(ids, _cast(self.weight, self.exact_dtype), self.padding_idx)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale (no bias, no mean subtraction)."""
+
+    exact_dtype: torch.dtype | None = None
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -42,11 +116,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.exact_dtype is None else _cast(self.weight, self.exact_dtype)
         # The variance of bf16 activations loses too much in bf16; HF also casts back to the input
         # dtype *before* the weight, and we copy that order so bf16 rounding matches.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return weight * h.to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs, device: torch.device) -> torch.Tensor:
@@ -102,10 +177,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = args.head_dim
         q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_bias)
+        self.q_proj = Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
+        self.k_proj = Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.v_proj = Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.o_proj = Linear(q_dim, args.hidden_size, bias=args.o_bias)
         # Qwen3 normalises each head before RoPE, which keeps attention logits bounded.
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
@@ -130,9 +205,9 @@ class MLP(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -161,7 +236,7 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -196,8 +271,16 @@ class DecoderLM(nn.Module):
         self.args = args
         self.hf_config = dict(hf_config or {})
         self.model = DecoderModel(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
+
+    def set_exact_numerics(self, dtype: torch.dtype | None) -> None:
+        """Exact mode (see the module docstring) computing in ``dtype``, or back to plain (None).
+        Attention is not switched here: it is the context's (``PackedContext(deterministic=True)``,
+        the engine's deterministic runner)."""
+        for module in self.modules():
+            if isinstance(module, (Linear, Embedding, RMSNorm)):
+                module.exact_dtype = dtype
 
     def tie_weights(self) -> None:
         """Share the embedding with the head when the config says so (again after ``to_empty``,

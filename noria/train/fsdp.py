@@ -33,6 +33,15 @@ policy under FSDP2; on CUDA it waits on the CPU and visits the GPU only for
 LoRA (``train.lora.enabled``): peft adapters are injected before sharding; base weights are
 frozen inside the same FSDP units and only adapters reach AdamW (``noria.train.lora``).
 
+Deterministic mode (``FSDPBackend(deterministic=True)``; the loop passes ``engine.deterministic``):
+the forward computes what the engine's deterministic runner computes, bit for bit (bf16 on CPU,
+native models, no LoRA): the model in exact numerics (``DecoderLM.set_exact_numerics``: pure bf16
+from casts of the fp32 masters instead of autocast, linear layers at most ``DETERMINISTIC_ROWS``
+rows per matmul) and attention through ``exact_attention`` (``PackedContext(deterministic=True)``).
+So at step 0 the recomputed logprobs equal the engine's rollout logprobs exactly (temperature 1)
+and ``rollout_kl`` is 0. The backward is the usual arithmetic (SDPA's attention gradient, one
+matmul per linear gradient). Slower than the default forward, which it leaves unchanged.
+
 Not guaranteed: bitwise equality between world sizes (reductions change order); CPU offload of
 the policy (FSDP2's ``CPUOffloadPolicy`` needs an accelerator).
 """
@@ -116,13 +125,14 @@ class LogprobModel(nn.Module):
     and ``lm_head`` called separately would run outside them).
     """
 
-    def __init__(self, lm: nn.Module, chunk_tokens: int) -> None:
+    def __init__(self, lm: nn.Module, chunk_tokens: int, deterministic: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        self.deterministic = deterministic
 
     def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False):
-        ctx = PackedContext(torch.diff(cu_seqlens).tolist())
+        ctx = PackedContext(torch.diff(cu_seqlens).tolist(), deterministic=self.deterministic)
         hidden = self.lm.hidden_states(input_ids[None], positions[None], ctx)[0]
         return token_logprobs(hidden, self.lm.lm_head, input_ids, cu_seqlens, self.chunk_tokens, with_entropy)
 
@@ -157,9 +167,19 @@ def tied_duplicates(model: nn.Module) -> set[str]:
 class FSDPBackend:
     """``TrainBackend`` on PyTorch: single process or FSDP2; see the module docstring."""
 
-    def __init__(self, cfg: TrainConfig, loss_fn: LossFn | None = None, model_impl: str = "auto", seed: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        loss_fn: LossFn | None = None,
+        model_impl: str = "auto",
+        seed: int = 0,
+        deterministic: bool = False,
+    ) -> None:
+        """``deterministic``: compute exactly what the engine's deterministic mode computes (see the
+        module docstring); pass ``engine.deterministic``. Slower; the default path is unchanged."""
         cfg.validate()
         self.cfg = cfg
+        self.deterministic = deterministic
         self.loss_fn = loss_fn
         self.model_impl = model_impl
         self.seed = seed
@@ -216,7 +236,14 @@ class FSDPBackend:
         return torch.device("cpu")
 
     def _wrap(self, lm: nn.Module, train: bool) -> nn.Module:
-        model = LogprobModel(lm, self.cfg.logprob_chunk_tokens)
+        model = LogprobModel(lm, self.cfg.logprob_chunk_tokens, self.deterministic)
+        if self.deterministic:
+            if not isinstance(lm, DecoderLM):
+                raise TrainError(
+                    f"deterministic mode runs the native models only (llama, qwen2, qwen3), not {type(lm).__name__}"
+                    + (" (LoRA: engines get merged weights, which cannot match bit for bit)" if self.cfg.lora.enabled else "")
+                )
+            lm.set_exact_numerics(self.compute_dtype)
         if train and self.cfg.activation_checkpointing:
             for layer in decoder_layers(lm):
                 checkpoint_layer(layer)
@@ -243,7 +270,7 @@ class FSDPBackend:
     # ----------------------------------------------------------------------------- forward
 
     def _autocast(self):
-        if self.distributed or self.compute_dtype == torch.float32:
+        if self.distributed or self.deterministic or self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
