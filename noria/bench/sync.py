@@ -157,7 +157,7 @@ def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats:
     repack = _repack_seconds(lm)
     if repack is not None:
         rows.append({"case": f"{label} bf16 engine repack after an update (any transport; not in the pushes)",
-                     "metric": "repack_s", "noria": round(repack, 4), "peers": {}, "bound": None})  # fmt: skip
+                     "metric": "repack_s", "noria": _sig(repack), "peers": {}, "bound": None})  # fmt: skip
     del lm, sent
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -169,10 +169,15 @@ def _row(label: str, params: int, case: str, bucket_bytes: int, nbytes: int, pus
     name = (f"{label} bf16 params={params / 1e6:.0f}M bytes={nbytes / 1e6:.0f}MB bucket={bucket_bytes >> 20}MB "
             f"{CASE_NAMES[case]} vs {PRIMITIVES[case]}")  # fmt: skip
     return [
-        {"case": name, "metric": "gb_per_s", "noria": round(nbytes / push_s / 1e9, 3), "peers": {},
-         "bound": round(nbytes / prim_s / 1e9, 3)},
-        {"case": name, "metric": "push_s", "noria": round(push_s, 4), "peers": {}, "bound": round(prim_s, 4)},
+        {"case": name, "metric": "gb_per_s", "noria": _sig(nbytes / push_s / 1e9), "peers": {},
+         "bound": _sig(nbytes / prim_s / 1e9)},
+        {"case": name, "metric": "push_s", "noria": _sig(push_s), "peers": {}, "bound": _sig(prim_s)},
     ]  # fmt: skip
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (tiny models give microseconds)."""
+    return float(f"{x:.4g}")
 
 
 def _best(fn: Callable[[], None], repeats: int) -> float:

@@ -17,6 +17,10 @@ Sources (all stage into :class:`WeightStage`):
 - an IPC buffer from another process on the same machine: a POSIX shared-memory segment
   (``/dev/shm/<name>``, mapped read-only) or a CUDA IPC handle, plus a manifest
   of (name, dtype, shape, byte offset) validated against the buffer size (:func:`open_ipc`);
+- the engine's own staging buffers, written by another process on the same machine: on request
+  (:meth:`WeightStage.share`) the parameters and their staging buffers move into a
+  :class:`SharedArena` (a memfd); the writer maps it, copies each tensor to the offset it was
+  given, and names what it wrote, which is checked (:meth:`WeightStage.mark_written`);
 - a torch.distributed broadcast from rank 0 of a group made by :func:`create_update_group` (the
   trainer calls it with ``rank=0``; it hosts the store). The group is standalone (its own store and
   backend object), so it never touches a default process group the host process may have. Tensors
@@ -36,10 +40,11 @@ Blocking: group creation blocks until all ``world_size`` ranks have joined; a br
 until rank 0 has sent every tensor. Staging holds :attr:`WeightStage.lock`; so do commit and
 checksums, which therefore wait for a staging copy in progress.
 Memory: the staging buffers are one extra copy of the updated tensors, kept between updates (warm
-memory for the next one) until :meth:`WeightStage.release`.
+memory for the next one) until :meth:`WeightStage.release` (in a shared arena: for good).
 Not guaranteed: a broadcast whose metadata cannot even be parsed cannot be drained (rank 0 then
 waits for its group timeout); a shared-memory or CUDA IPC source must stay unchanged until the
-call returns (the sender's job).
+call returns (the sender's job); bytes written into a shared arena are only as right as their
+writer made them (names, dtypes, shapes and offsets are checked; the values only by checksums).
 """
 
 from __future__ import annotations

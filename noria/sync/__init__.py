@@ -13,16 +13,17 @@ Entry point::
 Targets: an in-process ``noria.engine.Engine``, an :class:`HttpEngine` (``base_url``, optional API
 key) or a URL string. Transports (``sync.transport``; one for all targets):
 
-========== ============================================== =============================================
-transport  in-process ``Engine``                          engine server (``HttpEngine``)
-========== ============================================== =============================================
-ipc        hand the tensors over; the engine copies them  shared memory (/dev/shm) or CUDA IPC on the
-           into staging                                   same machine (:mod:`noria.sync.ipc`)
-broadcast  a gloo/NCCL group, the engine joins it in      gloo/NCCL group via /init_weights_update_group
-           a thread                                       and /update_weights_from_distributed
-disk       safetensors folder per version, loaded by      the same folder via /update_weights_from_disk
-           ``update_weights_from_disk``                   (SGLang and vLLM load it too)
-========== ============================================== =============================================
+========== ========================================= ====================================================
+transport  in-process ``Engine``                     engine server (``HttpEngine``) on this machine
+========== ========================================= ====================================================
+ipc        hand the tensors over; the engine copies  write straight into the engine's staging area (a
+           them into staging                         memfd it shares); else /dev/shm segments or CUDA
+                                                     IPC buffers it copies from (:mod:`noria.sync.ipc`)
+broadcast  a gloo/NCCL group; the engine joins it    gloo/NCCL group via /init_weights_update_group and
+           in a thread                               /update_weights_from_distributed
+disk       a safetensors folder per version, loaded  the same folder via /update_weights_from_disk
+           by ``update_weights_from_disk``           (an external SGLang or vLLM loads it too)
+========== ========================================= ====================================================
 
 ``auto`` picks ipc for in-process engines and broadcast for engine servers (the RL job picks disk
 for an external ``engine_url``); mixed kinds need an explicit transport.
