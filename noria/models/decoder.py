@@ -65,7 +65,7 @@ class _RowChunkedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.cat([F.linear(flat[i : i + rows], weight, bias) for i in range(0, flat.shape[0], rows)])
+        out = torch.cat([F.linear(flat[i : i + rows], weight, bias) for i in range(0, max(len(flat), 1), rows)])
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
