@@ -109,7 +109,7 @@ def _bench_sync(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.bench import sync
 
     sync.run([m for m in args.models.split(",") if m], [t for t in args.transports.split(",") if t],
-             args.bucket_mb, args.repeats, args.json)
+             args.bucket_mb, args.repeats, args.json, device=args.device)
     return 0
 
 
@@ -270,10 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
         "safetensors write+read). Best of --repeats after a warm-up.",
     )
     p.add_argument("--models", default="smollm2-135m-instruct,random-llama-1b",
-                   help="comma-separated catalog names or model folders; random-llama-1b is a random 1.1B Llama")
+                   help="comma-separated catalog names, model folders, random-llama-1b (random 1.1B Llama) or random-smollm2-135m")
     p.add_argument("--transports", default="ipc,ipc_shm,broadcast,disk", help="comma-separated cases")
     p.add_argument("--bucket-mb", type=int, default=256, help="bucket size of the push")
     p.add_argument("--repeats", type=int, default=3, help="timed pushes per case (after one warm-up)")
+    p.add_argument("--device", default="cpu", help="where the trainer's tensors and the engines are (cpu, cuda)")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_bench_sync, takes_overrides=False)
 

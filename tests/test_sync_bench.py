@@ -24,7 +24,7 @@ def test_bench_sync_writes_the_json_shape(tmp_path, tiny_model_dir):
         assert row["noria"] > 0 and row["bound"] > 0 and row["peers"] == {}
         assert set(row) == {"case", "metric", "noria", "peers", "bound"}
     cases = " ".join(r["case"] for r in pushes)
-    for words in ("in-process", "shared-memory (noria serve subprocess)", "broadcast gloo", "disk", "vs memcpy", "vs gloo_broadcast"):
+    for words in ("in-process", "shared-memory (noria serve subprocess, cpu)", "broadcast gloo", "disk", "vs memcpy", "vs gloo_broadcast"):
         assert words in cases
     assert list(tmp_path.glob("noria-bench-sync-*")) == []  # the work folder is removed
 

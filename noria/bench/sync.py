@@ -1,31 +1,37 @@
 """``noria bench sync``: seconds and GB/s of a weight push per transport, against the raw primitive.
 
 For each model (SmolLM2-135M from the catalog; ``random-llama-1b``, a random 1.1B Llama built from
-a config with TinyLlama's shapes; or any model folder), all bf16, the trainer's tensors (HF names,
-the tied head left out as ``FSDPBackend.state_dict_for_sync`` does) are pushed as a new version in
-buckets of ``bucket_mb``, through ``noria.sync`` exactly as training does, to:
+TinyLlama's config; ``random-smollm2-135m``, SmolLM2's shapes with random weights; or any model
+folder), all bf16, the trainer's tensors (HF names, the tied head left out as
+``FSDPBackend.state_dict_for_sync`` does) are pushed as a new version in buckets of ``bucket_mb``,
+through ``noria.sync`` exactly as training does, to:
 
 ==================== ============================================ ======================================
 case                 engine                                       primitive (same bytes, same machine)
 ==================== ============================================ ======================================
 ipc in-process       ``Engine`` in this process                   memcpy: ``copy_`` into warm tensors
-ipc shared-memory    ``noria serve`` subprocess (/dev/shm)        memcpy, as above (one copy; the
-                                                                  transport makes two, overlapped)
-broadcast gloo       ``noria serve`` subprocess (gloo group)      gloo broadcast of the bytes as flat
-                                                                  bucket buffers to a subprocess, acked
+ipc shared-memory    ``noria serve`` subprocess: the trainer      memcpy, as above
+                     writes into its staging area (a memfd)
+broadcast gloo       ``noria serve`` subprocess (gloo group,      gloo broadcast of the bytes as flat
+                     one broadcast per tensor)                    bucket buffers to a subprocess, acked
 disk                 ``Engine`` in this process                   safetensors ``save_file`` + ``load_file``
 ==================== ============================================ ======================================
 
+With ``device="cuda"`` the trainer's tensors and the engines are on the GPU: ipc in-process is a
+device copy, the cross-process case goes through a CUDA IPC handle, and there is no broadcast
+case (NCCL would need the engine on a second GPU).
+
 A push is timed from the first byte to the last engine's commit (the engine answered and serves
 the new version). Every figure is the best of ``repeats`` runs after one warm-up run (which
-creates groups, segments and staging buffers); ``ratio`` = push seconds / primitive seconds.
+creates groups, segments, the staging area and staging buffers); ``ratio`` = push seconds /
+primitive seconds.
 
 The engines run in deterministic mode, which skips the CPU fast path's repacking of fused weights
 after an update: that repack belongs to the engine, costs the same on every transport, and is
 measured on its own row (``engine repack``, not included in the pushes). Verification is off
 (``sync.verify`` hashes the bytes: its cost is hashing, not transport).
 
-Not measured: NCCL and CUDA IPC (CPU machine), engines on other machines.
+Not measured: NCCL, engines on other machines.
 """
 
 from __future__ import annotations
@@ -46,20 +52,35 @@ from typing import Any
 
 TRANSPORT_CASES = ("ipc", "ipc_shm", "broadcast", "disk")
 RANDOM_1B = "random-llama-1b"
-LLAMA_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
-    "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+RANDOM_MODELS: dict[str, dict[str, Any]] = {
+    RANDOM_1B: {  # TinyLlama-1.1B's shapes
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+        "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+    "random-smollm2-135m": {  # SmolLM2-135M's shapes, for machines without the catalog model
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
 }  # fmt: skip
-"""TinyLlama-1.1B's shapes."""
-CASE_NAMES = {
-    "ipc": "ipc in-process (Engine in this process)",
-    "ipc_shm": "ipc shared-memory (noria serve subprocess)",
-    "broadcast": "broadcast gloo (noria serve subprocess)",
-    "disk": "disk safetensors (Engine in this process)",
-}
+"""Models built from a config with random weights (``--models`` names)."""
 PRIMITIVES = {"ipc": "memcpy", "ipc_shm": "memcpy", "broadcast": "gloo_broadcast", "disk": "safetensors_write_read"}
+SERVED = ("ipc_shm", "broadcast")
+"""Cases whose engine is a ``noria serve`` subprocess."""
+ENGINE = {"kv_cache_tokens": 256, "block_size": 16, "deterministic": True}
+
+
+def case_name(case: str, device: str) -> str:
+    cuda = device.startswith("cuda")
+    return {
+        "ipc": f"ipc in-process (Engine in this process, {device})",
+        "ipc_shm": f"ipc {'CUDA IPC' if cuda else 'shared-memory'} (noria serve subprocess, {device})",
+        "broadcast": f"broadcast {'nccl' if cuda else 'gloo'} (noria serve subprocess, {device})",
+        "disk": f"disk safetensors (Engine in this process, {device})",
+    }[case]
 
 
 def run(
@@ -69,18 +90,23 @@ def run(
     repeats: int = 3,
     json_path: str | None = None,
     work_dir: str | None = None,
+    device: str = "cpu",
 ) -> list[dict]:
-    """Measure every (model, transport) case, print the table, write the JSON; returns the results."""
+    """Measure every (model, transport) case, print the table, write the JSON; returns the results.
+    ``device``: where the trainer's tensors and the engines are (``cuda``: no broadcast case, which
+    would need NCCL between two GPUs)."""
     from noria.bench import write_json
 
     unknown = set(transports) - set(TRANSPORT_CASES)
     if unknown or repeats < 1 or bucket_mb < 1 or not models:
         raise ValueError(f"bad arguments: transports {sorted(unknown)} unknown (have {TRANSPORT_CASES}), or repeats/bucket_mb < 1")
+    if device != "cpu" and "broadcast" in transports:
+        raise ValueError("bad arguments: the broadcast case runs on the CPU only (NCCL needs a second GPU for the engine)")
     results = []
     root = Path(tempfile.mkdtemp(prefix="noria-bench-sync-", dir=work_dir))
     try:
         for model in models:
-            results += measure_model(model, list(transports), bucket_mb << 20, repeats, root)
+            results += measure_model(model, list(transports), bucket_mb << 20, repeats, root, device)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_results(results)
@@ -93,33 +119,33 @@ def run(
 
 
 def load_case_model(model: str, root: Path):
-    """(engine-side DecoderLM, model folder, label) in bf16; a random 1B model is written to ``root``."""
+    """(DecoderLM in bf16 on the CPU, model folder, label); a random model is written to ``root``."""
     import torch
 
     from noria.models import load_model
     from noria.models.catalog import model_path
 
-    if model != RANDOM_1B:
+    if model not in RANDOM_MODELS:
         folder = model_path(model)
         return load_model(folder, dtype=torch.bfloat16), folder, Path(str(model)).name
     from noria.models.config import ModelArgs
     from noria.models.decoder import DecoderLM
+    from noria.sync.disk import write_safetensors
 
+    config = RANDOM_MODELS[model]
     with torch.device("meta"):
-        lm = DecoderLM(ModelArgs.from_hf_config(LLAMA_1B), hf_config=LLAMA_1B).to(torch.bfloat16)
+        lm = DecoderLM(ModelArgs.from_hf_config(config), hf_config=config).to(torch.bfloat16)
     lm = lm.to_empty(device="cpu")
     lm.tie_weights()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in lm.parameters():
             p.normal_(0.0, 0.02, generator=gen)
-    folder = root / RANDOM_1B
+    folder = root / model
     folder.mkdir()
-    from noria.sync.disk import write_safetensors
-
     write_safetensors(folder / "model.safetensors", list(trainer_tensors(lm).items()))
-    (folder / "config.json").write_text(json.dumps(LLAMA_1B))
-    return lm.eval(), folder, RANDOM_1B
+    (folder / "config.json").write_text(json.dumps(config))
+    return lm.eval(), folder, model
 
 
 def trainer_tensors(lm) -> dict[str, Any]:
@@ -135,10 +161,11 @@ def trainer_tensors(lm) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- measure
 
 
-def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats: int, root: Path) -> list[dict]:
+def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats: int, root: Path, device: str = "cpu") -> list[dict]:
     import torch
 
     lm, folder, label = load_case_model(model, root)
+    lm = lm.to(device)
     sent = {n: t.clone() for n, t in trainer_tensors(lm).items()}  # the trainer's own copy
     nbytes = sum(t.numel() * t.element_size() for t in sent.values())
     params = sum(t.numel() for t in sent.values())
@@ -147,10 +174,12 @@ def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats:
         for case in transports:
             gc.collect()
             if case in SERVED and server is None:  # one subprocess serves every cross-process case
-                server = _Server(folder)
+                server = _Server(folder, device)
             push_s = _push_seconds(case, lm, server, sent, bucket_bytes, repeats, root)
             prim_s = _primitive_seconds(case, sent, bucket_bytes, repeats, root)
-            rows += _row(label, params, case, bucket_bytes, nbytes, push_s, prim_s)
+            name = (f"{label} bf16 params={params / 1e6:.0f}M bytes={nbytes / 1e6:.0f}MB bucket={bucket_bytes >> 20}MB "
+                    f"{case_name(case, device)} vs {PRIMITIVES[case]}")  # fmt: skip
+            rows += _row(name, nbytes, push_s, prim_s)
     finally:
         if server is not None:
             server.stop()
@@ -160,14 +189,13 @@ def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats:
                      "metric": "repack_s", "noria": _sig(repack), "peers": {}, "bound": None})  # fmt: skip
     del lm, sent
     gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return rows
 
 
-def _row(label: str, params: int, case: str, bucket_bytes: int, nbytes: int, push_s: float, prim_s: float) -> list[dict]:
+def _row(name: str, nbytes: int, push_s: float, prim_s: float) -> list[dict]:
     """Two rows per case: GB/s (bound: the primitive's GB/s) and seconds (bound: the primitive's)."""
-    name = (f"{label} bf16 params={params / 1e6:.0f}M bytes={nbytes / 1e6:.0f}MB bucket={bucket_bytes >> 20}MB "
-            f"{CASE_NAMES[case]} vs {PRIMITIVES[case]}")  # fmt: skip
     return [
         {"case": name, "metric": "gb_per_s", "noria": _sig(nbytes / push_s / 1e9), "peers": {},
          "bound": _sig(nbytes / prim_s / 1e9)},
@@ -181,13 +209,19 @@ def _sig(x: float) -> float:
 
 
 def _best(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: groups, segments, staging buffers, page faults
-    best = float("inf")
-    for _ in range(repeats):
+    """Best wall time of ``repeats`` calls after one warm-up (which builds groups, segments,
+    staging buffers, and takes the page faults); CUDA work is waited for."""
+    import torch
+
+    def timed() -> float:
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed()
+    return min(timed() for _ in range(repeats))
 
 
 def _push_seconds(case: str, lm, server: _Server | None, sent: dict, bucket_bytes: int, repeats: int, root: Path) -> float:
@@ -218,13 +252,10 @@ def _next_version(engine, server: _Server | None) -> int:
 
 SERVED = ("ipc_shm", "broadcast")
 """Cases whose engine is a ``noria serve`` subprocess."""
-ENGINE = {"kv_cache_tokens": 256, "block_size": 16, "deterministic": True}
-
-
 class _Server:
     """``noria serve`` on a free loopback port, deterministic, small KV cache."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, device: str = "cpu") -> None:
         import httpx
 
         from noria.router.sglang_router import free_port
@@ -233,7 +264,7 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "noria.cli", "serve", "--model", str(folder), "--port", str(self.port),
                "--engine.kv_cache_tokens", str(ENGINE["kv_cache_tokens"]), "--engine.block_size", str(ENGINE["block_size"]),
-               "--engine.deterministic", "true"]  # fmt: skip
+               "--engine.deterministic", "true", "--model.device", device]  # fmt: skip
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         deadline = time.monotonic() + 300
@@ -296,9 +327,11 @@ def _safetensors_seconds(sent: dict, repeats: int, root: Path) -> float:
 
     path = root / "primitive.safetensors"
 
+    device = str(next(iter(sent.values())).device)
+
     def write_read() -> None:
         save_file(sent, str(path), metadata={"format": "pt"})
-        load_file(str(path))
+        load_file(str(path), device=device)
 
     try:
         return _best(write_read, repeats)

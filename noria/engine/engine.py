@@ -261,7 +261,10 @@ class Engine:
                 size = stage.arena.size if stage.arena is not None else 0
                 return stage.mark_written(weights.parse_manifest(tensors, size))
             with weights.open_ipc(handle, self.device) as buf:
-                return weights.stage_from_ipc(stage, buf, weights.parse_manifest(tensors, buf.numel()))
+                n = weights.stage_from_ipc(stage, buf, weights.parse_manifest(tensors, buf.numel()))
+                if buf.device.type == "cuda":  # the sender reuses its buffer once we answer
+                    torch.cuda.current_stream(buf.device).synchronize()
+                return n
 
     def weights_staging_area(self, update_id: str) -> dict[str, Any]:
         """Begin update ``update_id`` with its staging buffers in shared memory that a process on
