@@ -36,7 +36,7 @@ Not measured: NCCL, engines on other machines.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import gc
 import itertools
 import json
@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,8 +175,8 @@ def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats:
             gc.collect()
             if case in SERVED and server is None:  # one subprocess serves every cross-process case
                 server = _Server(folder, device)
-            push_s = _push_seconds(case, lm, server, sent, bucket_bytes, repeats, root)
-            prim_s = _primitive_seconds(case, sent, bucket_bytes, repeats, root)
+            with _pusher(case, lm, server, sent, bucket_bytes, root) as push, _primitive(case, sent, bucket_bytes, repeats, root) as prim:
+                push_s, prim_s = _interleaved(push, prim, repeats)
             name = (f"{label} bf16 params={params / 1e6:.0f}M bytes={nbytes / 1e6:.0f}MB bucket={bucket_bytes >> 20}MB "
                     f"{case_name(case, device)} vs {PRIMITIVES[case]}")  # fmt: skip
             rows += _row(name, nbytes, push_s, prim_s)
@@ -208,34 +208,39 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _best(fn: Callable[[], None], repeats: int) -> float:
-    """Best wall time of ``repeats`` calls after one warm-up (which builds groups, segments,
-    staging buffers, and takes the page faults); CUDA work is waited for."""
+def _interleaved(push: Callable[[], None], primitive: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Best wall times of ``push`` and ``primitive``, run in alternation (so that a busy spell on a
+    shared machine slows both) after one warm-up each (groups, segments, staging buffers, page
+    faults); CUDA work is waited for."""
     import torch
 
-    def timed() -> float:
+    def timed(fn: Callable[[], None]) -> float:
         start = time.perf_counter()
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    timed()
-    return min(timed() for _ in range(repeats))
+    timed(push), timed(primitive)
+    rounds = [(timed(push), timed(primitive)) for _ in range(repeats)]
+    return min(r[0] for r in rounds), min(r[1] for r in rounds)
 
 
-def _push_seconds(case: str, lm, server: _Server | None, sent: dict, bucket_bytes: int, repeats: int, root: Path) -> float:
+@contextlib.contextmanager
+def _pusher(case: str, lm, server: _Server | None, sent: dict, bucket_bytes: int, root: Path) -> Iterator[Callable[[], None]]:
+    """One push of ``sent`` as the next version to the case's engine (the in-process engine runs
+    ``lm`` itself: the bench's copy of the weights is not needed meanwhile)."""
     from noria.config import EngineConfig, SyncConfig
     from noria.engine import Engine
     from noria.sync import build_sync, bucketize
 
     transport = "ipc" if case == "ipc_shm" else case
     cfg = SyncConfig(transport=transport, bucket_mb=max(1, bucket_bytes >> 20), disk_dir=str(root / "weights"))
-    engine = None if case in SERVED else Engine(copy.deepcopy(lm), None, EngineConfig(**ENGINE))
+    engine = None if case in SERVED else Engine(lm, None, EngineConfig(**ENGINE))
     sync = build_sync(cfg, [server.url if engine is None else engine])
     version = itertools.count(_next_version(engine, server))
     try:
-        return _best(lambda: sync.push(bucketize(sent, bucket_bytes), next(version)), repeats)
+        yield lambda: sync.push(bucketize(sent, bucket_bytes), next(version))
     finally:
         sync.close()
         if engine is not None:
@@ -298,15 +303,24 @@ class _Server:
 # -------------------------------------------------------------------------------------- primitives
 
 
-def _primitive_seconds(case: str, sent: dict, bucket_bytes: int, repeats: int, root: Path) -> float:
+@contextlib.contextmanager
+def _primitive(case: str, sent: dict, bucket_bytes: int, repeats: int, root: Path) -> Iterator[Callable[[], None]]:
+    """The raw primitive moving the same bytes as the case's push."""
     if case in ("ipc", "ipc_shm"):
-        return _memcpy_seconds(sent, repeats)
-    if case == "broadcast":
-        return _gloo_seconds(sent, bucket_bytes, repeats)
-    return _safetensors_seconds(sent, repeats, root)
+        yield _memcpy(sent)
+    elif case == "broadcast":
+        with _gloo_broadcast(sent, bucket_bytes, repeats) as fn:
+            yield fn
+    else:
+        path = root / "primitive.safetensors"
+        try:
+            yield _safetensors_write_read(sent, path)
+        finally:
+            path.unlink(missing_ok=True)
 
 
-def _memcpy_seconds(sent: dict, repeats: int) -> float:
+def _memcpy(sent: dict) -> Callable[[], None]:
+    """``copy_`` of every tensor into a tensor of its own (allocated once)."""
     import torch
 
     dst = {n: torch.empty_like(t) for n, t in sent.items()}
@@ -316,16 +330,11 @@ def _memcpy_seconds(sent: dict, repeats: int) -> float:
             for n, t in sent.items():
                 dst[n].copy_(t)
 
-    try:
-        return _best(copy, repeats)
-    finally:
-        del dst
+    return copy
 
 
-def _safetensors_seconds(sent: dict, repeats: int, root: Path) -> float:
+def _safetensors_write_read(sent: dict, path: Path) -> Callable[[], None]:
     from safetensors.torch import load_file, save_file
-
-    path = root / "primitive.safetensors"
 
     device = str(next(iter(sent.values())).device)
 
@@ -333,13 +342,11 @@ def _safetensors_seconds(sent: dict, repeats: int, root: Path) -> float:
         save_file(sent, str(path), metadata={"format": "pt"})
         load_file(str(path), device=device)
 
-    try:
-        return _best(write_read, repeats)
-    finally:
-        path.unlink(missing_ok=True)
+    return write_read
 
 
-def _gloo_seconds(sent: dict, bucket_bytes: int, repeats: int) -> float:
+@contextlib.contextmanager
+def _gloo_broadcast(sent: dict, bucket_bytes: int, repeats: int) -> Iterator[Callable[[], None]]:
     """Flat uint8 buffers of the buckets' sizes broadcast to a subprocess, which acks each round."""
     import torch
 
@@ -361,7 +368,7 @@ def _gloo_seconds(sent: dict, bucket_bytes: int, repeats: int) -> float:
                 group.broadcast(buf, 0).wait()
             group.broadcast(ack, 1).wait()
 
-        return _best(round_trip, repeats)
+        yield round_trip
     finally:
         proc.wait(60)
 
