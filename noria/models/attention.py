@@ -205,60 +205,67 @@ def exact_attention(
 ) -> torch.Tensor:
     """Batch-invariant attention: q [B, n, Hq, D], k/v [B, L, Hkv, D] -> [B, n, Hq, D] in q's dtype.
 
-    Query i of row b sees keys 0 .. ``q_pos[b, i]`` (long [B, n]). Its output depends only on its
-    own query and those keys, bit for bit: not on B, n, L, the other queries, or keys past its own
-    (which may hold anything, NaN included). How, in fp32:
+    Query i of row b sees keys 0 .. ``q_pos[b, i]`` (long [B, n]; its minimum is read on the host).
+    Its output depends only on its own query and those keys, bit for bit: not on B, n, L, the other
+    queries, or keys past its own (which may hold anything, NaN included). How, in fp32:
 
-    - keys go in blocks of :data:`EXACT_KEY_BLOCK` (the last one zero-padded) and every matmul
-      has a fixed inner size and width: scores are ``q @ k_block^T`` (inner size head_dim, width
-      the block), values ``p_block @ [v_block | 1]`` (inner size the block), which also sums the
-      softmax denominator in the ones column;
-    - masked keys get -inf, then ``exp(s - max)`` (elementwise; the max is exact);
+    - keys go in blocks of :data:`EXACT_KEY_BLOCK` (the last one zero-padded), so every matmul has
+      a fixed inner size and width: scores ``q @ k_block^T`` (inner size head_dim), weighted values
+      ``p_block @ v_block`` (inner size the block), and each block's softmax denominator is a sum
+      over the block's fixed width;
+    - ``p = exp(s - max)`` with the max over visible keys (exact), then 0 at hidden keys;
     - block results are added one after the other in key order: a block past a query's last key
       adds exact zeros, so L changes nothing;
     - a matrix never has one row (``n * Hq / Hkv == 1`` duplicates it): MKL's single-row kernel
       sums in another order than its matrix kernel.
 
-    Measured, not promised by MKL (torch 2.13, this CPU): fp32 ``matmul`` gives each output element
-    the same bits for any number of rows from 2 up, any batch, fixed inner size and width (tests:
-    ``tests/test_exact_agreement.py``). Inner sizes above ~384 and small widths change the
-    summation order with the size, hence the blocks.
+    Measured, not promised by MKL (torch 2.13, this CPU): fp32 ``matmul`` of contiguous operands
+    gives each output element the same bits for any number of rows from 2 up and any batch, at a
+    fixed inner size and width (tests: ``tests/test_exact_agreement.py``). Varying widths, inner
+    sizes above ~384, one row or a transposed operand change the summation order, hence the blocks.
     """
     batch, n, hq, d = q.shape
-    length, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     group = hq // hkv
     rows = n * group
-    nb = -(-length // EXACT_KEY_BLOCK)
+    nb = -(-k.shape[1] // EXACT_KEY_BLOCK)
     # Rows of each kv head are (query, query head of its group), so GQA heads share one matmul.
     qf = q.float().reshape(batch, n, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(batch, hkv, 1, rows, d)
-    if rows == 1:
-        qf = qf.expand(batch, hkv, 1, 2, d)
-    scores = torch.matmul(qf, _key_blocks(k, nb, d).transpose(-1, -2).contiguous())  # [B, Hkv, nb, rows', block]
-    keys = torch.arange(nb * EXACT_KEY_BLOCK, device=q.device).view(nb, 1, EXACT_KEY_BLOCK)
     row_pos = q_pos.repeat_interleave(group, dim=1)
-    row_pos = torch.cat([row_pos, row_pos], 1) if rows == 1 else row_pos
-    visible = keys <= row_pos.view(batch, 1, 1, -1, 1)
-    scores = torch.where(visible, scores * scale, float("-inf"))
-    probs = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))
-    vf = _key_blocks(v, nb, d + 1)
-    vf[..., d] = 1.0  # the ones column: p @ 1 is the softmax denominator
+    if rows == 1:
+        qf, row_pos = qf.expand(batch, hkv, 1, 2, d), row_pos.expand(batch, 2)
+    qf = qf.expand(batch, hkv, nb, qf.shape[3], d).contiguous()
+    scores = torch.matmul(qf, _key_blocks(k, nb).transpose(-1, -2).contiguous()).mul_(scale)
+    # Blocks before `first` are visible to every row; only the others need masking.
+    first = (int(q_pos.min()) + 1) // EXACT_KEY_BLOCK
+    keys = torch.arange(first * EXACT_KEY_BLOCK, nb * EXACT_KEY_BLOCK, device=q.device).view(-1, 1, EXACT_KEY_BLOCK)
+    hidden = keys > row_pos.view(batch, 1, 1, -1, 1)  # [B, 1, nb - first, rows', block]
+    tail = scores[:, :, first:]
+    block_top = torch.cat([scores[:, :, :first].amax(-1), tail.masked_fill(hidden, float("-inf")).amax(-1)], 2)
+    top = block_top.amax(2, keepdim=True).unsqueeze(-1)
+    # exp of the raw scores, then zeros where hidden: exp(-inf) is slow here, and hidden keys may
+    # be garbage (masked_fill also turns their inf/NaN into 0).
+    probs = scores.sub_(top).exp_()
+    tail.masked_fill_(hidden, 0.0)  # a view of probs now
+    values = _key_blocks(v, nb)
     # Keys past every query of a row may be garbage (padded cache slots): 0 * NaN would be NaN.
-    unused = keys.view(1, nb, EXACT_KEY_BLOCK) > q_pos.amax(1).view(batch, 1, 1)
-    vf.masked_fill_(unused.view(batch, 1, nb, EXACT_KEY_BLOCK, 1), 0.0)
-    parts = torch.matmul(probs, vf)  # [B, Hkv, nb, rows', D + 1]
-    acc = parts[:, :, 0]
+    unused = torch.arange(nb * EXACT_KEY_BLOCK, device=q.device) > q_pos.amax(1, keepdim=True)
+    values.masked_fill_(unused.view(batch, 1, nb, EXACT_KEY_BLOCK, 1), 0.0)
+    weighted = torch.matmul(probs, values)  # [B, Hkv, nb, rows', D]
+    denom = probs.sum(-1, keepdim=True)  # over the block's fixed width
+    num, den = weighted[:, :, 0], denom[:, :, 0]
     for j in range(1, nb):  # in key order, one block at a time
-        acc = acc + parts[:, :, j]
-    out = acc[:, :, :rows, :d] / acc[:, :, :rows, d:]
+        num, den = num + weighted[:, :, j], den + denom[:, :, j]
+    out = (num / den)[:, :, :rows]
     return out.reshape(batch, hkv, n, group, d).permute(0, 2, 1, 3, 4).reshape(batch, n, hq, d).to(q.dtype)
 
 
-def _key_blocks(x: torch.Tensor, nb: int, width: int) -> torch.Tensor:
-    """x [B, L, Hkv, D] -> fp32 [B, Hkv, nb, block, width], zero-padded past L and past D."""
+def _key_blocks(x: torch.Tensor, nb: int) -> torch.Tensor:
+    """x [B, L, Hkv, D] -> fp32 [B, Hkv, nb, block, D], zero-padded past L, contiguous."""
     batch, length, hkv, d = x.shape
-    out = x.new_zeros(batch, hkv, nb * EXACT_KEY_BLOCK, width, dtype=torch.float32)
-    out[:, :, :length, :d] = x.transpose(1, 2)
-    return out.view(batch, hkv, nb, EXACT_KEY_BLOCK, width)
+    out = x.new_zeros(batch, hkv, nb * EXACT_KEY_BLOCK, d, dtype=torch.float32)
+    out[:, :, :length] = x.transpose(1, 2)
+    return out.view(batch, hkv, nb, EXACT_KEY_BLOCK, d)
 
 
 def exact_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

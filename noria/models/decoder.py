@@ -65,7 +65,12 @@ class _RowChunkedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.cat([F.linear(flat[i : i + rows], weight, bias) for i in range(0, max(len(flat), 1), rows)])
+        out = flat.new_empty(len(flat), weight.shape[0])
+        for i in range(0, len(flat), rows):  # what 2-D F.linear runs, written in place
+            if bias is None:
+                torch.mm(flat[i : i + rows], weight.t(), out=out[i : i + rows])
+            else:
+                torch.addmm(bias, flat[i : i + rows], weight.t(), out=out[i : i + rows])
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
