@@ -12,9 +12,12 @@ converted model is already cached (it never converts it).
 from __future__ import annotations
 
 import math
+import os
+import socket
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from noria.config import EngineConfig, TrainConfig
@@ -118,6 +121,39 @@ def test_deterministic_engine_and_trainer_agree_bitwise_at_step_0(folders, famil
 
 def test_exact_across_micro_batches(folders):
     assert_exact_at_step_0(folders["qwen2"], micro_batch_tokens=100)
+
+
+def _fsdp2_worker(rank: int, port: int, folder: str, batch, out) -> None:
+    import torch.distributed as dist
+
+    from noria.train.fsdp import init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    init_distributed("cpu")
+    try:
+        backend = trainer(folder, True, backend="fsdp2", world_size=2, micro_batch_tokens=64, activation_checkpointing=True)
+        logprobs = backend.compute_logprobs(batch).logprobs
+        metrics = backend.train_step(batch)
+        if rank == 0:
+            torch.save({"logprobs": logprobs, "metrics": metrics}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_exact_under_fsdp2_on_two_ranks(folders, tmp_path):
+    # FSDP2 gathers bf16 weights instead of casting per module, and each rank takes other
+    # micro-batches: every token still gets the engine's bits.
+    samples = rollout(folders["qwen3"], deterministic=True, prompt_lens=[3, 40, 70], new_tokens=8)
+    batch = pack_samples(samples, [1.0, -1.0, 0.5])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_worker, args=(port, folders["qwen3"], batch, tmp_path / "rank0.pt"), nprocs=2, join=True)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    trained = batch.loss_mask > 0
+    assert (got["logprobs"][trained] - batch.rollout_logprobs[trained]).abs().max().item() == 0.0
+    assert got["metrics"]["rollout_logprob_abs_diff_max"] == 0.0 and got["metrics"]["rollout_kl"] == 0.0
 
 
 def test_default_mode_reports_a_small_difference(folders):
