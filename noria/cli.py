@@ -109,7 +109,7 @@ def _bench_sync(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.bench import sync
 
     sync.run([m for m in args.models.split(",") if m], [t for t in args.transports.split(",") if t],
-             args.bucket_mb, args.repeats, args.json, device=args.device)
+             args.bucket_mb, args.repeats, args.json, device=args.device, threads=args.threads)
     return 0
 
 
@@ -275,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=int, default=256, help="bucket size of the push")
     p.add_argument("--repeats", type=int, default=3, help="timed pushes per case (after one warm-up)")
     p.add_argument("--device", default="cpu", help="where the trainer's tensors and the engines are (cpu, cuda)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads of the trainer and the engine server (default: torch's)")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_bench_sync, takes_overrides=False)
 

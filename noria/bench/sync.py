@@ -91,10 +91,20 @@ def run(
     json_path: str | None = None,
     work_dir: str | None = None,
     device: str = "cpu",
+    threads: int | None = None,
 ) -> list[dict]:
     """Measure every (model, transport) case, print the table, write the JSON; returns the results.
     ``device``: where the trainer's tensors and the engines are (``cuda``: no broadcast case, which
-    would need NCCL between two GPUs)."""
+    would need NCCL between two GPUs). ``threads``: torch's intra-op threads in this process and the
+    server (default: torch's choice). On a small shared machine one thread is the steadier figure:
+    a copy is memory-bound (one thread copies about as fast as two), while a two-thread copy waits
+    at every tensor for whichever thread another process has preempted."""
+    with _threads(threads):
+        return _run(list(models), list(transports), bucket_mb, repeats, json_path, work_dir, device)
+
+
+def _run(models: list[str], transports: list[str], bucket_mb: int, repeats: int, json_path: str | None,
+         work_dir: str | None, device: str) -> list[dict]:  # fmt: skip
     from noria.bench import write_json
 
     unknown = set(transports) - set(TRANSPORT_CASES)
@@ -106,7 +116,7 @@ def run(
     root = Path(tempfile.mkdtemp(prefix="noria-bench-sync-", dir=work_dir))
     try:
         for model in models:
-            results += measure_model(model, list(transports), bucket_mb << 20, repeats, root, device)
+            results += measure_model(model, transports, bucket_mb << 20, repeats, root, device)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_results(results)
@@ -116,6 +126,27 @@ def run(
 
 
 # ------------------------------------------------------------------------------------------ models
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """torch intra-op threads here and in the servers started meanwhile (``OMP_NUM_THREADS``)."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(n)
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
 
 
 def load_case_model(model: str, root: Path):

@@ -114,10 +114,11 @@ def nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
 # -------------------------------------------------------------------------------------- validation
 
 
-def _check_one(name: str, dtype: torch.dtype | None, shape: tuple[int, ...], specs: dict) -> None:
-    if name not in specs:
+def _check_one(name: str, dtype: torch.dtype | None, shape: tuple[int, ...], spec: tuple[torch.dtype, tuple[int, ...]] | None) -> None:
+    """Raise unless ``name`` is a parameter (``spec``: its dtype and shape) this tensor can update."""
+    if spec is None:
         raise WeightUpdateError(f"weight update: unknown tensor '{name}' (not a model parameter)")
-    want_dtype, want_shape = specs[name]
+    want_dtype, want_shape = spec
     if tuple(shape) != tuple(want_shape):
         raise WeightUpdateError(f"weight update: tensor '{name}' has shape {tuple(shape)}, the model's is {tuple(want_shape)}")
     if dtype is not None and dtype != want_dtype and not (dtype.is_floating_point and want_dtype.is_floating_point):
@@ -165,10 +166,6 @@ class WeightStage:
             raise WeightUpdateError(f"unknown tensor '{name}' (not a model parameter)")
         return self._params[self._canon[name]].detach()
 
-    @property
-    def staged_names(self) -> list[str]:
-        return list(self._staged)
-
     # ------------------------------------------------------------------------------ staging
 
     @contextlib.contextmanager
@@ -197,13 +194,9 @@ class WeightStage:
 
     def check(self, name: str, dtype: torch.dtype | None, shape: Iterable[int]) -> None:
         """Validate one incoming tensor (name, dtype, shape) without copying anything."""
-        _check_one(name, dtype, tuple(int(d) for d in shape), self._spec_of(name))
-
-    def _spec_of(self, name: str) -> dict:
-        if name not in self._canon:
-            return {}
-        p = self._params[self._canon[name]]
-        return {name: (p.dtype, tuple(p.shape))}
+        canon = self._canon.get(name)
+        spec = None if canon is None else (self._params[canon].dtype, tuple(self._params[canon].shape))
+        _check_one(name, dtype, tuple(int(d) for d in shape), spec)
 
     def direct_buffer(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         """The buffer to receive ``name`` into in place (validated by the caller), or None where the
@@ -625,13 +618,12 @@ def cuda_handle(buffer: torch.Tensor) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def stage_from_ipc(stage: WeightStage, buffer: torch.Tensor, manifest: list[IpcTensor], base: int = 0) -> int:
+def stage_from_ipc(stage: WeightStage, buffer: torch.Tensor, manifest: list[IpcTensor]) -> int:
     """Validate every manifest entry, then copy each tensor out of ``buffer`` into staging."""
     for t in manifest:
         stage.check(t.name, t.dtype, t.shape)
     for t in manifest:
-        start = base + t.offset
-        stage.put(t.name, _typed_view(buffer, start, start + nbytes(t.dtype, t.shape), t.dtype, t.shape))
+        stage.put(t.name, _typed_view(buffer, t.offset, t.offset + nbytes(t.dtype, t.shape), t.dtype, t.shape))
     return len(manifest)
 
 

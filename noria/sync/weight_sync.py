@@ -82,7 +82,11 @@ class WeightSync:
 
     def push(self, buckets: Iterable[Bucket], version: int) -> dict[str, float]:
         """Send every tensor to every engine as weight ``version``; returns the metrics (module doc).
-        Raises :class:`WeightSyncError`; then no engine has changed (see :class:`Transport`)."""
+
+        Raises :class:`WeightSyncError` (or the error of the ``buckets`` iterator); a failure before
+        the commits leaves every engine as it was (see :class:`Transport` for the commits). A
+        verification failure comes after the commits: the engines serve the update, and the error
+        names the engine and the first tensor that differs."""
         if self._closed:
             raise WeightSyncError("this WeightSync is closed")
         if not isinstance(version, int) or isinstance(version, bool):
