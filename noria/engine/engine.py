@@ -274,23 +274,31 @@ class Engine:
         if self.device.type != "cpu":
             raise weights.WeightUpdateError("a shared staging area exists for CPU engines only; use a CUDA IPC handle")
         if self._stage.arena is None:
-
-            def share() -> None:
-                self._stage.share()
-                self.runner.refresh_weights()
-
-            self._call(share)
+            self._share_weights()
         with self._stage.transaction(update_id) as stage:
             return stage.staging_area()
 
+    def _share_weights(self) -> None:
+        """Move the weights and their staging buffers into a shared arena, between two steps."""
+
+        def share() -> None:
+            self._stage.share()
+            self.runner.refresh_weights()
+
+        self._call(share)
+
     def stage_weights_from_distributed(
-        self, names: list[str], dtypes: list, shapes: list, group_name: str, update_id: str
+        self, names: list[str], dtypes: list, shapes: list, group_name: str, update_id: str, chunks: list[int] | None = None
     ) -> int:
-        """Receive a bucket broadcast by rank 0 into staging (generation continues meanwhile)."""
+        """Receive a bucket broadcast by rank 0 into staging (generation continues meanwhile): one
+        broadcast per tensor, or with ``chunks`` one flat broadcast per chunk of tensors
+        (:func:`weights.stage_from_broadcast`), received in place on a CPU engine."""
         if group_name not in self._groups:
             raise weights.WeightUpdateError(f"no weight update group named {group_name!r}")
+        if chunks is not None and self.device.type == "cpu" and self._stage.arena is None:
+            self._share_weights()  # staging buffers in parameter order: chunks land in place
         with self._stage.transaction(update_id) as stage:
-            return weights.stage_from_broadcast(stage, self._groups[group_name], names, dtypes, shapes, self.device)
+            return weights.stage_from_broadcast(stage, self._groups[group_name], names, dtypes, shapes, self.device, chunks)
 
     def commit_weights(self, update_id: str, version: int) -> list[str]:
         """Swap the staged update into the model between two steps and tag it ``version``; returns the

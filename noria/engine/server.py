@@ -717,17 +717,21 @@ class NativeApi:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """SGLang's fields; with ``update_id`` (a Noria extension) the tensors are only staged, and
-        ``/commit_weights`` applies every part of that update at once."""
+        ``/commit_weights`` applies every part of that update at once. ``chunks`` (with
+        ``update_id``): counts of consecutive tensors sent as one flat broadcast each, every tensor
+        at a 64-byte aligned offset (``weights.flat_offsets``)."""
         body = await read_json(request)
-        reject_unknown(body, {"names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache", "update_id"})
+        reject_unknown(body, {"names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache", "update_id", "chunks"})
         names, dtypes, shapes = (want(body, k, list) for k in ("names", "dtypes", "shapes"))
         if names is None or dtypes is None or shapes is None or not len(names) == len(dtypes) == len(shapes):
             raise RequestError("names, dtypes and shapes are required lists of the same length")
         group = want(body, "group_name", str, "weight_update_group")
-        update_id = want(body, "update_id", str)
+        update_id, chunks = want(body, "update_id", str), want(body, "chunks", list)
         if update_id:
-            n = await self.s.blocking(self.s.engine.stage_weights_from_distributed, names, dtypes, shapes, group, update_id)
+            n = await self.s.blocking(self.s.engine.stage_weights_from_distributed, names, dtypes, shapes, group, update_id, chunks)
             return self._staged(update_id, n)
+        if chunks is not None:
+            raise RequestError("chunks needs an update_id (stage, then /commit_weights)")
         version = self._version(body)
         await self.s.blocking(self.s.engine.update_weights_from_distributed, names, dtypes, shapes, version, group)
         return self._updated(f"received {len(names)} tensor(s) over {group}")

@@ -207,6 +207,28 @@ class WeightStage:
         self._staged_as[canon] = name
         return self._buffer(canon)
 
+    def direct_span(self, items: list[tuple[str, torch.dtype, tuple[int, ...]]], offsets: list[int], size: int) -> torch.Tensor | None:
+        """A uint8 view of the shared arena covering the staging buffers of ``items`` if they lie
+        there exactly at ``offsets`` from the first (marked staged), else None (nothing marked)."""
+        arena = self.arena
+        if arena is None:
+            return None
+        bufs = []
+        for name, dtype, _ in items:
+            canon = self._canon[name]
+            buf = self._staged.get(canon, self._spare.get(canon))
+            if buf is None or buf.dtype != dtype or self._staged_as.get(canon, name) != name:
+                return None
+            bufs.append(buf)
+        base = arena.offset(bufs[0])
+        if any(arena.offset(b) != base + off for b, off in zip(bufs, offsets)) or base + size > arena.size:
+            return None
+        for name, _, _ in items:
+            canon = self._canon[name]
+            self._buffer(canon)
+            self._staged_as[canon] = name
+        return arena.data[base : base + size]
+
     def _buffer(self, canon: str) -> torch.Tensor:
         buf = self._staged.get(canon)
         if buf is None:
@@ -271,9 +293,9 @@ class WeightStage:
         caller runs this between engine steps, as it moves live parameters)."""
         with self.lock:
             if self.arena is None:
+                if self._staged:
+                    raise WeightUpdateError(f"update {self.update_id!r} is half staged; finish or discard it first")
                 arena = SharedArena({c: (p.dtype, tuple(p.shape)) for c, p in self._params.items()})
-                self._drop_staged()
-                self.update_id = None
                 with torch.no_grad():
                     for canon, param in self._params.items():
                         live = arena.view(0, canon)
@@ -651,16 +673,24 @@ def create_update_group(
 
 
 def stage_from_broadcast(
-    stage: WeightStage, group, names: list[str], dtypes: list, shapes: list, device: torch.device
+    stage: WeightStage, group, names: list[str], dtypes: list, shapes: list, device: torch.device,
+    chunks: list[int] | None = None,
 ) -> int:
-    """Receive each named tensor from rank 0 (in order) into its staging buffer.
+    """Receive a bucket broadcast by rank 0 into staging, in ``names`` order.
 
-    The metadata is validated first; if it is refused, every tensor is still received into scratch
-    memory (rank 0 is sending them regardless) and the error is raised afterwards."""
+    Without ``chunks`` (SGLang's protocol) every tensor is one broadcast, received straight into
+    its staging buffer. With ``chunks`` (counts of consecutive tensors) every chunk is one broadcast
+    of a flat byte buffer holding its tensors at :func:`flat_offsets`; it is received straight into
+    the staging buffers where they lie exactly so in memory (a shared arena holds them in parameter
+    order), else into scratch memory and copied out.
+
+    The metadata is validated first; if it is refused, everything is still received into scratch
+    memory (rank 0 is sending it regardless) and the error is raised afterwards."""
     if not len(names) == len(dtypes) == len(shapes):
         raise WeightUpdateError("names, dtypes and shapes must have the same length")
     parsed = [parse_dtype(d) for d in dtypes]  # unparseable: nothing can be drained
     dims = [tuple(int(d) for d in s) for s in shapes]
+    groups = _chunk_ranges(len(names), chunks)
     error: WeightUpdateError | None = None
     try:
         if not names:
@@ -669,21 +699,65 @@ def stage_from_broadcast(
             stage.check(name, dtype, shape)
     except WeightUpdateError as e:
         error = e
-    for name, dtype, shape in zip(names, parsed, dims):
-        buf = None if error is not None else stage.direct_buffer(name, dtype)
-        if buf is not None:
-            group.broadcast(buf, 0).wait()
-            continue
-        tmp = torch.empty(shape, dtype=dtype, device=device)
-        group.broadcast(tmp, 0).wait()
-        if error is None:
+    plans = []
+    for start, end in groups:  # where every broadcast lands, before the first one is received
+        items = list(zip(names[start:end], parsed[start:end], dims[start:end]))
+        plans.append(_plan_chunk(stage, items, device, refused=error is not None, flat=chunks is not None))
+    works = [group.broadcast(target, 0) for target, _ in plans]  # all posted: rank 0 streams them
+    for work, (target, scatter) in zip(works, plans):
+        work.wait()
+        if scatter and error is None:
             try:
-                stage.put(name, tmp)
+                for name, view in scatter(target):
+                    stage.put(name, view)
             except WeightUpdateError as e:  # keep receiving: rank 0 sends the rest regardless
                 error = e
     if error is not None:
         raise error
     return len(names)
+
+
+def flat_offsets(dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> tuple[list[int], int]:
+    """Byte offsets of tensors laid one after another, each starting aligned to :data:`ALIGN`,
+    and the size (up to the end of the last one: a lone tensor is exactly its own bytes)."""
+    offsets, end = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        start = _aligned(end)
+        offsets.append(start)
+        end = start + nbytes(dtype, shape)
+    return offsets, end
+
+
+def _chunk_ranges(n: int, chunks: list[int] | None) -> list[tuple[int, int]]:
+    if chunks is None:
+        return [(i, i + 1) for i in range(n)]
+    if not isinstance(chunks, list) or not all(isinstance(c, int) and c > 0 for c in chunks) or sum(chunks) != n:
+        raise WeightUpdateError(f"chunks must be positive tensor counts adding up to {n}, got {chunks!r}")
+    out, start = [], 0
+    for c in chunks:
+        out.append((start, start + c))
+        start += c
+    return out
+
+
+def _plan_chunk(stage: WeightStage, items: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device, refused: bool, flat: bool):
+    """(the tensor one broadcast is received into, None or a function giving (name, view) pairs to
+    copy into staging from it). In place where the staging buffers allow, else scratch memory."""
+    if not flat:
+        name, dtype, shape = items[0]
+        buf = None if refused else stage.direct_buffer(name, dtype)
+        if buf is not None:
+            return buf, None
+        return torch.empty(shape, dtype=dtype, device=device), lambda t: [(name, t)]
+    offsets, size = flat_offsets([d for _, d, _ in items], [s for _, _, s in items])
+    target = None if refused else stage.direct_span(items, offsets, size)
+    if target is not None:
+        return target, None
+
+    def scatter(buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(n, _typed_view(buf, o, o + nbytes(d, s), d, s)) for (n, d, s), o in zip(items, offsets)]
+
+    return torch.empty(size, dtype=torch.uint8, device=device), scatter
 
 
 def send_broadcast(group, tensors: dict[str, torch.Tensor] | Iterable[torch.Tensor]) -> None:

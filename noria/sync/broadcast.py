@@ -31,6 +31,10 @@ import torch
 from noria.sync.errors import WeightSyncError
 from noria.sync.weight_sync import Bucket, Transport, for_each
 
+CHUNK_BYTES = 32 << 20
+"""Consecutive small tensors are packed and sent together, as one flat broadcast of at most this many bytes."""
+ALONE_BYTES = 1 << 20
+"""A tensor this large is sent by itself, from its own memory: a broadcast call costs less than packing it."""
 GROUP_TIMEOUT_S = 300.0
 """How long a rendezvous or a broadcast may wait for the other ranks."""
 MASTER_ADDRESS = "127.0.0.1"
@@ -44,21 +48,25 @@ class BroadcastTransport(Transport):
         self.group: Any = None
         self.group_name = ""
         self.backend = ""
+        self._flat: list[torch.Tensor | None] = [None, None]  # packing buffers, kept between pushes
 
     def send(self, buckets: Iterator[Bucket], version: int, update_id: str) -> None:
         for bucket in buckets:
             device = bucket[0][1].device
             self._ensure_group("nccl" if device.type == "cuda" else "gloo")
             tensors = [self._sendable(t) for _, t in bucket]
+            chunks = _chunks(tensors, CHUNK_BYTES)
             names = [n for n, _ in bucket]
             dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
             shapes = [list(t.shape) for t in tensors]
-            replies = [self.pool.submit(t.stage_broadcast, names, dtypes, shapes, self.group_name, update_id) for t in self.targets]
-            self._broadcast(tensors, replies)
+            sizes = [len(c) for c in chunks]
+            replies = [self.pool.submit(t.stage_broadcast, names, dtypes, shapes, self.group_name, update_id, sizes) for t in self.targets]
+            self._broadcast(lambda group: self._send_chunks(group, chunks), replies)
         self.commit(version, update_id)
 
     def close(self) -> None:
         self._drop_group()
+        self._flat = [None, None]
 
     def _sendable(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -66,15 +74,46 @@ class BroadcastTransport(Transport):
             t = t.cpu()
         return t.contiguous()
 
-    def _broadcast(self, tensors: list[torch.Tensor], replies: list[concurrent.futures.Future]) -> None:
-        """Broadcast on a helper thread; raise as soon as an engine fails, else when all are done."""
+    def _send_chunks(self, group: Any, chunks: list[list[torch.Tensor]]) -> None:
+        """One broadcast per chunk, all in flight at once (the engines post every receive up front).
+        A lone tensor goes from its own memory; several are packed into a flat buffer, two of which
+        alternate (packing a chunk waits only for the send of the chunk before last)."""
+        from noria.engine.weights import flat_offsets
+
+        works, packed_in, packs = [], [None, None], 0  # packed_in: the send that last used each buffer
+        for chunk in chunks:
+            if len(chunk) == 1:
+                works.append(group.broadcast(chunk[0].reshape(-1).view(torch.uint8), 0))
+                continue
+            slot, packs = packs % 2, packs + 1
+            if packed_in[slot] is not None:
+                packed_in[slot].wait()
+            offsets, size = flat_offsets([t.dtype for t in chunk], [tuple(t.shape) for t in chunk])
+            buf = self._flat_buffer(slot, size, chunk[0].device)[:size]
+            with torch.no_grad():
+                for t, off in zip(chunk, offsets):
+                    buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+            packed_in[slot] = group.broadcast(buf, 0)
+            works.append(packed_in[slot])
+        for work in works:
+            work.wait()
+
+    def _flat_buffer(self, slot: int, size: int, device: torch.device) -> torch.Tensor:
+        buf = self._flat[slot]
+        if buf is None or buf.numel() < size or buf.device != device:
+            buf = torch.empty(max(size, CHUNK_BYTES), dtype=torch.uint8, device=device)
+            self._flat[slot] = buf
+        return buf
+
+    def _broadcast(self, send: Any, replies: list[concurrent.futures.Future]) -> None:
+        """Run ``send(group)`` on a helper thread; raise as soon as an engine fails, else when all
+        are done."""
         sent: concurrent.futures.Future = concurrent.futures.Future()
         group = self.group
 
         def run() -> None:
             try:
-                for t in tensors:
-                    group.broadcast(t, 0).wait()
+                send(group)
                 sent.set_result(None)
             except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
                 sent.set_exception(e)
@@ -128,3 +167,19 @@ class BroadcastTransport(Transport):
             except Exception:  # noqa: BLE001 -- best effort: the engine may be gone
                 pass
         self.group = None
+
+
+def _chunks(tensors: list[torch.Tensor], limit: int, alone: int = ALONE_BYTES) -> list[list[torch.Tensor]]:
+    """Consecutive tensors in chunks: one of ``alone`` bytes or more goes by itself (sent from its
+    own memory), smaller ones together up to ``limit`` bytes (packed into one buffer)."""
+    out: list[list[torch.Tensor]] = []
+    size = limit
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n >= alone or size + n > limit:
+            out.append([t])
+            size = limit if n >= alone else n
+        else:
+            out[-1].append(t)
+            size += n
+    return out

@@ -88,8 +88,9 @@ class LocalTarget:
     def leave_group(self, group: str) -> None:
         self.engine.destroy_weights_update_group(group)
 
-    def stage_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group: str, update_id: str) -> None:
-        self._call(self.engine.stage_weights_from_distributed, names, dtypes, shapes, group, update_id)
+    def stage_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group: str, update_id: str,
+                        chunks: list[int] | None = None) -> None:  # fmt: skip
+        self._call(self.engine.stage_weights_from_distributed, names, dtypes, shapes, group, update_id, chunks)
 
     def load_disk(self, folder: Path, version: int) -> None:
         self._call(self.engine.update_weights_from_disk, folder, version)
@@ -158,8 +159,11 @@ class HttpEngine:
     def leave_group(self, group: str) -> None:
         pass  # SGLang has no call for it; the engine keeps the (idle) group object
 
-    def stage_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group: str, update_id: str) -> None:
+    def stage_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group: str, update_id: str,
+                        chunks: list[int] | None = None) -> None:  # fmt: skip
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group, "update_id": update_id}
+        if chunks is not None:
+            body["chunks"] = chunks
         self._request("POST", "/update_weights_from_distributed", body)
 
     def load_disk(self, folder: Path, version: int) -> None:
