@@ -16,7 +16,7 @@ import torch
 
 from noria.config import EngineConfig, SyncConfig
 from noria.engine import Engine, GenerateRequest, RequestError, SamplingParams, WeightUpdateError
-from noria.engine.weights import create_update_group, send_broadcast
+from noria.engine.weights import create_update_group, flat_offsets, send_broadcast
 from noria.models import load_model
 from noria.router.sglang_router import free_port
 from noria.sync import WeightSyncError, build_sync, bucketize, resolve_transport
@@ -220,6 +220,33 @@ def test_broadcast_refusal_still_receives_so_the_trainer_never_blocks(engine, tr
     sender.join(timeout=30)
     assert not sender.is_alive()  # every tensor was received
     assert_unchanged(engine, before)
+
+
+def test_broadcast_refusal_of_a_flat_chunk_is_drained_too(engine, trainer):
+    port = free_port()
+    group = {}
+    host = threading.Thread(target=lambda: group.update(g=create_update_group("127.0.0.1", port, 0, 2, "c", "gloo", timeout_s=60)))
+    host.start()
+    engine.init_weights_update_group("127.0.0.1", port, 1, 2, "c", "gloo")
+    host.join()
+    before = snapshot(engine)
+    dtypes, shapes = [torch.float32, torch.float32], [(64,), (3, 3)]
+    _, size = flat_offsets(dtypes, shapes)
+    sender = threading.Thread(target=lambda: group["g"].broadcast(torch.zeros(size, dtype=torch.uint8), 0).wait())
+    sender.start()
+    with pytest.raises(WeightUpdateError, match="up_proj.weight' has shape"):
+        engine.stage_weights_from_distributed(["model.norm.weight", "model.layers.0.mlp.up_proj.weight"], ["float32"] * 2,
+                                              [list(s) for s in shapes], "c", "u-flat", chunks=[2])  # fmt: skip
+    sender.join(timeout=30)
+    assert not sender.is_alive()
+    assert_unchanged(engine, before)
+
+
+def test_broadcast_lands_chunks_whatever_the_order(engine, trainer, tmp_path):
+    backwards = list(reversed(trainer.items()))  # not the engine's layout: received, then copied out
+    with sync_for("broadcast", engine, tmp_path) as sync:
+        sync.push(iter([backwards[:7], backwards[7:]]), 1)  # verified
+        sync.push(bucketize(trainer, 1 << 20), 2)  # the engine's own order: received in place
 
 
 def test_release_and_resume_memory_occupation(engine):
