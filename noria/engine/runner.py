@@ -14,14 +14,16 @@ deterministic mode) the layers run through ``inference.FastDecoder`` (fused, pre
 same numerics); ``refresh_weights`` must follow every weight update.
 
 This is the only engine module with device code (with ``sampling``): metadata is built on the
-host and moved once per step; nothing here reads device values back. A CUDA path slots in by
-choosing another decode function here. Blocking: the forward itself (torch releases the GIL).
+host and moved once per step; nothing here reads device values back (deterministic mode aside:
+``exact_attention`` reads a step's smallest position). A CUDA path slots in by choosing another
+decode function here. Blocking: the forward itself (torch releases the GIL).
+
 Deterministic mode: the model runs its own modules in exact numerics
-(``DecoderLM.set_exact_numerics``, set on the engine's model here: linear layers as 2-D matmuls of
-at most ``DETERMINISTIC_ROWS`` rows), and all attention (decode and prefill) goes through
-``noria.models.attention.exact_attention``, whose result for a token depends only on that token's
-query and its prefix. Each token then gets the same bits whatever shares its step or however its
-prompt was chunked, and the same bits as the trainer's deterministic forward
+(``DecoderLM.set_exact_numerics``, switched on for the engine's model here: linear layers as 2-D
+matmuls of at most ``DETERMINISTIC_ROWS`` rows), and all attention (decode and prefill) goes
+through ``noria.models.attention.exact_attention``, whose result for a token depends only on that
+token's query and its prefix. Each token then gets the same bits whatever shares its step or
+however its prompt was chunked, and the same bits as the trainer's deterministic forward
 (``FSDPBackend(deterministic=True)``), which runs the same arithmetic over whole sequences.
 Not guaranteed: batch invariance outside deterministic mode, or in deterministic mode in another
 dtype than bf16 or off the CPU (see DESIGN §6).
@@ -235,4 +237,3 @@ class ModelRunner:
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         # Step metadata is small; one host->device copy per tensor per step.
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-

@@ -178,6 +178,11 @@ class FSDPBackend:
         """``deterministic``: compute exactly what the engine's deterministic mode computes (see the
         module docstring); pass ``engine.deterministic``. Slower; the default path is unchanged."""
         cfg.validate()
+        if deterministic and cfg.lora.enabled:
+            raise TrainError(
+                "deterministic mode (engine.deterministic) with train.lora: engines get merged weights, and "
+                "base + adapter in the trainer cannot match them bit for bit; turn one of them off"
+            )
         self.cfg = cfg
         self.deterministic = deterministic
         self.loss_fn = loss_fn
@@ -237,13 +242,10 @@ class FSDPBackend:
 
     def _wrap(self, lm: nn.Module, train: bool) -> nn.Module:
         model = LogprobModel(lm, self.cfg.logprob_chunk_tokens, self.deterministic)
-        if self.deterministic:
-            if not isinstance(lm, DecoderLM):
-                raise TrainError(
-                    f"deterministic mode runs the native models only (llama, qwen2, qwen3), not {type(lm).__name__}"
-                    + (" (LoRA: engines get merged weights, which cannot match bit for bit)" if self.cfg.lora.enabled else "")
-                )
-            lm.set_exact_numerics(self.compute_dtype)
+        if self.deterministic and isinstance(lm, DecoderLM):
+            lm.set_exact_numerics(self.compute_dtype)  # frozen models too: ref_kl is 0 at step 0
+        elif self.deterministic and train:
+            raise TrainError(f"deterministic mode runs the native models (llama, qwen2, qwen3), not {type(lm).__name__}")
         if train and self.cfg.activation_checkpointing:
             for layer in decoder_layers(lm):
                 checkpoint_layer(layer)
