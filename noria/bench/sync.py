@@ -12,8 +12,8 @@ case                 engine                                       primitive (sam
 ipc in-process       ``Engine`` in this process                   memcpy: ``copy_`` into warm tensors
 ipc shared-memory    ``noria serve`` subprocess: the trainer      memcpy, as above
                      writes into its staging area (a memfd)
-broadcast gloo       ``noria serve`` subprocess (gloo group,      gloo broadcast of the bytes as flat
-                     one broadcast per tensor)                    bucket buffers to a subprocess, acked
+broadcast gloo       ``noria serve`` subprocess (gloo group;      gloo broadcast of the bytes as flat
+                     large tensors alone, small ones packed)      bucket buffers to a subprocess, acked
 disk                 ``Engine`` in this process                   safetensors ``save_file`` + ``load_file``
 ==================== ============================================ ======================================
 
@@ -23,8 +23,10 @@ case (NCCL would need the engine on a second GPU).
 
 A push is timed from the first byte to the last engine's commit (the engine answered and serves
 the new version). Every figure is the best of ``repeats`` runs after one warm-up run (which
-creates groups, segments, the staging area and staging buffers); ``ratio`` = push seconds /
-primitive seconds.
+creates groups, segments, the staging area and staging buffers), push and primitive taking turns
+so that a busy spell on a shared machine slows both; ``ratio`` = push seconds / primitive seconds.
+``threads`` sets torch's intra-op threads here and in the server (on a small shared machine one
+thread gives the steadier figures: see :func:`run`).
 
 The engines run in deterministic mode, which skips the CPU fast path's repacking of fused weights
 after an update: that repack belongs to the engine, costs the same on every transport, and is

@@ -5,11 +5,19 @@ port) and every engine joins as rank 1..n (``/init_weights_update_group``, or
 ``Engine.init_weights_update_group`` in process); gloo when the trainer's tensors are on the CPU,
 NCCL when they are on CUDA. Per bucket::
 
-    trainer:  post the bucket's names/dtypes/shapes to every engine ─▶ broadcast each tensor, in order
-    engines:  validate the metadata ─▶ receive each tensor straight into its staging buffer ─▶ reply
+    trainer:  post the bucket's names/dtypes/shapes and chunk plan to every engine
+              ─▶ one broadcast per chunk, all in flight at once: a tensor of ALONE_BYTES or more
+                 is a chunk by itself, sent from its own memory; runs of smaller ones are packed
+                 into a flat buffer (two alternate) of at most CHUNK_BYTES
+    engines:  validate the metadata ─▶ post every receive up front, straight into the staging
+              buffers (on a CPU engine they lie in parameter order in its shared arena, so a packed
+              chunk lands in place too; otherwise it is received into scratch and copied out)
+              ─▶ reply
 
-then every engine commits the update. An engine that refuses a bucket still receives its tensors
-(into scratch), so the trainer never blocks on a refusal; it then answers with the error.
+then every engine commits the update. An engine that refuses a bucket still receives its chunks
+(into scratch), so the trainer never blocks on a refusal; it then answers with the error. Chunks
+are a Noria extension (``chunks`` on ``/update_weights_from_distributed``); SGLang's protocol (one
+broadcast per tensor) is what the engine does without them.
 
 Blocking: the broadcasts run on a helper thread while the trainer waits for the engines' replies;
 if an engine fails without receiving (it died, or lost the group), the push raises at once and the
