@@ -37,9 +37,10 @@ FAMILIES = {
     "qwen3": dict(qkv_bias=False, qk_norm=True, tie_word_embeddings=False),
 }
 VOCAB = 300
-# Prompts of different lengths, batched together: above 32 tokens a prompt is cut across
-# sub-steps, above 64 its keys span several attention blocks, and a 150-token sequence spans two
-# of the trainer's query blocks.
+# Prompts of different lengths, batched together: above 24 tokens a prompt is prefilled in chunks
+# that share steps with other requests, above 32 rows a linear layer is cut in pieces, above 64
+# keys attention spans several key blocks, and a 150-token sequence two of the trainer's query
+# blocks.
 PROMPT_LENS = [3, 11, 40, 70, 134]
 
 
@@ -59,7 +60,8 @@ def tiny_folder(family: str, root) -> str:
 
 
 def rollout(folder, deterministic: bool, prompt_lens=PROMPT_LENS, new_tokens: int = 16) -> list[Sample]:
-    """Generate from all prompts in one batch (temperature 1, seeded) and return them as Samples."""
+    """Generate from all prompts in one batch (temperature 1, seeded), then two more samples of the
+    last prompt through the prefix cache; return them all as Samples."""
     config = EngineConfig(
         kv_cache_tokens=4096, block_size=4, chunked_prefill_size=24, max_batch_tokens=48,
         attention="torch", deterministic=deterministic,
@@ -68,14 +70,22 @@ def rollout(folder, deterministic: bool, prompt_lens=PROMPT_LENS, new_tokens: in
     vocab = engine.model.args.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in prompt_lens]
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=7)
-    outs = engine.generate_batch([GenerateRequest(input_ids=p, sampling=params) for p in prompts])
+    outs = engine.generate_batch([_request(p, new_tokens, seed) for seed, p in enumerate(prompts)])
+    # More samples of the longest prompt, as an RL group has: served from the prefix cache.
+    again = engine.generate_batch([_request(prompts[-1], new_tokens, 100 + i) for i in range(2)])
+    assert all(o.cached_tokens > 0 for o in again)
+    prompts, outs = prompts + [prompts[-1]] * 2, outs + again
     engine.shutdown(1)
     return [
         Sample(prompt_ids=p, response_ids=o.output_ids, loss_mask=[1] * len(o.output_ids),
                rollout_logprobs=o.logprobs, weight_versions=o.weight_versions)
         for p, o in zip(prompts, outs)
     ]
+
+
+def _request(prompt: list[int], new_tokens: int, seed: int) -> GenerateRequest:
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
+    return GenerateRequest(input_ids=prompt, sampling=params)
 
 
 def trainer(folder, deterministic: bool, **overrides) -> FSDPBackend:
@@ -93,7 +103,7 @@ def k3(rollout_lp: torch.Tensor, trainer_lp: torch.Tensor) -> torch.Tensor:
 
 def assert_exact_at_step_0(folder, micro_batch_tokens: int = 4096) -> None:
     samples = rollout(folder, deterministic=True)
-    batch = pack_samples(samples, [1.0, -1.0] * (len(samples) // 2) + [0.5] * (len(samples) % 2))
+    batch = pack_samples(samples, torch.linspace(-1, 1, len(samples)).tolist())
     backend = trainer(folder, deterministic=True, micro_batch_tokens=micro_batch_tokens, logprob_chunk_tokens=50)
     trained = batch.loss_mask > 0
     lp = backend.compute_logprobs(batch).logprobs[trained]
@@ -145,7 +155,7 @@ def test_exact_under_fsdp2_on_two_ranks(folders, tmp_path):
     # FSDP2 gathers bf16 weights instead of casting per module, and each rank takes other
     # micro-batches: every token still gets the engine's bits.
     samples = rollout(folders["qwen3"], deterministic=True, prompt_lens=[3, 40, 70], new_tokens=8)
-    batch = pack_samples(samples, [1.0, -1.0, 0.5])
+    batch = pack_samples(samples, torch.linspace(-1, 1, len(samples)).tolist())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -158,7 +168,7 @@ def test_exact_under_fsdp2_on_two_ranks(folders, tmp_path):
 
 def test_default_mode_reports_a_small_difference(folders):
     samples = rollout(folders["llama"], deterministic=False)
-    batch = pack_samples(samples, [1.0] * len(samples))
+    batch = pack_samples(samples, torch.linspace(-1, 1, len(samples)).tolist())
     metrics = trainer(folders["llama"], deterministic=False).train_step(batch)
     for key in ("rollout_logprob_abs_diff", "rollout_logprob_abs_diff_max", "rollout_kl"):
         assert math.isfinite(metrics[key]), key
@@ -169,7 +179,7 @@ def test_default_mode_reports_a_small_difference(folders):
 def test_deterministic_and_default_gradients_agree(folders):
     # The deterministic forward is the same function in other rounding; so must its gradient be.
     samples = rollout(folders["qwen3"], deterministic=True, prompt_lens=[5, 30], new_tokens=8)
-    batch = pack_samples(samples, [1.0, -1.0])
+    batch = pack_samples(samples, [1.0, -1.0, 0.5, -0.5])
     norms = [trainer(folders["qwen3"], deterministic=d).train_step(batch)["grad_norm"] for d in (False, True)]
     assert norms[1] == pytest.approx(norms[0], rel=0.05)
 
@@ -180,7 +190,7 @@ def test_smollm2_engine_and_trainer_agree_bitwise():
     if not (folder / "config.json").is_file():
         pytest.skip("SmolLM2 is not converted in this NORIA_HOME (tests/test_models_smollm2.py does it)")
     samples = rollout(folder, deterministic=True, prompt_lens=[4, 37], new_tokens=4)
-    batch = pack_samples(samples, [1.0, -1.0])
+    batch = pack_samples(samples)
     trained = batch.loss_mask > 0
     lp = trainer(folder, deterministic=True).compute_logprobs(batch).logprobs
     assert (lp[trained] - batch.rollout_logprobs[trained]).abs().max().item() == 0.0
