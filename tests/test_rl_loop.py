@@ -75,6 +75,23 @@ def test_reward_rises_then_resumed_leg_continues(tiny_model_dir, tmp_path):
     assert (run / "final" / "config.json").is_file()
 
 
+def test_deterministic_run_reports_exact_agreement_at_step_0(tiny_model_dir, tmp_path):
+    """Engine rollout logprobs (temperature 0.7) == the trainer's, bitwise, in deterministic mode."""
+    run = tmp_path / "run"
+    config = load_config(
+        None, rl_args(tiny_model_dir, **{"train.max_steps": 2, "engine.deterministic": True, "rollout.temperature": 0.7})
+    )
+    run_rl(config, run_dir=str(run), progress=False)
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert rows[0]["rollout_logprob_abs_diff_max"] == 0.0 and rows[0]["rollout_kl"] == 0.0
+    assert rows[1]["rollout_logprob_abs_diff_max"] == 0.0  # still exact after a weight sync
+    # The default (fast) mode reports the difference too: small, not zero by construction.
+    run = tmp_path / "fast"
+    run_rl(load_config(None, rl_args(tiny_model_dir, **{"train.max_steps": 1, "rollout.temperature": 0.7})), run_dir=str(run), progress=False)
+    diff = read_jsonl(run / "metrics.jsonl")[0]["rollout_logprob_abs_diff_max"]
+    assert 0.0 <= diff < 0.5
+
+
 def test_config_and_data_errors_come_before_any_model_loads(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="batch invariant broken"):
         load_config(None, rl_args(tiny_model_dir, **{"train.global_batch": 16, "train.steps_per_rollout": 3}))
@@ -159,8 +176,10 @@ def test_engine_process_that_dies_stops_the_run_naming_it(tiny_model_dir, tmp_pa
 
 
 def _train_cmd(model: Path, run: Path, *extra: str) -> list[str]:
+    config = run.parent / f"{run.name}.yaml"
+    config.write_text("name: resume-test\n")
     args = rl_args(model, **{"train.max_steps": 4, "train.save_every": 1, "engine.deterministic": True})
-    return [sys.executable, "-m", "noria", "train", *args, "--no-progress", *extra]
+    return [sys.executable, "-m", "noria", "train", str(config), *args, "--no-progress", *extra]
 
 
 def test_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, tmp_path):

@@ -131,11 +131,12 @@ def test_template_that_breaks_prefix_consistency_is_named(tmp_path, tiny_model_d
     assert f"{data}:1" in err and "prefix-consistent" in err
 
 
-def test_rl_is_refused_until_the_loop_lands(tmp_path, tiny_model_dir, capsys):
-    data = write_chats(tmp_path / "chats.jsonl")
+def test_train_cli_runs_rl_and_reports_bad_input_in_one_line(tmp_path, tiny_model_dir, capsys):
+    data = write_chats(tmp_path / "chats.jsonl")  # chat rows have no "prompt" field: RL cannot read them
     code = main(["train", "examples/sft_tiny.yaml", "--model.path", str(tiny_model_dir), "--train.algorithm", "rl",
-                 "--data.path", str(data), "--reward.name", "numeric"])
-    assert code == 2 and "RL loop is not available yet" in capsys.readouterr().err
+                 "--data.path", str(data), "--reward.name", "numeric", "--run-dir", str(tmp_path / "rl")])
+    err = capsys.readouterr().err
+    assert code == 2 and "chats.jsonl" in err and "Traceback" not in err
 
 
 def test_run_folder_guards(tmp_path, tiny_model_dir):

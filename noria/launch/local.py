@@ -353,13 +353,8 @@ def check_supported(config: RunConfig) -> None:
 
 def backend_options(config: RunConfig) -> dict[str, Any]:
     """Keyword options of the backend that depend on other sections (deterministic numerics)."""
-    import inspect
-
-    from noria.train import FSDPBackend
-
-    if "deterministic" in inspect.signature(FSDPBackend.__init__).parameters:
-        return {"deterministic": config.engine.deterministic}
-    return {}
+    temperature = config.rollout.temperature if config.rollout.temperature > 0 else 1.0
+    return {"deterministic": config.engine.deterministic, "temperature": temperature}
 
 
 def build_weight_sync(config: RunConfig, target: Any, folder: Path) -> Any:
@@ -370,7 +365,9 @@ def build_weight_sync(config: RunConfig, target: Any, folder: Path) -> Any:
     cfg = config.sync
     if cfg.transport == "auto" and config.rollout.engine_url is not None:
         cfg = dataclasses.replace(cfg, transport="disk")  # an external server loads a folder
-    return build_sync(cfg, [target], run_dir=folder)
+    from noria.models.catalog import model_path
+
+    return build_sync(cfg, [target], run_dir=folder, source=model_path(config.model.path))
 
 
 def trainable(group: Group) -> list[Sample]:

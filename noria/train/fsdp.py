@@ -125,16 +125,19 @@ class LogprobModel(nn.Module):
     and ``lm_head`` called separately would run outside them).
     """
 
-    def __init__(self, lm: nn.Module, chunk_tokens: int, deterministic: bool = False) -> None:
+    def __init__(self, lm: nn.Module, chunk_tokens: int, deterministic: bool = False, temperature: float = 1.0) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.deterministic = deterministic
+        self.temperature = temperature
 
     def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False):
         ctx = PackedContext(torch.diff(cu_seqlens).tolist(), deterministic=self.deterministic)
         hidden = self.lm.hidden_states(input_ids[None], positions[None], ctx)[0]
-        return token_logprobs(hidden, self.lm.lm_head, input_ids, cu_seqlens, self.chunk_tokens, with_entropy)
+        return token_logprobs(
+            hidden, self.lm.lm_head, input_ids, cu_seqlens, self.chunk_tokens, with_entropy, self.temperature
+        )
 
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
@@ -174,9 +177,14 @@ class FSDPBackend:
         model_impl: str = "auto",
         seed: int = 0,
         deterministic: bool = False,
+        temperature: float = 1.0,
     ) -> None:
         """``deterministic``: compute exactly what the engine's deterministic mode computes (see the
-        module docstring); pass ``engine.deterministic``. Slower; the default path is unchanged."""
+        module docstring); pass ``engine.deterministic``. Slower; the default path is unchanged.
+        ``temperature``: logprobs are ``log_softmax(logits / temperature)``, the distribution the
+        engine sampled from (pass ``rollout.temperature``; the engine reports logprobs the same way)."""
+        if not temperature > 0:
+            raise TrainError(f"temperature must be > 0, got {temperature}")
         cfg.validate()
         if deterministic and cfg.lora.enabled:
             raise TrainError(
@@ -185,6 +193,7 @@ class FSDPBackend:
             )
         self.cfg = cfg
         self.deterministic = deterministic
+        self.temperature = float(temperature)
         self.loss_fn = loss_fn
         self.model_impl = model_impl
         self.seed = seed
@@ -241,7 +250,7 @@ class FSDPBackend:
         return torch.device("cpu")
 
     def _wrap(self, lm: nn.Module, train: bool) -> nn.Module:
-        model = LogprobModel(lm, self.cfg.logprob_chunk_tokens, self.deterministic)
+        model = LogprobModel(lm, self.cfg.logprob_chunk_tokens, self.deterministic, self.temperature)
         if self.deterministic and isinstance(lm, DecoderLM):
             lm.set_exact_numerics(self.compute_dtype)  # frozen models too: ref_kl is 0 at step 0
         elif self.deterministic and train:

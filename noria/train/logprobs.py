@@ -40,8 +40,14 @@ def token_logprobs(
     cu_seqlens: torch.Tensor,
     chunk_tokens: int,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob of each token given its prefix, fp32 [N]; entropy [N] too when asked (else None)."""
+    """Logprob of each token given its prefix, fp32 [N]; entropy [N] too when asked (else None).
+
+    ``temperature`` != 1 scores ``log_softmax(logits.float() / T)`` (T as an fp32 tensor, the
+    engine's exact recipe), so rollout and trainer logprobs describe the same distribution.
+    """
+    temp = None if temperature == 1.0 else torch.tensor(temperature, dtype=torch.float32, device=hidden.device)
     n = input_ids.numel()
     src = predicted_positions(cu_seqlens.to(input_ids.device), n)
     targets = input_ids[src + 1]
@@ -51,9 +57,9 @@ def token_logprobs(
         h = hidden.index_select(0, idx)
         tgt = targets[lo : lo + chunk_tokens]
         if torch.is_grad_enabled() and hidden.requires_grad:
-            lp, ent = checkpoint(_chunk, h, tgt, head, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(_chunk, h, tgt, head, with_entropy, temp, use_reentrant=False)
         else:
-            lp, ent = _chunk(h, tgt, head, with_entropy)
+            lp, ent = _chunk(h, tgt, head, with_entropy, temp)
         lp_parts.append(lp)
         ent_parts.append(ent)
     dst = src + 1
@@ -62,8 +68,9 @@ def token_logprobs(
     return logprobs, entropy
 
 
-def _chunk(h: torch.Tensor, tgt: torch.Tensor, head: Head, with_entropy: bool):
-    logp = F.log_softmax(head(h).float(), dim=-1)
+def _chunk(h: torch.Tensor, tgt: torch.Tensor, head: Head, with_entropy: bool, temp: torch.Tensor | None = None):
+    logits = head(h).float()
+    logp = F.log_softmax(logits if temp is None else logits / temp, dim=-1)
     lp = logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1) if with_entropy else lp.new_zeros(0)
     return lp, ent
