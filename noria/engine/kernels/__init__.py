@@ -80,13 +80,36 @@ def _build():
     source = b"".join(p.read_bytes() for p in _SOURCES)
     flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", *_capability_flags()]
     tag = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"noria_paged_attention_{tag}"
+    _remove_stale_lock(name)
     return load(
-        name=f"noria_paged_attention_{tag}",
+        name=name,
         sources=[str(p) for p in _SOURCES],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+
+
+STALE_LOCK_S = 600.0
+"""A build lock older than this was left by a killed build (a build takes about a minute)."""
+
+
+def _remove_stale_lock(name: str) -> None:
+    """torch's extension lock has no owner: a process killed mid-build leaves it behind, and every
+    later process would wait on it forever. Remove it once it is clearly older than any build."""
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock %s (%.0f s old, left by a killed build)", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def cpu_kernel_failure() -> str | None:
