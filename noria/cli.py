@@ -113,6 +113,14 @@ def _bench_sync(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _bench_rl(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import rl
+
+    rl.run(args.model, args.steps, args.prompts_per_step, args.n_samples, args.max_new_tokens, args.lr,
+           args.eval_limit, args.json, peers=[p for p in args.peers.split(",") if p], work_dir=args.work_dir)
+    return 0
+
+
 def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
@@ -278,6 +286,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch intra-op threads of the trainer and the engine server (default: torch's)")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_bench_sync, takes_overrides=False)
+
+    p = bsub.add_parser(
+        "rl",
+        help="seconds per RL step and held-out accuracy: Noria's GRPO loop vs TRL's GRPOTrainer, same steps",
+        description="The same model, task (arithmetic +), numeric reward, group size, prompts per step (the same "
+        "prompts in the same order), lr, temperature and max new tokens for the same number of steps: `noria train` "
+        "and TRL's GRPOTrainer on the CPU (HF generate, bf16 autocast, beta 0), each in a subprocess; then greedy "
+        "accuracy of the base model and of both final models with `noria eval` on the same test prompts. "
+        "step_s is the mean over steps after the first.",
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per side (one rollout each)")
+    p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step")
+    p.add_argument("--n-samples", type=int, default=8, help="answers per prompt (the GRPO group, TRL's num_generations)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per answer at most")
+    p.add_argument("--lr", type=float, default=5e-6, help="learning rate (constant)")
+    p.add_argument("--eval-limit", type=int, default=100, help="test prompts for the accuracy")
+    p.add_argument("--peers", default="trl", help="comma-separated peers: trl (empty for Noria alone)")
+    p.add_argument("--work-dir", help="folder for the config, run folders and eval outputs (default a new temp folder)")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_bench_rl, takes_overrides=False)
 
     p = sub.add_parser(
         "config",
