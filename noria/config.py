@@ -431,32 +431,33 @@ def resolve_batch(config: RunConfig) -> None:
         r.prompts_per_step = 8
     k = t.steps_per_rollout
     if r.prompts_per_step is None:
-        if (t.global_batch * k) % n:
-            raise ConfigError(
-                f"batch invariant: train.global_batch ({t.global_batch}) * train.steps_per_rollout ({k}) must be a "
-                f"multiple of rollout.n_samples ({n}) to derive rollout.prompts_per_step"
-            )
-        r.prompts_per_step = t.global_batch * k // n
+        r.prompts_per_step = _derive(
+            t.global_batch * k, f"train.global_batch ({t.global_batch}) * train.steps_per_rollout ({k})",
+            n, f"rollout.n_samples ({n})", "rollout.prompts_per_step",
+        )  # fmt: skip
     elif t.global_batch is None:
-        if (r.prompts_per_step * n) % k:
-            raise ConfigError(
-                f"batch invariant: rollout.prompts_per_step ({r.prompts_per_step}) * rollout.n_samples ({n}) must be a "
-                f"multiple of train.steps_per_rollout ({k}) to derive train.global_batch"
-            )
-        t.global_batch = r.prompts_per_step * n // k
+        t.global_batch = _derive(
+            r.prompts_per_step * n, f"rollout.prompts_per_step ({r.prompts_per_step}) * rollout.n_samples ({n})",
+            k, f"train.steps_per_rollout ({k})", "train.global_batch",
+        )  # fmt: skip
     elif k is None:
-        if (r.prompts_per_step * n) % t.global_batch:
-            raise ConfigError(
-                f"batch invariant: rollout.prompts_per_step ({r.prompts_per_step}) * rollout.n_samples ({n}) must be a "
-                f"multiple of train.global_batch ({t.global_batch}) to derive train.steps_per_rollout"
-            )
-        t.steps_per_rollout = r.prompts_per_step * n // t.global_batch
+        t.steps_per_rollout = _derive(
+            r.prompts_per_step * n, f"rollout.prompts_per_step ({r.prompts_per_step}) * rollout.n_samples ({n})",
+            t.global_batch, f"train.global_batch ({t.global_batch})", "train.steps_per_rollout",
+        )  # fmt: skip
     if r.prompts_per_step * n != t.global_batch * t.steps_per_rollout:
         raise ConfigError(
             f"batch invariant broken: rollout.prompts_per_step * rollout.n_samples = {r.prompts_per_step} * {n} = "
             f"{r.prompts_per_step * n}, but train.global_batch * train.steps_per_rollout = {t.global_batch} * "
             f"{t.steps_per_rollout} = {t.global_batch * t.steps_per_rollout}; set three of them and leave the fourth null"
         )
+
+
+def _derive(product: int, product_text: str, divisor: int, divisor_text: str, target: str) -> int:
+    """``product // divisor``; raise naming the keys when it is not a whole number."""
+    if product % divisor:
+        raise ConfigError(f"batch invariant: {product_text} must be a multiple of {divisor_text} to derive {target}")
+    return product // divisor
 
 
 def _check_sft_data(data: DataConfig) -> None:
