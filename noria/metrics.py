@@ -85,6 +85,16 @@ class RunLog:
                     f.write(json.dumps({"group_id": s.group_id, "index": s.index, "reward": s.reward,
                                         "status": s.status.value, "response": s.response_text}) + "\n")  # fmt: skip
 
+    def write_samples(self, step: int, groups: list[Any], tokenizer: Any = None) -> Path:
+        """``rollouts/step-NNNNNN.jsonl``: every sampled trajectory of ``step`` (what ``noria inspect`` reads)."""
+        out = self.folder / "rollouts" / f"step-{step:06d}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as f:
+            for group in groups:
+                for s in group.samples:
+                    f.write(json.dumps(sample_record(step, group, s, tokenizer)) + "\n")
+        return out
+
     def eta(self, step: int) -> str:
         done = step - self.start_step
         if done <= 0:
@@ -117,6 +127,29 @@ def short(row: dict[str, Any], accuracy: float | None) -> str:
         if key in row:
             parts.append(f"{label} {fmt.format(row[key])}")
     return " ".join(parts)
+
+
+def sample_record(step: int, group: Any, s: Any, tokenizer: Any = None) -> dict[str, Any]:
+    """One line of rollouts/step-N.jsonl: the trajectory with its per-token loss mask and logprobs."""
+    prompt = group.prompt.prompt
+    pieces = tokenizer.batch_decode([[t] for t in s.response_ids]) if tokenizer is not None else None
+    return clean({
+        "step": step, "group_id": s.group_id, "index": s.index,
+        "prompt": prompt if isinstance(prompt, str) else list(prompt), "label": _jsonable(group.prompt.label),
+        "reward": s.reward, "status": s.status.value, "status_reason": s.status_reason,
+        "response": s.response_text, "prompt_tokens": len(s.prompt_ids),
+        "token_ids": list(s.response_ids), "tokens": pieces, "loss_mask": list(s.loss_mask),
+        "logprobs": [None if not math.isfinite(x) else x for x in s.rollout_logprobs],
+        "weight_versions": list(s.weight_versions),
+    })  # fmt: skip
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return repr(value)
 
 
 def clean(row: dict[str, Any]) -> dict[str, Any]:

@@ -250,6 +250,7 @@ class Job:
         row.update(self.engine_metrics())
         row["seconds"] = time.perf_counter() - self.timer["start"]
         self.log.write_step(row)
+        self.log.write_samples(self.step, rollout.groups, self.tokenizer)  # rollouts/step-N.jsonl (noria inspect)
 
     async def evaluate(self, when: str) -> None:
         """Greedy accuracy on the held-out prompts, on the rollout engine; a failure is logged, not raised."""
