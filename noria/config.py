@@ -385,6 +385,27 @@ class EvalConfig:
 
 
 @dataclass
+class LogConfig:
+    """Metric sinks (``noria.metrics``): JSONL in the run folder always, TensorBoard and W&B on request."""
+
+    loggers: list[str] = option(
+        factory=lambda: ["jsonl"],
+        help="Metric sinks: jsonl (RUN_DIR/metrics.jsonl, always on), tensorboard (RUN_DIR/tensorboard), "
+        "wandb (RUN_DIR/wandb; needs `pip install wandb`).",
+    )
+    wandb_project: str = option("noria", "W&B project name.")
+    wandb_mode: Literal["offline", "online"] = option(
+        "offline", "offline: no network or account needed (`wandb sync RUN_DIR/wandb/offline-run-*` uploads later); "
+        "online: streams to the W&B server."
+    )
+
+    def validate(self) -> None:
+        for name in self.loggers:
+            if name not in ("jsonl", "tensorboard", "wandb"):
+                raise ConfigError(f"log.loggers: unknown sink {name!r}; use jsonl, tensorboard or wandb")
+
+
+@dataclass
 class RunConfig:
     """A whole job: model, data, reward, rollout and evaluation settings."""
 
@@ -399,6 +420,7 @@ class RunConfig:
     train: TrainConfig = option(factory=TrainConfig, help="The trainer.")
     sync: SyncConfig = option(factory=SyncConfig, help="Weight sync to the engines.")
     eval: EvalConfig = option(factory=EvalConfig, help="Evaluation.")
+    log: LogConfig = option(factory=LogConfig, help="Metric sinks.")
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

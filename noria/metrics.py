@@ -1,21 +1,24 @@
-"""The run log of ``noria train`` (RL): metrics.jsonl, eval.jsonl, evaluation samples, progress.
+"""The run log of ``noria train`` (RL): metric files, metric sinks, sampled trajectories, progress.
 
 Files in the run folder::
 
-    metrics.jsonl          one JSON object per rollout step (names below)
-    eval.jsonl             one per evaluation: step, version, accuracy, n_prompts, n_answers, seconds
-                           (or ``skipped`` with the reason when it failed)
-    eval/step-000010.jsonl the evaluation's answers (prompt ids left out): reward, status, text
+    metrics.jsonl            one JSON object per rollout step (every name is in ``METRICS`` below)
+    eval.jsonl               one per evaluation: step, version, accuracy, n_prompts, n_answers, seconds
+                             (or ``skipped`` with the reason when it failed)
+    eval/step-000010.jsonl   the evaluation's answers (prompt ids left out): reward, status, text
+    rollouts/step-000003.jsonl  every sampled trajectory of a step: prompt, response, reward, status,
+                             per-token ids, text pieces, loss mask, logprobs, weight versions
+                             (``noria inspect RUN_DIR --step 3`` prints it)
+    tensorboard/             event files, when ``log.loggers`` names ``tensorboard``
+    wandb/                   the W&B run, when ``log.loggers`` names ``wandb`` (offline by default:
+                             no network; ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later)
 
-Metric names (units in brackets): ``step``, ``version`` (weight version the engines serve after the
-step), ``seconds`` (wall time of the step), ``time/{rollout,reward,train,sync}_s`` [s],
-``rollout/reward_mean``, ``rollout/response_len_mean`` [tokens], ``rollout/truncated_frac``,
-``rollout/tokens_per_s`` [tokens/s of generation], ``rollout/groups_zero_variance_frac``,
-``reward/failed``, ``buffer/*``, the trainer's (``loss``, ``grad_norm``, ``lr``, ``clip_frac``,
-``approx_kl``, ``entropy``, ``rollout_logprob_abs_diff`` and ``_max``, ``rollout_kl``, ...), and
-``sync/*`` from the weight sync.
+JSONL is always written; the other sinks receive the same rows (evaluations as ``eval/accuracy``
+and friends). ``METRICS`` is the one table of metric names, units and meanings: the docs
+(``docs/metrics.md``) are generated from it, and a test fails when the loop logs a name it lacks.
 
-Progress: a tqdm bar on a terminal, else one plain line per step (CI logs stay readable).
+Progress: a tqdm bar on a terminal, else one plain line per step (CI logs stay readable); both show
+reward, held-out accuracy, tokens/s, stage times, staleness and buffer size when asynchronous, ETA.
 """
 
 from __future__ import annotations
@@ -25,8 +28,122 @@ import math
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+SINKS = ("jsonl", "tensorboard", "wandb")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One documented metric: ``name`` is exact, or a family ending in ``/*`` (e.g. a drop reason)."""
+
+    name: str
+    unit: str
+    meaning: str
+    group: str
+
+
+def _table(group: str, rows: list[tuple[str, str, str]]) -> list[Metric]:
+    return [Metric(name, unit, meaning, group) for name, unit, meaning in rows]
+
+
+# The metric registry: every key of a metrics.jsonl row (RL) or eval.jsonl row.
+METRICS: tuple[Metric, ...] = tuple(
+    _table("step", [
+        ("step", "count", "Rollout steps done (1-based; the row describes this step)."),
+        ("version", "count", "Weight version the engines serve after the step (= number of weight syncs)."),
+        ("seconds", "s", "Wall time of the whole step (rollout, reward, buffer, train, sync)."),
+        ("groups/trained", "count", "Groups the trainer used this step."),
+    ])
+    + _table("rollout", [
+        ("rollout/reward_mean", "reward", "Mean reward of the step's scored samples (failed ones excluded)."),
+        ("rollout/response_len_mean", "tokens", "Mean response length."),
+        ("rollout/truncated_frac", "fraction", "Samples that hit rollout.max_new_tokens."),
+        ("rollout/aborted", "count", "Samples aborted by the engine."),
+        ("rollout/groups_solved_frac", "fraction", "Groups with at least one sample of positive reward."),
+        ("rollout/groups_zero_variance_frac", "fraction", "Groups whose samples all got the same reward (no signal for GRPO)."),
+        ("rollout/tokens", "tokens", "Response tokens generated this step."),
+        ("rollout/tokens_per_s", "tokens/s", "Generation throughput: response tokens over generation time (reward time excluded)."),
+        ("reward/scored", "count", "Samples the reward function scored."),
+        ("reward/skipped", "count", "Samples not scored (aborted or failed generation)."),
+        ("reward/failed", "count", "Samples whose reward call raised, timed out or returned a non-number."),
+        ("reward/failed/*", "count", "Failed reward calls by kind (error, timeout, invalid)."),
+        ("engine/prefix_hit_rate", "fraction", "Share of prompt tokens served from the engine's radix prefix cache (colocated engine)."),
+        ("engine/retractions", "count", "Requests retracted for lack of KV memory (colocated engine, cumulative)."),
+    ])
+    + _table("buffer", [
+        ("buffer/size", "groups", "Groups waiting in the buffer after the step's take."),
+        ("buffer/capacity", "groups", "Most groups the buffer holds."),
+        ("buffer/staleness_mean", "versions", "Mean staleness of the groups trained this step: trainer version minus the group's oldest policy-token version."),
+        ("buffer/staleness_max", "versions", "Largest staleness among the groups trained this step."),
+        ("buffer/waiting_staleness_mean", "versions", "Mean staleness of the groups still waiting."),
+        ("buffer/waiting_staleness_max", "versions", "Largest staleness among the groups still waiting."),
+        ("buffer/dropped/*", "count", "Groups dropped by reason (a filter's name, too_stale, no_trainable_samples, ...), cumulative."),
+    ])
+    + _table("train", [
+        ("loss", "loss", "The step's total loss (policy term + KL and entropy terms), normalised over trained tokens."),
+        ("policy_loss", "loss", "The aggregated policy-gradient term alone."),
+        ("grad_norm", "norm", "Global gradient L2 norm before clipping."),
+        ("lr", "1", "Learning rate of the last optimizer step."),
+        ("clip_frac", "fraction", "Trained tokens whose importance ratio was clipped."),
+        ("dual_clip_frac", "fraction", "Trained tokens clipped by dual-clip (ppo_clip, negative advantages)."),
+        ("approx_kl", "nats/token", "k3 estimate of KL(old policy || current policy) over trained tokens (0 on the first optimizer step of a rollout)."),
+        ("ref_kl", "nats/token", "KL(current || reference model) with train.loss.kl_estimator (only when kl_coef > 0)."),
+        ("entropy", "nats/token", "Mean entropy of the trainer's next-token distribution (only when entropy_coef > 0)."),
+        ("rollout_logprob_abs_diff", "nats", "Mean |trainer logprob - rollout engine logprob| of the sampled tokens (0 = exact agreement)."),
+        ("rollout_logprob_abs_diff_max", "nats", "Largest |trainer logprob - rollout logprob| over the step's tokens."),
+        ("rollout_kl", "nats/token", "k3 estimate of KL(rollout engine || trainer) on the sampled tokens."),
+        ("is_weight_mean", "ratio", "Mean off-policy importance weight (train.loss.off_policy) over kept tokens."),
+        ("is_weight_max", "ratio", "Largest importance weight."),
+        ("is_weight_min", "ratio", "Smallest importance weight."),
+        ("is_masked_frac", "fraction", "Tokens masked out by the off-policy correction (MIS)."),
+        ("skipped", "flag", "1 when the optimizer step was skipped (non-finite loss or gradient)."),
+        ("tokens", "tokens", "Tokens (prompt + response) through the trainer this step."),
+        ("loss_tokens", "tokens", "Tokens with loss_mask 1 (trained on)."),
+        ("step_time_s", "s", "Trainer time of the last optimizer step."),
+        ("optimizer_step", "count", "Optimizer steps done so far."),
+        ("train/samples", "count", "Samples trained on this step."),
+        ("train/skipped_no_samples", "flag", "1 when no sample of the step could be trained on."),
+    ])
+    + _table("time", [
+        ("time/rollout_s", "s", "Generation plus reward scoring of the step's groups."),
+        ("time/reward_s", "s", "Reward scoring alone."),
+        ("time/train_s", "s", "Trainer: logprobs, loss, backward, optimizer step(s)."),
+    ])
+    + _table("sync", [
+        ("sync/seconds", "s", "Weight push trainer -> engines (the engines serve the new version after it)."),
+        ("sync/bytes", "bytes", "Bytes pushed."),
+        ("sync/gb_per_s", "GB/s", "Push bandwidth (1e9 bytes per second)."),
+        ("sync/tensors", "count", "Tensors pushed."),
+        ("sync/verify_seconds", "s", "Checksum comparison after the push (sync.verify)."),
+    ])
+    + _table("eval", [
+        ("eval/accuracy", "fraction", "Held-out accuracy: mean reward of the evaluation answers (eval.jsonl `accuracy`)."),
+        ("eval/n_prompts", "count", "Prompts evaluated."),
+        ("eval/n_answers", "count", "Answers scored (prompts x eval.n_samples)."),
+        ("eval/failed", "count", "Answers whose reward failed."),
+        ("eval/truncated", "count", "Answers that hit eval.max_new_tokens."),
+        ("eval/seconds", "s", "Wall time of the evaluation."),
+    ])
+)  # fmt: skip
+
+
+def metric_doc(name: str) -> Metric | None:
+    """The registry entry of ``name``: the exact one, else the longest matching ``prefix/*`` family."""
+    best = None
+    for m in METRICS:
+        if m.name == name:
+            return m
+        if m.name.endswith("/*") and name.startswith(m.name[:-1]) and (best is None or len(m.name) > len(best.name)):
+            best = m
+    return best
+
+
+def undocumented(names: Iterable[str]) -> list[str]:
+    """Names with no registry entry (what the docs test fails on)."""
+    return sorted({n for n in names if metric_doc(n) is None})
 
 
 def mean(values: Iterable[float]) -> float:
@@ -34,10 +151,77 @@ def mean(values: Iterable[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-class RunLog:
-    """Writes the run's metric files and shows progress; see the module docstring."""
+# ---------------------------------------------------------------------------------------- sinks
 
-    def __init__(self, folder: Path, total_steps: int, start_step: int, progress: bool | None) -> None:
+
+class TensorBoardSink:
+    """Scalars into ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR/tensorboard``)."""
+
+    def __init__(self, folder: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(folder / "tensorboard"))
+
+    def log(self, row: dict[str, Any], step: int) -> None:
+        for key, value in numbers(row).items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A W&B run in ``RUN_DIR/wandb``; ``mode: offline`` needs no network or account."""
+
+    def __init__(self, folder: Path, config: Any) -> None:
+        import os
+
+        import wandb
+
+        from noria.config import to_dict
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        log = config.log
+        self.run = wandb.init(
+            project=log.wandb_project, name=folder.name, dir=str(folder), mode=log.wandb_mode,
+            config=to_dict(config), reinit="finish_previous", settings=wandb.Settings(console="off"),
+        )  # fmt: skip
+
+    def log(self, row: dict[str, Any], step: int) -> None:
+        self.run.log(numbers(row), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_sinks(folder: Path, config: Any) -> list[Any]:
+    """The extra sinks ``config.log.loggers`` names (JSONL is RunLog's own and always on)."""
+    names = config.log.loggers if config is not None else ["jsonl"]
+    sinks: list[Any] = []
+    if "tensorboard" in names:
+        sinks.append(TensorBoardSink(folder))
+    if "wandb" in names:
+        sinks.append(WandbSink(folder, config))
+    return sinks
+
+
+def numbers(row: dict[str, Any]) -> dict[str, float]:
+    """The finite numeric values of ``row`` (what TensorBoard and W&B take)."""
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step":
+            out[k] = float(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- run log
+
+
+class RunLog:
+    """Writes the run's metric files, feeds the sinks and shows progress; see the module docstring."""
+
+    def __init__(self, folder: Path, total_steps: int, start_step: int, progress: bool | None, config: Any = None) -> None:
         self.folder = folder
         self.total = total_steps
         self.start_step = start_step
@@ -45,6 +229,8 @@ class RunLog:
         self.metrics = (folder / "metrics.jsonl").open("a")
         self.evals = (folder / "eval.jsonl").open("a")
         self.last_accuracy: float | None = None
+        self.show_buffer = config is not None and getattr(config.rollout, "max_staleness", 0) > 0
+        self.sinks = build_sinks(folder, config)
         tty = sys.stderr.isatty() if progress is None else progress
         self.bar = None
         if tty:
@@ -55,18 +241,22 @@ class RunLog:
     def write_step(self, row: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(clean(row)) + "\n")
         self.metrics.flush()
+        for sink in self.sinks:
+            sink.log(row, row["step"])
+        text = short(row, self.last_accuracy, self.show_buffer)
         if self.bar is not None:
-            self.bar.set_postfix_str(short(row, self.last_accuracy))
+            self.bar.set_postfix_str(text)
             self.bar.update(1)
         else:
-            eta = self.eta(row["step"])
-            print(f"step {row['step']}/{self.total} {short(row, self.last_accuracy)} eta {eta}", file=sys.stderr, flush=True)
+            print(f"step {row['step']}/{self.total} {text} eta {self.eta(row['step'])}", file=sys.stderr, flush=True)
 
     def write_eval(self, row: dict[str, Any], samples: list[Any] | None = None) -> None:
         self.evals.write(json.dumps(clean(row)) + "\n")
         self.evals.flush()
         if "accuracy" in row:
             self.last_accuracy = row["accuracy"]
+            for sink in self.sinks:
+                sink.log({f"eval/{k}": v for k, v in row.items() if k not in ("step", "version")}, row["step"])
             message = (
                 f"eval at step {row['step']}: accuracy {row['accuracy']:.1%} on {row['n_prompts']} prompts "
                 f"({row['seconds']:.0f} s)"
@@ -106,27 +296,78 @@ class RunLog:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         for f in (self.metrics, self.evals):
             if not f.closed:
                 f.close()
 
 
-def short(row: dict[str, Any], accuracy: float | None) -> str:
-    """The few numbers shown per step."""
+def short(row: dict[str, Any], accuracy: float | None, show_buffer: bool = False) -> str:
+    """The few numbers shown per step: reward, accuracy, loss, agreement, throughput, stage times."""
     parts = [f"reward {row.get('rollout/reward_mean', math.nan):.3f}"]
     if accuracy is not None:
         parts.append(f"acc {accuracy:.1%}")
+    if show_buffer or row.get("buffer/staleness_max", 0) or row.get("buffer/size", 0):
+        parts.append(f"stale {row.get('buffer/staleness_mean', 0):.1f}/{row.get('buffer/staleness_max', 0):.0f}")
+        parts.append(f"buf {row.get('buffer/size', 0):.0f}")
+    if row.get("time/train_s") and "tokens" in row:
+        row = {**row, "train_tokens_per_s": row["tokens"] / row["time/train_s"]}
     for key, label, fmt in (
         ("loss", "loss", "{:.4f}"),
         ("rollout_logprob_abs_diff_max", "|dlp|max", "{:.2g}"),
         ("rollout/tokens_per_s", "gen tok/s", "{:.0f}"),
+        ("train_tokens_per_s", "train tok/s", "{:.0f}"),
         ("time/rollout_s", "rollout", "{:.1f}s"),
         ("time/train_s", "train", "{:.1f}s"),
         ("sync/seconds", "sync", "{:.2f}s"),
     ):
-        if key in row:
+        if key in row and row[key] is not None:
             parts.append(f"{label} {fmt.format(row[key])}")
     return " ".join(parts)
+
+
+class Progress:
+    """Progress of a counted job (``noria eval``): tqdm on a terminal, else a plain line every ~10%.
+
+    ``enabled=False`` shows nothing; ``None`` picks by whether stderr is a terminal.
+    """
+
+    def __init__(self, total: int, desc: str, unit: str, enabled: bool | None = True) -> None:
+        self.total, self.desc, self.unit = total, desc, unit
+        self.done = 0
+        self.started = time.perf_counter()
+        self.next_line = 0
+        self.enabled = enabled is not False
+        self.bar = None
+        if self.enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.enabled and (self.done >= self.next_line or self.done >= self.total):
+            self.next_line = self.done + max(self.total // 10, 1)
+            elapsed = time.perf_counter() - self.started
+            rate = self.done / elapsed if elapsed > 0 else 0.0
+            left = (self.total - self.done) / rate if rate > 0 else math.nan
+            eta = f"{int(left // 60)}m{int(left % 60):02d}s" if math.isfinite(left) else "?"
+            print(f"{self.desc} {self.done}/{self.total} {self.unit}s {rate:.1f} {self.unit}s/s eta {eta}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def sample_record(step: int, group: Any, s: Any, tokenizer: Any = None) -> dict[str, Any]:

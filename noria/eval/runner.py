@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -14,6 +13,7 @@ import torch
 
 from noria.config import RunConfig, save_config
 from noria.errors import NoriaError
+from noria.metrics import Progress
 from noria.types import Prompt, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,6 @@ def _generate_engine(folder: Path, tokenizer, prompt_ids: list[list[int]], promp
     """All answers submitted at once to the built-in engine, which batches them continuously."""
     import queue
 
-    from tqdm import tqdm
-
     from noria.engine import Engine, GenerateRequest, SamplingParams
 
     cfg = config.eval
@@ -122,7 +120,7 @@ def _generate_engine(folder: Path, tokenizer, prompt_ids: list[list[int]], promp
             req = GenerateRequest(input_ids=prompt_ids[g], sampling=params)
             engine.submit(req, lambda out, i=i: done.put((i, out)))
         outputs: list = [None] * len(jobs)
-        with tqdm(total=len(jobs), desc="eval", unit="answer", disable=not progress, file=sys.stderr) as bar:
+        with Progress(len(jobs), "eval", "answer", progress) as bar:  # tqdm on a terminal, else plain lines
             for _ in jobs:
                 i, out = done.get()
                 outputs[i] = out
@@ -173,15 +171,13 @@ def _eos_ids(model, tokenizer) -> list[int]:
 @torch.inference_mode()
 def _generate(model, tokenizer, prompt_ids: list[list[int]], prompts: list[Prompt], config: RunConfig, progress: bool):
     """Batched left-padded generation; prompts are sorted by length so batches pad little."""
-    from tqdm import tqdm
-
     cfg = config.eval
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     jobs = [(g, k) for g in range(len(prompt_ids)) for k in range(cfg.n_samples)]
     jobs.sort(key=lambda job: len(prompt_ids[job[0]]))
     samples: list[Sample | None] = [None] * len(jobs)
-    bar = tqdm(total=len(jobs), desc="eval", unit="answer", disable=not progress, file=sys.stderr)
+    bar = Progress(len(jobs), "eval", "answer", progress)
     for start in range(0, len(jobs), cfg.batch_size):
         batch = jobs[start : start + cfg.batch_size]
         rows = [prompt_ids[g] for g, _ in batch]

@@ -145,7 +145,7 @@ class Job:
         cfg.run_dir = str(self.folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.folder / "config.yaml")
-        self.log = RunLog(self.folder, self.total_steps, self.step, self.progress)
+        self.log = RunLog(self.folder, self.total_steps, self.step, self.progress, config=cfg)
 
     def start_engine(self, path: Path) -> tuple[Any, Any]:
         """(the client rollout uses, the target weight sync pushes to)."""
