@@ -131,6 +131,23 @@ class RolloutConfig:
         "Prompts sampled per rollout step. Batch invariant: prompts_per_step * n_samples = "
         "train.global_batch * train.steps_per_rollout; set three, the fourth is derived.",
     )
+    rollout_fn: str = option(
+        "", "Import path `pkg.module:fn` of a rollout function `async (ctx, prompts) -> list[Group]` that replaces "
+        "the whole rollout (noria.agent.plugins); empty for the built-in one."
+    )
+    generate_fn: str = option(
+        "", "Import path `pkg.module:fn` of a generate function `async (ctx, sample) -> Sample` (one trajectory; "
+        "it records its own tokens); empty for the built-in single-turn one."
+    )
+    agent_fn: str = option(
+        "", "Import path `pkg.module:fn` of an agent function `async (ctx, prompt, base_url) -> dict` that talks "
+        "OpenAI chat completions to the session server, which records the tokens (multi-turn, tools)."
+    )
+    agent_timeout_s: float = option(600.0, "Seconds one agent function may run; past it the sample is FAILED.")
+    session_on_mismatch: Literal["error", "rerender"] = option(
+        "error", "When an agent re-sends a history that differs from the session's record: error (HTTP 409, the "
+        "sample fails) or rerender (the record restarts from the re-rendered history; earlier policy tokens leave it)."
+    )
     placement: Literal["colocated", "disaggregated"] = option(
         "colocated",
         "colocated: the engine runs in the trainer's process and pauses (KV memory released) while it trains; "
@@ -148,6 +165,14 @@ class RolloutConfig:
 
     def validate(self) -> None:
         _check_sampling("rollout", self.temperature, self.top_p, self.top_k, self.min_p, self.max_new_tokens)
+        plugins = [k for k in ("rollout_fn", "generate_fn", "agent_fn") if getattr(self, k)]
+        if len(plugins) > 1:
+            raise ConfigError(f"rollout: set at most one of rollout_fn, generate_fn, agent_fn (got {', '.join(plugins)})")
+        for k in plugins:
+            if ":" not in getattr(self, k):
+                raise ConfigError(f"rollout.{k} must be an import path pkg.module:fn, got {getattr(self, k)!r}")
+        if self.agent_timeout_s <= 0:
+            raise ConfigError(f"rollout.agent_timeout_s must be > 0, got {self.agent_timeout_s}")
         if self.n_samples < 1:
             raise ConfigError(f"rollout.n_samples must be >= 1, got {self.n_samples}")
         if self.prompts_per_step is not None and self.prompts_per_step < 1:

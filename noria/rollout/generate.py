@@ -5,6 +5,11 @@ How data moves::
     Prompt --render (chat template)--> prompt ids --n_samples x generate fn--> Samples
            --reward runner (timeouts -> FAILED)--> Group(samples in index order)
 
+``run_rollout`` picks the plug-in layer the config names (``rollout.rollout_fn``, ``generate_fn``
+or ``agent_fn``; see ``noria.agent.plugins``); with none, ``rollout_groups`` with ``generate_one``.
+An agent function runs behind a session server started for the step (``noria.agent.session``).
+Samples a plug-in already scored keep their reward; the others are scored by the reward runner.
+
 ``generate_one(ctx, sample)`` is the default generate function (DESIGN.md section 3): it sends the
 sample's ``prompt_ids`` to the engine and records the engine's own tokens, log-probabilities and
 weight versions, so the trainer sees exactly what was sampled. Every sample of a step is in flight
@@ -28,7 +33,7 @@ from typing import Any
 
 from noria.config import RewardConfig, RolloutConfig
 from noria.engine.protocol import GenerateRequest, SamplingParams
-from noria.rewards.runner import ScoreCounts, score_groups_async
+from noria.rewards.runner import ScoreCounts, score_async
 from noria.rollout.client import EngineClient
 from noria.types import Group, Prompt, Sample, Status
 
@@ -46,6 +51,12 @@ class RolloutContext:
     greedy: bool = False
     """Evaluation: temperature 0 whatever ``sampling`` says."""
     extra: dict[str, Any] = field(default_factory=dict)
+    first_group_id: int = 0
+    """Id of the first group of the current rollout call (rollout functions number groups from it)."""
+    prompts: dict[int, Prompt] = field(default_factory=dict)
+    """The prompt record of each group id in the current rollout call (agent functions receive it)."""
+    session_server: Any = None
+    """The session server agent functions talk to (set by ``run_rollout`` when ``rollout.agent_fn`` is set)."""
 
 
 @dataclass
@@ -105,6 +116,8 @@ async def rollout_groups(
 ) -> RolloutResult:
     """``n_samples`` trajectories for each (prompt, prompt ids), generated together and scored."""
     start = time.perf_counter()
+    ctx.first_group_id = first_group_id
+    ctx.prompts.update({first_group_id + g: prompt for g, (prompt, _) in enumerate(prompts)})
     groups_samples = [
         [
             Sample(prompt_ids=list(ids), group_id=first_group_id + g, index=i, metadata=dict(prompt.metadata))
@@ -124,6 +137,79 @@ async def rollout_groups(
         for g, ((prompt, _), samples) in enumerate(zip(prompts, groups_samples))
     ]
     reward_start = time.perf_counter()
-    counts = await score_groups_async(groups, reward)
+    counts = await score_unscored(groups, reward)
     now = time.perf_counter()
     return RolloutResult(groups, counts, now - start, now - reward_start)
+
+
+async def score_unscored(groups: Sequence[Group], reward: RewardConfig) -> ScoreCounts:
+    """Score the samples without a reward against their prompt's label (metadata: prompt's, then sample's)."""
+    pairs = [(g, s) for g in groups for s in g.samples if s.reward is None]
+    return await score_async(
+        [s for _, s in pairs], reward, [g.prompt.label for g, _ in pairs], [{**g.prompt.metadata, **s.metadata} for g, s in pairs]
+    )
+
+
+async def run_rollout(
+    ctx: RolloutContext,
+    prompts: Sequence[tuple[Prompt, list[int]]],
+    first_group_id: int,
+    n_samples: int,
+    reward: RewardConfig,
+) -> RolloutResult:
+    """One rollout call through the plug-in layer the config names (rollout, generate or agent function)."""
+    from noria.agent.plugins import agent_generate, load_plugin
+
+    cfg = ctx.sampling
+    rollout_fn, generate_fn, agent_fn = (getattr(cfg, k, "") for k in ("rollout_fn", "generate_fn", "agent_fn"))
+    if rollout_fn:
+        return await custom_rollout(ctx, load_plugin(rollout_fn, "rollout.rollout_fn"), prompts, first_group_id, reward)
+    if generate_fn:
+        generate = load_plugin(generate_fn, "rollout.generate_fn")
+        return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward, generate)
+    if not agent_fn:
+        return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward)
+    from noria.agent.session import SessionServer
+
+    generate = agent_generate(load_plugin(agent_fn, "rollout.agent_fn"), getattr(cfg, "agent_timeout_s", 600.0))
+    base = sampling_params(ctx, Sample(prompt_ids=[]))
+    on_mismatch = getattr(cfg, "session_on_mismatch", "error")
+    async with SessionServer(ctx.engine, ctx.tokenizer, base, on_mismatch=on_mismatch) as server:
+        ctx.session_server = server
+        try:
+            return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward, generate)
+        finally:
+            ctx.session_server = None
+
+
+async def custom_rollout(
+    ctx: RolloutContext, fn: Any, prompts: Sequence[tuple[Prompt, list[int]]], first_group_id: int, reward: RewardConfig
+) -> RolloutResult:
+    """A rollout function's groups, checked against its contract and scored where it left rewards out."""
+    start = time.perf_counter()
+    ctx.first_group_id = first_group_id
+    ctx.prompts.update({first_group_id + g: prompt for g, (prompt, _) in enumerate(prompts)})
+    groups = list(await fn(ctx, list(prompts)))
+    check_groups(groups, first_group_id, len(prompts))
+    reward_start = time.perf_counter()
+    counts = await score_unscored(groups, reward)
+    now = time.perf_counter()
+    return RolloutResult(groups, counts, now - start, now - reward_start)
+
+
+def check_groups(groups: Sequence[Group], first_group_id: int, n_prompts: int) -> None:
+    """Raise ``PluginError`` naming the first broken rule of the rollout-function contract."""
+    from noria.agent.plugins import PluginError
+
+    if len(groups) != n_prompts:
+        raise PluginError(f"rollout function returned {len(groups)} groups for {n_prompts} prompts")
+    for i, g in enumerate(groups):
+        if not isinstance(g, Group) or g.group_id != first_group_id + i:
+            raise PluginError(f"rollout function: group {i} must be a Group with group_id {first_group_id + i}")
+        for s in g.samples:
+            n = len(s.response_ids)
+            if not (len(s.loss_mask) == len(s.rollout_logprobs) == len(s.weight_versions) == n):
+                raise PluginError(
+                    f"rollout function: group {g.group_id} sample {s.index} has {n} response ids but "
+                    f"{len(s.loss_mask)} mask / {len(s.rollout_logprobs)} logprob / {len(s.weight_versions)} version entries"
+                )

@@ -1,0 +1,193 @@
+"""The session server, token-in-token-out (CPU, loopback only).
+
+With the real built-in engine (tiny random model, in process): every turn's engine output ids are
+in the record unchanged, the loss mask covers exactly them, each turn's input extends the previous
+one. With a scripted engine: Qwen3's format with thinking blocks and tool calls, history mismatch
+policies, keyless and unknown sessions, one-chunk streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from noria.agent.chat_format import QWEN3_TEMPLATE, ChatFormat
+from noria.agent.session import SessionServer
+from noria.config import EngineConfig
+from noria.engine.protocol import GenerateOutput, GenerateRequest, SamplingParams
+from noria.router import LocalRouter
+from noria.types import Sample
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "arithmetic", "parameters": {"type": "object"}}}]
+
+
+class Spy:
+    """Wraps an engine; keeps every request it forwards."""
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        self.requests.append(req)
+        return await self.engine.generate(req)
+
+
+class Scripted:
+    """Answers each request with the next scripted text, tokenized, logprob -0.5 per token, version 3."""
+
+    def __init__(self, tokenizer, answers: list[str]):
+        self.tok, self.answers, self.requests = tokenizer, list(answers), []
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        self.requests.append(req)
+        ids = self.tok.encode(self.answers.pop(0), add_special_tokens=False)
+        return GenerateOutput("r", ids, [-0.5] * len(ids), [3] * len(ids), finish_reason={"type": "stop"}, prompt_tokens=len(req.input_ids))
+
+
+def tiny_engine(folder):
+    from noria.engine import Engine
+
+    return Engine.from_path(folder, EngineConfig(kv_cache_tokens=4096), dtype="float32", seed=0)
+
+
+async def post(base_url: str, body: dict, expect: int = 200) -> dict:
+    async with httpx.AsyncClient(timeout=120) as client:
+        r = await client.post(f"{base_url}/chat/completions", json=body)
+    assert r.status_code == expect, r.text
+    return r.json()
+
+
+def test_tito_with_the_real_engine(tiny_model_dir):
+    from noria.rollout import LocalEngineClient
+
+    engine = tiny_engine(tiny_model_dir)
+    try:
+
+        async def run():
+            spy = Spy(LocalRouter([LocalEngineClient(engine)]))
+            sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
+            async with SessionServer(spy, engine.tokenizer, sampling) as server:
+                session = server.open("s1", seed=7)
+                messages = [{"role": "user", "content": "What is 3 + 4?"}]
+                for turn in range(4):
+                    reply = await post(server.base_url("s1"), {"messages": messages})
+                    messages += [reply["choices"][0]["message"], {"role": "tool", "content": f"result {turn}"}]
+                return server.close("s1"), spy
+
+        session, spy = asyncio.run(run())
+    finally:
+        engine.shutdown(drain_timeout_s=1.0)
+    sample = session.fill(Sample(prompt_ids=[]))
+    assert session.turns == 4 and len(spy.requests) == 4
+    ids = sample.prompt_ids + sample.response_ids
+    # Each request's input is a prefix of the record, and is followed by exactly the engine's output.
+    for req, out_ids in zip(spy.requests, session.engine_outputs):
+        n = len(req.input_ids)
+        assert ids[:n] == req.input_ids and ids[n : n + len(out_ids)] == out_ids
+        assert req.routing_key == "s1"
+    masked = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
+    assert masked == [t for out in session.engine_outputs for t in out]  # mask 1 == exactly the policy tokens
+    assert len(sample.response_ids) == len(sample.loss_mask) == len(sample.rollout_logprobs) == len(sample.weight_versions)
+    assert all(lp == 0.0 and v == -1 for lp, v, m in zip(sample.rollout_logprobs, sample.weight_versions, sample.loss_mask) if not m)
+    assert all(lp <= 0.0 and v == 0 for lp, v, m in zip(sample.rollout_logprobs, sample.weight_versions, sample.loss_mask) if m)
+    assert sample.session_id == "s1" and sample.metadata["turns"] == 4
+
+
+def qwen3_tokenizer(folder):
+    from conftest import build_tokenizer
+
+    tok = build_tokenizer(folder)
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>", "<tool_call>", "</tool_call>"]})
+    tok.chat_template = QWEN3_TEMPLATE
+    return tok
+
+
+def test_qwen3_thinking_and_tool_calls(tmp_path):
+    tok = qwen3_tokenizer(tmp_path)
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expr": "6*7"}}\n</tool_call><|im_end|>'
+    answers = [f"<think>\nneed the tool\n</think>\n\n{call}", "<think>\ndone\n</think>\n\nIt is 42.<|im_end|>"]
+    engine = Scripted(tok, answers)
+
+    async def run():
+        async with SessionServer(engine, tok, SamplingParams(max_new_tokens=64)) as server:
+            server.open("q")
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6*7?"}]
+            first = await post(server.base_url("q"), {"messages": messages, "tools": TOOLS})
+            msg = first["choices"][0]["message"]
+            assert first["choices"][0]["finish_reason"] == "tool_calls"
+            assert msg["reasoning_content"] == "need the tool" and msg["content"] == ""
+            assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"expr": "6*7"}
+            messages += [msg, {"role": "tool", "content": "42", "tool_call_id": "call_0"}]
+            second = await post(server.base_url("q"), {"messages": messages, "tools": TOOLS})
+            assert second["choices"][0]["message"]["content"] == "It is 42."
+            messages.append(second["choices"][0]["message"])
+            return server.close("q"), messages
+
+    session, messages = asyncio.run(run())
+    # Inside one tool chain Qwen3's template keeps every thinking block, so the whole conversation
+    # rendered at once must tokenize to exactly the record.
+    fmt = ChatFormat(tok)
+    whole = fmt.encode(fmt.render(messages, TOOLS, add_generation_prompt=False))
+    assert session.ids == whole[: len(session.ids)] and whole[len(session.ids) :] == fmt.encode("\n")
+    appended = fmt.tokenizer.decode(session.response_ids[len(session.engine_outputs[0]) :][:40], skip_special_tokens=False)
+    assert appended.startswith("\n<|im_start|>user\n<tool_response>\n42")
+
+
+def test_history_mismatch_policies_and_refusals(tmp_path):
+    tok = qwen3_tokenizer(tmp_path)
+
+    async def run():
+        engine = Scripted(tok, [f"{w}<|im_end|>" for w in ("one", "two", "three", "four", "five")])
+        async with SessionServer(engine, tok, SamplingParams(max_new_tokens=8)) as server:
+            url = server.base_url("m")
+            server.open("m")
+            first = await post(url, {"messages": [{"role": "user", "content": "hi"}]})
+            edited = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "EDITED"}, {"role": "user", "content": "go"}]
+            err = await post(url, {"messages": edited}, expect=409)
+            assert err["error"]["code"] == "history_mismatch"
+            assert server.sessions["m"].error and len(engine.requests) == 1  # nothing sent for the bad turn
+            # Keyless and unknown sessions are refused before any engine sees them.
+            async with httpx.AsyncClient() as client:
+                r = await client.post(f"{server.url}/v1/chat/completions", json={"messages": edited})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "missing_session"
+            await post(server.base_url("nope"), {"messages": edited}, expect=404)
+            # rerender: the record restarts from the client's history, rendered whole.
+            server.on_mismatch = "rerender"
+            server.open("r")
+            await post(server.base_url("r"), {"messages": [{"role": "user", "content": "hi"}]})
+            await post(server.base_url("r"), {"messages": edited})
+            s = server.close("r")
+            assert s.rerenders == 1 and s.dropped_policy_tokens > 0
+            assert s.prompt_ids == ChatFormat(tok).first_ids(edited)
+            # a stream is answered as one chunk
+            server.open("st")
+            async with httpx.AsyncClient() as client:
+                r = await client.post(f"{server.base_url('st')}/chat/completions", json={"messages": edited, "stream": True})
+            lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]" and len(lines) == 2
+            return first
+
+    first = asyncio.run(run())
+    assert first["choices"][0]["message"]["content"] == "one"
+
+
+def test_truncated_turn_is_closed_before_appending(tmp_path):
+    tok = qwen3_tokenizer(tmp_path)
+
+    async def run():
+        engine = Scripted(tok, ["cut off", "ok<|im_end|>"])
+        async with SessionServer(engine, tok, SamplingParams(max_new_tokens=8)) as server:
+            server.open("t")
+            m = [{"role": "user", "content": "hi"}]
+            a = await post(server.base_url("t"), {"messages": m})
+            await post(server.base_url("t"), {"messages": [*m, a["choices"][0]["message"], {"role": "user", "content": "more"}]})
+            return server.close("t"), engine
+
+    session, engine = asyncio.run(run())
+    n0 = len(session.engine_outputs[0])
+    end = ChatFormat(tok).end_of_turn_id
+    assert session.response_ids[n0] == end and session.loss_mask[n0] == 0  # the template's close, not the policy's
+    assert engine.requests[1].input_ids == session.ids[: len(engine.requests[1].input_ids)]
