@@ -135,6 +135,39 @@ def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.runview.report import write_report
+
+    page = write_report(args.run_dir, args.out)
+    print(f"noria report: {page} (plots as PNG files beside it)")
+    return 0
+
+
+def _inspect(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.runview.trajectories import inspect_step
+
+    inspect_step(args.run_dir, args.step, args.group, args.limit, tokens=not args.no_tokens)
+    return 0
+
+
+def _docs(args: argparse.Namespace, overrides: list[str]) -> int:
+    from pathlib import Path
+
+    from noria.runview.docs import stale_docs, write_docs
+
+    folder = Path(args.out) if args.out else None
+    if args.check:
+        stale = stale_docs(folder)
+        if stale:
+            print(f"noria docs: stale: {', '.join(stale)}; run `noria docs` to regenerate", file=sys.stderr)
+            return 1
+        print("noria docs: generated pages are up to date")
+        return 0
+    for path in write_docs(folder):
+        print(f"noria docs: wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="noria",
@@ -317,6 +350,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file")
     p.add_argument("--reference", action="store_true", help="print every config key with its type, default and meaning")
     p.set_defaults(handler=_config_show, takes_overrides=True)
+
+    p = sub.add_parser(
+        "report",
+        help="an HTML page of a run's curves (and the curves as PNG files)",
+        description="Read RUN_DIR (config.yaml, metrics.jsonl, eval.jsonl, rollouts/) and write one self-contained "
+        "HTML page with plots of reward and held-out accuracy, KL and entropy, rollout-vs-trainer logprob "
+        "difference, tokens/s, stage times, buffer size and staleness, and weight-sync time, plus the resolved "
+        "config; every plot is also written as a PNG. Works on a run in progress.",
+    )
+    p.add_argument("run_dir", help="run folder of `noria train`")
+    p.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    p.set_defaults(handler=_report, takes_overrides=False)
+
+    p = sub.add_parser(
+        "inspect",
+        help="a step's sampled trajectories with reward, status, per-token loss mask and logprobs",
+        description="Print the trajectories of one RL step from RUN_DIR/rollouts/step-N.jsonl: per group the prompt "
+        "and label, per sample reward, status, response, and one line per token (text, loss mask, logprob "
+        "with a probability bar, weight version).",
+    )
+    p.add_argument("run_dir", help="run folder of `noria train` (train.algorithm rl)")
+    p.add_argument("--step", type=int, help="rollout step (default: the last one written)")
+    p.add_argument("--group", type=int, help="only this group id")
+    p.add_argument("--limit", type=int, default=8, help="samples shown at most (default 8; 0 shows all)")
+    p.add_argument("--no-tokens", action="store_true", help="one summary block per sample, no per-token lines")
+    p.set_defaults(handler=_inspect, takes_overrides=False)
+
+    p = sub.add_parser(
+        "docs",
+        help="regenerate docs/config.md and docs/metrics.md from the code (--check: fail if stale)",
+        description="The configuration reference comes from the config classes (noria/config.py), the metrics "
+        "reference from noria.metrics.METRICS.",
+    )
+    p.add_argument("--check", action="store_true", help="exit 1 if a generated page differs from the code")
+    p.add_argument("--out", help="docs folder (default the repository's docs/)")
+    p.set_defaults(handler=_docs, takes_overrides=False)
     return parser
 
 

@@ -64,8 +64,14 @@ METRICS: tuple[Metric, ...] = tuple(
         ("rollout/aborted", "count", "Samples aborted by the engine."),
         ("rollout/groups_solved_frac", "fraction", "Groups with at least one sample of positive reward."),
         ("rollout/groups_zero_variance_frac", "fraction", "Groups whose samples all got the same reward (no signal for GRPO)."),
-        ("rollout/tokens", "tokens", "Response tokens generated this step."),
-        ("rollout/tokens_per_s", "tokens/s", "Generation throughput: response tokens over generation time (reward time excluded)."),
+        ("rollout/groups_mixed_versions_frac", "fraction", "Trained groups whose policy tokens come from more than one weight version (asynchronous RL)."),
+        ("rollout/tokens", "tokens", "Response tokens generated since the previous step."),
+        ("rollout/trained_tokens", "tokens", "Response tokens of the groups trained this step."),
+        ("rollout/tokens_per_s", "tokens/s", "Generation throughput: response tokens generated over the time it took."),
+        ("rollout/in_flight", "count", "Trajectories generating when the step's metrics were taken."),
+        ("rollout/in_flight_groups", "groups", "Groups started and not yet finished when the step's metrics were taken."),
+        ("rollout/groups_finished", "groups", "Groups the rollout scheduler finished since the previous step."),
+        ("engine/busy_frac", "fraction", "Share of the time since the previous step during which at least one trajectory was generating."),
         ("reward/scored", "count", "Samples the reward function scored."),
         ("reward/skipped", "count", "Samples not scored (aborted or failed generation)."),
         ("reward/failed", "count", "Samples whose reward call raised, timed out or returned a non-number."),
@@ -110,6 +116,7 @@ METRICS: tuple[Metric, ...] = tuple(
     + _table("time", [
         ("time/rollout_s", "s", "Generation plus reward scoring of the step's groups."),
         ("time/reward_s", "s", "Reward scoring alone."),
+        ("time/trainer_wait_s", "s", "Time the trainer waited for the step's batch of groups (the whole rollout when synchronous)."),
         ("time/train_s", "s", "Trainer: logprobs, loss, backward, optimizer step(s)."),
     ])
     + _table("sync", [
@@ -320,6 +327,7 @@ def short(row: dict[str, Any], accuracy: float | None, show_buffer: bool = False
         ("rollout/tokens_per_s", "gen tok/s", "{:.0f}"),
         ("train_tokens_per_s", "train tok/s", "{:.0f}"),
         ("time/rollout_s", "rollout", "{:.1f}s"),
+        ("time/trainer_wait_s", "wait", "{:.1f}s"),
         ("time/train_s", "train", "{:.1f}s"),
         ("sync/seconds", "sync", "{:.2f}s"),
     ):
@@ -338,7 +346,7 @@ class Progress:
         self.total, self.desc, self.unit = total, desc, unit
         self.done = 0
         self.started = time.perf_counter()
-        self.next_line = 0
+        self.next_line = max(total // 10, 1)
         self.enabled = enabled is not False
         self.bar = None
         if self.enabled and sys.stderr.isatty():

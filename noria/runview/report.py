@@ -1,0 +1,375 @@
+"""``noria report RUN_DIR``: one self-contained HTML page of a run's curves, plus the curves as PNG files.
+
+Reads what ``noria train`` (RL) writes into its run folder (``noria.metrics``): ``config.yaml``,
+``metrics.jsonl``, ``eval.jsonl`` and ``rollouts/step-*.jsonl``; a run still in progress can be
+reported (a half-written last line is ignored). Writes ``RUN_DIR/report/report.html`` (every plot
+embedded as a PNG data URI, so the page is one file that opens offline) and one PNG per plot next
+to it (``reward.png``, ``kl_entropy.png``, ...).
+
+Plots (``FIGURES``, in page order): reward and held-out accuracy; KL and entropy; rollout-vs-trainer
+logprob difference; tokens/s; stage timings; buffer size and staleness; weight-sync time. A plot
+whose metrics the run did not record says so inside its frame instead of disappearing, so the page
+always has the same plots. Matplotlib renders (Agg backend, no display needed).
+
+Not shown: per-token data (``noria inspect``), SFT runs' metrics beyond what their rows share.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from noria.errors import NoriaError
+from noria.metrics import metric_doc
+
+
+@dataclass
+class RunData:
+    """A run folder's records, read once."""
+
+    folder: Path
+    config_text: str
+    config: dict[str, Any]
+    steps: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    sampled_nll: dict[int, float]
+    """step -> mean of -logprob over the step's sampled policy tokens (an entropy estimate)."""
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of ``key`` over the rows that have a finite number for it."""
+        xs, ys = [], []
+        for row in self.steps:
+            value = row.get(key)
+            if _finite(value):
+                xs.append(int(row["step"]))
+                ys.append(float(value))
+        return xs, ys
+
+    def derived(self, fn: Callable[[dict[str, Any]], float | None]) -> tuple[list[int], list[float]]:
+        xs, ys = [], []
+        for row in self.steps:
+            value = fn(row)
+            if _finite(value):
+                xs.append(int(row["step"]))
+                ys.append(float(value))
+        return xs, ys
+
+
+def load_run(folder: str | Path) -> RunData:
+    import yaml
+
+    folder = Path(folder)
+    if not (folder / "metrics.jsonl").is_file():
+        raise NoriaError(f"{folder}: no metrics.jsonl here; pass the run folder of `noria train`")
+    config_path = folder / "config.yaml"
+    config_text = config_path.read_text() if config_path.is_file() else ""
+    config = (yaml.safe_load(config_text) or {}) if config_text else {}
+    steps = [r for r in read_jsonl(folder / "metrics.jsonl") if "step" in r]
+    evals = [r for r in read_jsonl(folder / "eval.jsonl") if _finite(r.get("accuracy"))]
+    return RunData(folder, config_text, config, steps, evals, sampled_nll(folder))
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of ``path`` ([] if missing); a torn last line of a live run is skipped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def sampled_nll(folder: Path) -> dict[int, float]:
+    """Per step, mean -logprob of the sampled policy tokens: a Monte Carlo estimate of the sampling
+    distribution's entropy (E[-log p(x)] with x ~ p), available even when the trainer logs none."""
+    out = {}
+    for path in sorted((folder / "rollouts").glob("step-*.jsonl")):
+        total, count = 0.0, 0
+        for rec in read_jsonl(path):
+            for lp, m in zip(rec.get("logprobs") or [], rec.get("loss_mask") or []):
+                if m and _finite(lp):
+                    total -= lp
+                    count += 1
+        if count:
+            out[int(path.stem.split("-")[1])] = total / count
+    return out
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------------------- figures
+
+
+@dataclass(frozen=True)
+class Figure:
+    slug: str
+    title: str
+    caption: str
+    keys: tuple[str, ...]
+    draw: Callable[[RunData, Any], None]
+
+
+FIGURES: list[Figure] = []
+
+
+def figure(slug: str, title: str, caption: str, keys: tuple[str, ...]) -> Callable:
+    def register(draw: Callable[[RunData, Any], None]) -> Callable:
+        FIGURES.append(Figure(slug, title, caption, keys, draw))
+        return draw
+
+    return register
+
+
+def lines(ax: Any, curves: list[tuple[str, tuple[list[int], list[float]]]], ylabel: str, missing: str) -> bool:
+    """Plot the non-empty curves on ``ax``; if none has data, write ``missing`` in the frame."""
+    drawn = False
+    for label, (xs, ys) in curves:
+        if xs:
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+            drawn = True
+    steps_axis(ax)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=8)
+    else:
+        empty(ax, missing)
+    return drawn
+
+
+def steps_axis(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def empty(ax: Any, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="#555", wrap=True)
+
+
+@figure("reward", "Reward and held-out accuracy", "Mean rollout reward per step (training prompts, sampled) and "
+        "accuracy on the held-out split (greedy evaluation, eval.jsonl) at the steps it was measured.",
+        ("rollout/reward_mean", "eval/accuracy"))  # fmt: skip
+def _reward(run: RunData, fig: Any) -> None:
+    ax = fig.add_subplot()
+    curves = [("rollout reward (mean)", run.series("rollout/reward_mean"))]
+    curves.append(("held-out accuracy", ([int(r["step"]) for r in run.evals], [float(r["accuracy"]) for r in run.evals])))
+    lines(ax, curves, "reward / accuracy", "no reward recorded yet")
+
+
+@figure("kl_entropy", "KL and entropy", "Left: KL estimates (rollout engine vs trainer; old vs current policy; "
+        "vs the reference model when train.loss.kl_coef > 0). Right: entropy: the trainer's (logged when "
+        "train.loss.entropy_coef > 0) and the mean -logprob of the sampled tokens (rollouts/), an estimate of it.",
+        ("rollout_kl", "approx_kl", "ref_kl", "entropy"))  # fmt: skip
+def _kl_entropy(run: RunData, fig: Any) -> None:
+    left, right = fig.subplots(1, 2)
+    kls = [(k, run.series(k)) for k in ("rollout_kl", "approx_kl", "ref_kl")]
+    lines(left, kls, "KL [nats/token]", "no KL recorded")
+    nll = sorted(run.sampled_nll.items())
+    ents = [("trainer entropy", run.series("entropy")), ("sampled-token -logprob", ([s for s, _ in nll], [v for _, v in nll]))]
+    lines(right, ents, "entropy [nats/token]", "no entropy recorded\n(train.loss.entropy_coef = 0, no rollouts/)")
+
+
+@figure("logprob_diff", "Rollout vs trainer log-probabilities", "Mean and largest |trainer logprob - engine logprob| "
+        "over the sampled tokens of each step (0 means the engine and the trainer agree exactly).",
+        ("rollout_logprob_abs_diff", "rollout_logprob_abs_diff_max"))  # fmt: skip
+def _logprob_diff(run: RunData, fig: Any) -> None:
+    ax = fig.add_subplot()
+    curves = [("mean |diff|", run.series("rollout_logprob_abs_diff")), ("max |diff|", run.series("rollout_logprob_abs_diff_max"))]
+    if lines(ax, curves, "|logprob difference| [nats]", "no logprob difference recorded"):
+        if all(v > 0 for _, (_, ys) in curves for v in ys):
+            ax.set_yscale("log")
+
+
+@figure("throughput", "Tokens per second", "Generation: response tokens over generation time. Trainer: tokens "
+        "(prompt and response) through the trainer over the train stage time.",
+        ("rollout/tokens_per_s", "tokens", "time/train_s"))  # fmt: skip
+def _throughput(run: RunData, fig: Any) -> None:
+    ax = fig.add_subplot()
+    train = run.derived(lambda r: r["tokens"] / r["time/train_s"] if _finite(r.get("tokens")) and r.get("time/train_s") else None)
+    lines(ax, [("generation", run.series("rollout/tokens_per_s")), ("trainer", train)], "tokens/s", "no throughput recorded")
+
+
+def _rollout_part(r: dict[str, Any]) -> float:
+    """The step's time spent on the rollout: the rollout stage, or the trainer's wait for its batch
+    (when generation overlaps training, only the wait adds to the step's time)."""
+    return _get(r, "time/rollout_s") if "time/rollout_s" in r else _get(r, "time/trainer_wait_s")
+
+
+STAGES = (
+    ("generate (trainer waiting)", lambda r: _rollout_part(r) - _get(r, "time/reward_s")),
+    ("reward", lambda r: _get(r, "time/reward_s")),
+    ("train", lambda r: _get(r, "time/train_s")),
+    ("weight sync", lambda r: _get(r, "sync/seconds")),
+    ("other", lambda r: _get(r, "seconds") - _rollout_part(r) - _get(r, "time/train_s") - _get(r, "sync/seconds")),
+)
+
+
+def _get(row: dict[str, Any], key: str) -> float:
+    value = row.get(key)
+    return float(value) if _finite(value) else 0.0
+
+
+@figure("stage_times", "Time per stage", "Wall time of each step split by stage (stacked): generation (or, when it "
+        "overlaps training, the trainer's wait for its batch), reward scoring, trainer, weight sync, and the rest.",
+        ("time/rollout_s", "time/trainer_wait_s", "time/reward_s", "time/train_s", "sync/seconds", "seconds"))  # fmt: skip
+def _stage_times(run: RunData, fig: Any) -> None:
+    ax = fig.add_subplot()
+    rows = [r for r in run.steps if _finite(r.get("seconds"))]
+    if not rows:
+        empty(ax, "no step times recorded")
+        return
+    steps = [int(r["step"]) for r in rows]
+    bottom = [0.0] * len(rows)
+    for label, fn in STAGES:
+        heights = [max(fn(r), 0.0) for r in rows]
+        ax.bar(steps, heights, bottom=bottom, label=label, width=0.8)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    steps_axis(ax)
+    ax.set_ylabel("seconds")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, ncols=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+
+
+@figure("buffer", "Buffer size and staleness", "Groups waiting in the buffer after each step's take (left) and the "
+        "staleness of the groups trained: trainer version minus the oldest policy-token version (right). "
+        "Synchronous RL (rollout.max_staleness 0) keeps both at 0.",
+        ("buffer/size", "buffer/staleness_mean", "buffer/staleness_max"))  # fmt: skip
+def _buffer(run: RunData, fig: Any) -> None:
+    left, right = fig.subplots(1, 2)
+    lines(left, [("groups waiting", run.series("buffer/size")), ("capacity", run.series("buffer/capacity"))], "groups", "no buffer size recorded")
+    stale = [("mean", run.series("buffer/staleness_mean")), ("max", run.series("buffer/staleness_max"))]
+    if lines(right, stale, "staleness [versions]", "no staleness recorded"):
+        right.set_ylim(bottom=-0.5, top=max(1.5, max(v for _, (_, ys) in stale for v in ys) + 0.5))
+
+
+@figure("weight_sync", "Weight sync", "Seconds to push the trainer's weights to the engines each step (left) "
+        "and the bandwidth it reached (right).", ("sync/seconds", "sync/gb_per_s"))  # fmt: skip
+def _weight_sync(run: RunData, fig: Any) -> None:
+    left, right = fig.subplots(1, 2)
+    lines(left, [("push", run.series("sync/seconds"))], "seconds", "no weight sync recorded")
+    lines(right, [("bandwidth", run.series("sync/gb_per_s"))], "GB/s", "no weight sync recorded")
+
+
+def render_png(fig_spec: Figure, run: RunData) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure as MplFigure
+
+    fig = MplFigure(figsize=(8.0, 3.6), dpi=100, layout="constrained")
+    fig.suptitle(fig_spec.title, fontsize=11)
+    fig_spec.draw(run, fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------- page
+
+
+def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
+    """Render every plot of ``FIGURES`` to PNG and the HTML page; returns the page's path."""
+    run = load_run(folder)
+    out = Path(out) if out is not None else run.folder / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    images = {}
+    for spec in FIGURES:
+        png = render_png(spec, run)
+        (out / f"{spec.slug}.png").write_bytes(png)
+        images[spec.slug] = png
+    page = out / "report.html"
+    page.write_text(render_html(run, images))
+    return page
+
+
+def render_html(run: RunData, images: dict[str, bytes]) -> str:
+    name = run.config.get("name") or run.folder.name
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>Noria report: {html.escape(str(name))}</title><style>{CSS}</style></head><body>",
+        f"<h1>Noria run report: {html.escape(str(name))}</h1>",
+        f"<p class='meta'>Run folder <code>{html.escape(str(run.folder.resolve()))}</code>; "
+        f"generated {time.strftime('%Y-%m-%d %H:%M:%S')} by <code>noria report</code>.</p>",
+        summary_table(run),
+        "<div class='plots'>",
+    ]
+    for spec in FIGURES:
+        data = base64.b64encode(images[spec.slug]).decode()
+        parts.append(
+            f"<figure id='{spec.slug}'><img class='plot' src='data:image/png;base64,{data}' "
+            f"alt='{html.escape(spec.title)}' width='800' height='360'>"
+            f"<figcaption><b>{html.escape(spec.title)}.</b> {html.escape(spec.caption)}</figcaption></figure>"
+        )
+    parts.append("</div>")
+    parts.append(metric_table())
+    parts.append(f"<h2>Resolved config</h2><pre class='config'>{html.escape(run.config_text or '(no config.yaml)')}</pre>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def summary_table(run: RunData) -> str:
+    steps = run.steps
+    total = (run.config.get("train") or {}).get("max_steps")
+    rewards = run.series("rollout/reward_mean")[1]
+    rows = [("steps", f"{len(steps)}" + (f" of {total}" if total else ""))]
+    if steps:
+        rows.append(("wall time of the steps", f"{sum(_get(r, 'seconds') for r in steps) / 60:.1f} min"))
+    if rewards:
+        k = min(3, len(rewards))
+        rows.append(("rollout reward (first / last steps)", f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} (mean of {k})"))
+    if run.evals:
+        first, last = run.evals[0], run.evals[-1]
+        rows.append(("held-out accuracy", f"{first['accuracy']:.1%} at step {first['step']} -> {last['accuracy']:.1%} at step {last['step']}"))
+    for key, label, fmt in (
+        ("rollout/tokens_per_s", "generation tokens/s (mean)", "{:.0f}"),
+        ("rollout_logprob_abs_diff_max", "largest |logprob diff|", "{:.3g}"),
+        ("sync/seconds", "weight sync seconds (mean)", "{:.2f}"),
+    ):
+        ys = run.series(key)[1]
+        if ys:
+            value = max(ys) if key.endswith("_max") else sum(ys) / len(ys)
+            rows.append((label, fmt.format(value)))
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f"<table class='summary'>{body}</table>"
+
+
+def metric_table() -> str:
+    keys = []
+    for spec in FIGURES:
+        keys.extend(k for k in spec.keys if k not in keys)
+    rows = []
+    for key in keys:
+        doc = metric_doc(key)
+        unit, meaning = (doc.unit, doc.meaning) if doc else ("", "")
+        rows.append(f"<tr><td><code>{html.escape(key)}</code></td><td>{html.escape(unit)}</td><td>{html.escape(meaning)}</td></tr>")
+    head = "<tr><th>metric</th><th>unit</th><th>meaning</th></tr>"
+    return f"<h2>Metrics plotted</h2><table class='metrics'>{head}{''.join(rows)}</table>"
+
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1720px; color: #222; }
+h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; }
+.meta { color: #555; }
+table { border-collapse: collapse; font-size: 13px; }
+th, td { text-align: left; padding: 3px 10px; border-bottom: 1px solid #ddd; vertical-align: top; }
+.plots { display: flex; flex-wrap: wrap; gap: 16px; }
+figure { margin: 0; width: 820px; border: 1px solid #ddd; padding: 8px; box-sizing: border-box; }
+figure img { width: 800px; height: 360px; display: block; }
+figcaption { font-size: 12px; color: #444; margin-top: 6px; }
+pre.config { background: #f6f6f6; padding: 12px; font-size: 12px; max-height: 600px; overflow: auto; }
+"""

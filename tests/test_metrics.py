@@ -1,0 +1,103 @@
+"""Metric names, units and sinks: the registry covers what the loop logs; TensorBoard and W&B
+(offline, no network) receive the rows; progress is plain lines off a terminal.
+
+Runs one tiny real RL run (tests/runview_util.py), CPU only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stderr
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from noria.config import ConfigError, load_config
+from noria.metrics import METRICS, Progress, RunLog, metric_doc, undocumented
+from runview_util import STEPS, tiny_run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_dir) -> Path:
+    return tiny_run(tmp_path_factory, tiny_model_dir)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_registry_entries_are_unique_and_complete():
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names))
+    assert all(m.unit and m.meaning.endswith(".") for m in METRICS), [m.name for m in METRICS if not m.unit]
+    assert metric_doc("buffer/dropped/too_stale").name == "buffer/dropped/*"
+    assert metric_doc("reward/failed/timeout").name == "reward/failed/*"
+    assert metric_doc("no_such_metric") is None
+    assert undocumented(["loss", "made/up", "rollout/reward_mean"]) == ["made/up"]
+
+
+def test_every_key_the_loop_logs_is_documented(run):
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    keys = {k for r in rows for k in r}
+    assert undocumented(keys) == [], "add these to METRICS in noria/metrics.py, then run `noria docs`"
+    evals = read_jsonl(run / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 3]
+    assert undocumented(f"eval/{k}" for e in evals for k in e if k not in ("step", "version")) == []
+
+
+def test_tensorboard_receives_steps_and_evaluations(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"rollout/reward_mean", "loss", "sync/seconds", "eval/accuracy"} <= tags
+    rewards = read_jsonl(run / "metrics.jsonl")
+    events = acc.Scalars("rollout/reward_mean")
+    assert [e.step for e in events] == [1, 2, 3]
+    assert [e.value for e in events] == pytest.approx([r["rollout/reward_mean"] for r in rewards])
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 2, 3]
+
+
+def test_wandb_offline_run_is_written_without_network(run):
+    runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((run / "wandb").iterdir())
+    (data,) = list(runs[0].glob("run-*.wandb"))
+    assert data.stat().st_size > 1000  # the logged history, stored for `wandb sync`
+
+
+def test_loggers_are_validated():
+    with pytest.raises(ConfigError, match="log.loggers: unknown sink 'mlflow'"):
+        load_config(None, ["--model.path", "m", "--data.task", "arithmetic", "--log.loggers", "[jsonl, mlflow]"])
+
+
+def test_plain_progress_lines_show_stage_times_staleness_and_eta(tmp_path):
+    config = SimpleNamespace(rollout=SimpleNamespace(max_staleness=1), log=SimpleNamespace(loggers=["jsonl"]))
+    err = io.StringIO()
+    with redirect_stderr(err):
+        log = RunLog(tmp_path, total_steps=4, start_step=0, progress=False, config=config)
+        log.write_eval({"step": 0, "version": 0, "accuracy": 0.25, "n_prompts": 8, "seconds": 1.0})
+        log.write_step({"step": 1, "version": 1, "rollout/reward_mean": 0.5, "rollout/tokens_per_s": 120.0,
+                        "time/rollout_s": 2.0, "time/train_s": 4.0, "tokens": 800.0, "sync/seconds": 0.25,
+                        "buffer/size": 3.0, "buffer/staleness_mean": 0.5, "buffer/staleness_max": 1.0})
+        log.close()
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "eval at step 0: accuracy 25.0% on 8 prompts (1 s)"
+    assert lines[1].startswith("step 1/4 reward 0.500 acc 25.0% stale 0.5/1 buf 3 ")
+    for part in ("gen tok/s 120", "train tok/s 200", "rollout 2.0s", "train 4.0s", "sync 0.25s", "eta 0m"):
+        assert part in lines[1], lines[1]
+    assert "\r" not in err.getvalue()
+
+
+def test_eval_progress_is_plain_lines_off_a_terminal():
+    err = io.StringIO()
+    with redirect_stderr(err):
+        with Progress(20, "eval", "answer") as bar:
+            for _ in range(20):
+                bar.update(1)
+    lines = err.getvalue().splitlines()
+    assert lines[0].startswith("eval 2/20 answers") and lines[-1].startswith("eval 20/20 answers")
+    assert len(lines) == 10 and "\r" not in err.getvalue()
