@@ -320,6 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_bench_sync, takes_overrides=False)
 
+    from noria.bench import gpu_cli
+
+    gpu_cli.add_parsers(bsub)
+
     p = bsub.add_parser(
         "rl",
         help="seconds per RL step and held-out accuracy: Noria's GRPO loop vs TRL's GRPOTrainer, same steps",

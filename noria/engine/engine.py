@@ -98,7 +98,9 @@ class Engine:
         if eos_token_ids is None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.scheduler = Scheduler(config, self.kv, self.radix, StopChecker(eos, tokenizer))
-        self.runner = ModelRunner(model, self.kv, self.device, config.attention, config.deterministic)
+        self.runner = ModelRunner(
+            model, self.kv, self.device, config.attention, config.deterministic, max_batch=config.max_running_requests
+        )
         self._generator = torch.Generator(self.device).manual_seed(seed)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._live: set[str] = set()

@@ -90,7 +90,11 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        # On CUDA one slot past every block is scratch: padded rows of a captured decode graph
+        # (noria.engine.cuda.graphs) write their K/V there. The CPU layout is unchanged.
+        scratch = 1 if torch.device(device).type == "cuda" else 0
+        self.scratch_slot: int | None = num_blocks * block_size if scratch else None
+        shape = (num_blocks * block_size + scratch, num_kv_heads, head_dim)
         # Zeroed, not empty: padded readers mask slots out with a zero weight, and 0 * NaN garbage
         # from uninitialised memory would still be NaN.
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

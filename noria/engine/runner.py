@@ -15,8 +15,13 @@ same numerics); ``refresh_weights`` must follow every weight update.
 
 This is the only engine module with device code (with ``sampling``): metadata is built on the
 host and moved once per step; nothing here reads device values back (deterministic mode aside:
-``exact_attention`` reads a step's smallest position). A CUDA path slots in by choosing another
-decode function here. Blocking: the forward itself (torch releases the GIL).
+``exact_attention`` reads a step's smallest position). Blocking: the forward itself (torch
+releases the GIL).
+
+On CUDA (``noria.engine.cuda``): decode attention is the Triton paged kernel when Triton imports
+(``attention: auto``), and a step made only of decode chunks replays a captured CUDA graph of
+the whole forward (``DecodeGraphs``; outside deterministic mode). Prefill chunks run eagerly,
+through SDPA per sequence.
 
 Deterministic mode: the model runs its own modules in exact numerics
 (``DecoderLM.set_exact_numerics``, switched on for the engine's model here: linear layers as 2-D
@@ -125,7 +130,15 @@ class PagedAttentionContext:
 
 
 def pick_decode_fn(attention: str, device: torch.device) -> DecodeFn:
-    """``torch``: the reference; ``auto``: the C++ kernel on CPU when it builds; ``cpu_kernel``: or fail."""
+    """``torch``: the reference; ``auto``: the C++ kernel on CPU when it builds, the Triton kernel
+    on CUDA when Triton imports; ``cpu_kernel``: the C++ kernel or fail."""
+    if attention == "auto" and device.type == "cuda":
+        from noria.engine import cuda
+
+        if cuda.triton_available():
+            from noria.engine.cuda import paged_attention
+
+            return paged_attention.paged_decode_attention
     if attention == "torch" or device.type != "cpu":
         return attention_ref.paged_decode_attention
     try:
@@ -143,7 +156,14 @@ class ModelRunner:
     """Runs the native model over a step's chunks and returns the sampling rows' logits."""
 
     def __init__(
-        self, model: DecoderLM, kv: KVCache, device: torch.device, attention: str = "auto", deterministic: bool = False
+        self,
+        model: DecoderLM,
+        kv: KVCache,
+        device: torch.device,
+        attention: str = "auto",
+        deterministic: bool = False,
+        max_batch: int = 256,
+        cuda_graphs: bool = True,
     ) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(f"the engine runs the native DecoderLM, got {type(model).__name__}")
@@ -157,16 +177,25 @@ class ModelRunner:
         self.fast = None if deterministic or not inference.supported(model) else inference.FastDecoder(model)
         if deterministic:
             model.set_exact_numerics(next(model.parameters()).dtype)
+        self.graphs = None
+        if self.device.type == "cuda" and not deterministic and cuda_graphs:
+            from noria.engine.cuda.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_batch)
 
     def refresh_weights(self) -> None:
         """Rebuild the engine-only weight copies from the model (call after every weight update)."""
         if self.fast is not None:
             self.fast.refresh()
+        if self.graphs is not None:  # captured graphs hold the old parameters' addresses
+            self.graphs.clear()
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits [number of sampling chunks, V] in the model's dtype, in chunk order (the sampler
         works in fp32 and widens on the fly: no fp32 copy of the logits)."""
+        if self.graphs is not None and all(c.n == 1 and c.sample for c in chunks) and self.graphs.bucket(len(chunks)):
+            return self.graphs.forward(chunks)
         ids, positions, slots, ctx = self._prepare(chunks)
         rows = self._to_device(self._last_rows(chunks), torch.long)
         if self.fast is not None:

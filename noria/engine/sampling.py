@@ -98,14 +98,19 @@ def _fused_kernel(logits: torch.Tensor):
 def _uniforms(
     params: list[SamplingParams], generators: list[torch.Generator | None], default: torch.Generator | None
 ) -> torch.Tensor:
-    """One U[0, 1) per row: from the row's own generator when seeded, else from the shared one."""
-    u = torch.zeros(len(params))
+    """One U[0, 1) per row: from the row's own generator when seeded, else from the shared one.
+
+    On CUDA (the shared generator's device) the draws stay on the device: no host sync per step."""
+    device = _device(default)
+    if device.type != "cuda":
+        device = torch.device("cpu")
+    u = torch.zeros(len(params), device=device)
     shared = [i for i, (p, g) in enumerate(zip(params, generators)) if not p.greedy and g is None]
     if shared:
-        u[shared] = torch.rand(len(shared), generator=default, device=_device(default))
+        u[shared] = torch.rand(len(shared), generator=default, device=_device(default)).to(device)
     for i, (p, gen) in enumerate(zip(params, generators)):
         if not p.greedy and gen is not None:
-            u[i] = torch.rand(1, generator=gen, device=_device(gen)).item()
+            u[i : i + 1] = torch.rand(1, generator=gen, device=_device(gen)).to(device)
     return u
 
 

@@ -1,0 +1,81 @@
+"""Command-line entries of the GPU benchmarks (``noria bench gpu-engine | gpu-train | gpu-sync``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _csv(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
+
+
+def _engine(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import gpu_engine
+
+    gpu_engine.run(_csv(args.models), [int(b) for b in _csv(args.batches)], args.prompt_len, args.new_tokens,
+                   args.hf_new_tokens, tuple(_csv(args.peers)), not args.no_deterministic, args.json)
+    return 0
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import gpu_train
+
+    gpu_train.run(args.model, args.sequences, args.min_len, args.max_len, args.steps, args.warmup,
+                  args.micro_batch_tokens, not args.no_checkpointing, args.json)
+    return 0
+
+
+def _sync(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import gpu_sync
+
+    gpu_sync.run(args.model, tuple(_csv(args.transports)), args.bucket_mb, args.repeats, args.json)
+    return 0
+
+
+def _fp8(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import gpu_fp8
+
+    gpu_fp8.run(args.model, args.batch, args.prompt_len, args.new_tokens, args.json)
+    return 0
+
+
+def add_parsers(bsub) -> None:
+    """Register the GPU benchmarks under ``noria bench``."""
+    p = bsub.add_parser("gpu-engine", help="CUDA: decode tokens/s of the engine vs HF generate and the bandwidth bound")
+    p.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b", help="random-init Qwen3 sizes: qwen3-0.6b, qwen3-1.7b")
+    p.add_argument("--batches", default="64,256")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--hf-new-tokens", type=int, default=128, help="new tokens of the HF generate peer")
+    p.add_argument("--peers", default="hf_generate", help="hf_generate or empty")
+    p.add_argument("--no-deterministic", action="store_true", help="skip the deterministic-mode row")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_engine, takes_overrides=False)
+
+    p = bsub.add_parser("gpu-train", help="CUDA: tokens/s and MFU of one RL step on a random Qwen3-shaped model")
+    p.add_argument("--model", default="qwen3-1.7b")
+    p.add_argument("--sequences", type=int, default=24)
+    p.add_argument("--min-len", type=int, default=512)
+    p.add_argument("--max-len", type=int, default=1536)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_train, takes_overrides=False)
+
+    p = bsub.add_parser("gpu-sync", help="CUDA: weight push to a colocated engine (CUDA IPC) vs a device copy")
+    p.add_argument("--model", default="qwen3-1.7b")
+    p.add_argument("--transports", default="ipc,ipc_shm")
+    p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_sync, takes_overrides=False)
+
+    p = bsub.add_parser("gpu-fp8", help="CUDA (Hopper): FP8 vs bf16 rollout, decode speed and logprob mismatch (TIS)")
+    p.add_argument("--model", default="qwen3-1.7b")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_fp8, takes_overrides=False)

@@ -1,0 +1,134 @@
+"""``noria bench gpu-fp8``: FP8 (e4m3) rollout against bf16 rollout on one Hopper GPU: decode
+speed, and the rollout-vs-trainer logprob mismatch with its truncated-importance-sampling weights.
+
+FP8 serving here (:func:`quantize_fp8`): every linear layer of the decoder blocks keeps an e4m3
+copy of its weight with one fp32 scale per output channel (amax / 448); activations are quantized
+per row on the fly (dynamic, amax / 448), and ``torch._scaled_mm`` multiplies with both scale
+vectors (row-wise scaling, Hopper's FP8 tensor cores) into bf16. Embedding, norms, attention,
+the KV cache and the head stay bf16. The engine runs the patched model unchanged (graphs too).
+
+Mismatch: the engine samples (T = 1) ``new_tokens`` per prompt and reports each token's logprob;
+the trainer's bf16 forward (the policy it trains) recomputes them. Reported per rollout precision:
+mean |Δ logprob|, the k1 estimate of KL(rollout || trainer) (mean of rollout - trainer logprob over
+rollout samples), and TIS weights w = min(exp(trainer - rollout), C) with C = 2: their mean, and the
+share of tokens where the cap bites. Random-init weights give flat distributions, so the absolute
+mismatch is smaller than a trained model's would be; the fp8-vs-bf16 ratio is the figure.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+
+import torch
+
+from noria.bench import print_table, write_json
+from noria.bench.gpu_common import device_name, random_model
+
+FP8_MAX = 448.0
+TIS_CAP = 2.0
+
+
+def quantize_fp8(lm) -> int:
+    """Patch every linear layer of the decoder blocks to FP8 (see the module docstring); returns
+    the number patched. Irreversible for this model object (the bf16 weights stay as parameters)."""
+    n = 0
+    for layer in lm.model.layers:
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                _patch(module)
+                n += 1
+    return n
+
+
+def _patch(module: torch.nn.Linear) -> None:
+    w = module.weight.detach()
+    scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    module.fp8_weight = (w.float() / scale).to(torch.float8_e4m3fn)  # [N, K]
+    module.fp8_scale = scale.t().contiguous()  # [1, N]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        sx = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+        xq = (x2.float() / sx).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.fp8_weight.t(), scale_a=sx, scale_b=self.fp8_scale, out_dtype=x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    module.forward = types.MethodType(forward, module)
+
+
+def run(model: str = "qwen3-1.7b", batch: int = 256, prompt_len: int = 512, new_tokens: int = 256,
+        json_path: str | None = None) -> list[dict]:
+    from noria.bench.gpu_engine import _engine, _prompts
+
+    bf16 = random_model(model)
+    prompts = _prompts(bf16.args.vocab_size, batch, prompt_len)
+    figures = {}
+    for precision in ("bf16", "fp8"):
+        lm = bf16 if precision == "bf16" else _fp8_copy(model)
+        engine = _engine(lm, batch, prompt_len + new_tokens)
+        try:
+            _sampled(engine, prompts[:8], 8)
+            t1, _ = _sampled(engine, prompts, 1)
+            tn, out = _sampled(engine, prompts, new_tokens)
+        finally:
+            engine.shutdown(drain_timeout_s=1.0)
+        decode = batch * (new_tokens - 1) / (tn - t1)
+        figures[precision] = {"decode_tokens_per_s": decode, **_mismatch(bf16, prompts, out)}
+        print(precision, {k: round(v, 5) for k, v in figures[precision].items()}, flush=True)
+        if precision == "fp8":
+            del lm
+            torch.cuda.empty_cache()
+    rows = []
+    case = f"{model} random batch={batch} prompt={prompt_len} new={new_tokens} T=1"
+    for metric in ("decode_tokens_per_s", "mean_abs_dlogprob", "kl_k1", "tis_mean", "tis_capped_share"):
+        rows.append({"case": case, "metric": metric, "noria": round(figures["fp8"][metric], 6),
+                     "peers": {"bf16_rollout": round(figures["bf16"][metric], 6)}, "bound": None,
+                     "device": device_name()})
+    print_table(f"FP8 (e4m3, per-channel weights, per-row activations) vs bf16 rollout on {device_name()}",
+                ["metric", "fp8", "bf16", "fp8/bf16"],
+                [[r["metric"], r["noria"], r["peers"]["bf16_rollout"],
+                  r["noria"] / r["peers"]["bf16_rollout"] if r["peers"]["bf16_rollout"] else None] for r in rows])
+    if json_path:
+        write_json(json_path, "gpu-fp8", rows)
+    return rows
+
+
+def _fp8_copy(model: str):
+    lm = random_model(model)  # the same seed: the same bf16 weights
+    quantize_fp8(lm)
+    return lm
+
+
+def _sampled(engine, prompts, n: int):
+    from noria.engine.protocol import GenerateRequest, SamplingParams
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = engine.generate_batch([
+        GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True))
+        for p in prompts
+    ])
+    return time.perf_counter() - start, out
+
+
+@torch.inference_mode()
+def _mismatch(lm, prompts, outputs, rows_per_call: int = 8) -> dict[str, float]:
+    """The trainer's bf16 logprobs of the rollout tokens against the rollout's own."""
+    diffs = []
+    for i in range(0, len(prompts), rows_per_call):
+        ids = torch.tensor([p + o.output_ids for p, o in zip(prompts[i : i + rows_per_call], outputs[i : i + rows_per_call])],
+                           device="cuda")
+        start = len(prompts[i])
+        hidden = lm.hidden_states(ids)[:, start - 1 : -1]
+        logp = torch.log_softmax(lm.lm_head(hidden).float(), dim=-1)
+        trainer = logp.gather(-1, ids[:, start:, None]).squeeze(-1)
+        rollout = torch.tensor([o.logprobs for o in outputs[i : i + rows_per_call]], device="cuda")
+        diffs.append((trainer - rollout).flatten())
+    d = torch.cat(diffs).double()
+    w = d.exp()
+    return {"mean_abs_dlogprob": d.abs().mean().item(), "kl_k1": (-d).mean().item(),
+            "tis_mean": w.clamp(max=TIS_CAP).mean().item(), "tis_capped_share": (w > TIS_CAP).double().mean().item()}

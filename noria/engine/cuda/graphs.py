@@ -1,0 +1,130 @@
+"""CUDA graphs of decode steps: one captured forward per batch bucket, replayed with new metadata.
+
+A decode step launches several hundred small kernels (norms, RoPE, projections, the attention
+kernel per layer); at rollout batch sizes their launch cost is comparable to the GPU work. A step
+made only of decode chunks (one token per sequence) is therefore run from a graph:
+
+- buckets of batch sizes (:data:`BUCKETS`, up to the engine's ``max_running_requests``); a step of
+  S sequences uses the smallest bucket B >= S and pads B - S rows;
+- static device buffers per bucket: token ids, positions, new K/V slots, block tables padded to
+  the widest table the cache allows, context lengths; the step's values are written into them
+  (one host->device copy of a pinned staging buffer) and the graph is replayed;
+- padded rows write their K/V to the cache's scratch slot (``KVCache.scratch_slot``, outside every
+  block) and attend over one token, so they touch nothing a request owns;
+- the graph's logits buffer ``[B, V]`` is returned as a view of its first S rows: valid until the
+  next replay (the engine samples from it before the next step).
+
+Graphs hold the addresses of the weights and of the K/V pools: :meth:`DecodeGraphs.clear` after
+every weight update (``ModelRunner.refresh_weights``), and a replay checks the pools' address
+(released and re-allocated memory re-captures). Capture happens lazily, at a bucket's first use.
+Not guaranteed: bitwise equality with the eager path (the same kernels run, but a bucket pads the
+batch, and cuBLAS may choose another kernel for the padded row count).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+class DecodeGraphs:
+    """Captured decode forwards of one runner, keyed by (batch bucket, table-width bucket)."""
+
+    def __init__(self, runner, max_batch: int) -> None:
+        self.runner = runner
+        self.kv = runner.kv
+        self.device = runner.device
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self._graphs: dict[tuple[int, int], dict] = {}
+        self._pool = None
+        self._pools_ptr = None
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest batch bucket holding n sequences (None: more than the largest)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    @staticmethod
+    def width_bucket(blocks: int) -> int:
+        """Block-table width of a graph: the next power of two (at least 16 blocks)."""
+        return max(16, 1 << (blocks - 1).bit_length())
+
+    def forward(self, chunks) -> torch.Tensor:
+        """Logits [S, V] of a decode-only step (S = len(chunks) <= the largest bucket)."""
+        ptr = self.kv.k_pools[0].data_ptr()
+        if ptr != self._pools_ptr:
+            self.clear()
+            self._pools_ptr = ptr
+        n = len(chunks)
+        key = (self.bucket(n), self.width_bucket(max(len(c.block_table) for c in chunks)))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(*key)
+        g = self._graphs[key]
+        self._fill(g["meta"], g["tables"], g["host_meta"], g["host_tables"], chunks, key[0])
+        g["graph"].replay()
+        return g["logits"][:n]
+
+    def _fill(self, meta, tables, host_meta, host_tables, chunks, size: int) -> None:
+        # Both host buffers are pinned and contiguous, exactly the device buffers' shapes: a
+        # non-blocking copy of a strided slice would go through a pageable temporary that can be
+        # freed before the copy runs.
+        bs = self.kv.block_size
+        n = len(chunks)
+        host = host_meta.numpy()
+        tab = host_tables.numpy()
+        tab[:] = 0
+        for i, c in enumerate(chunks):
+            p = c.start
+            table = c.block_table
+            host[0, i] = c.req.all_ids[p]
+            host[1, i] = p
+            host[2, i] = table[p // bs] * bs + p % bs
+            host[3, i] = p + 1
+            tab[i, : len(table)] = table
+        host[0:2, n:size] = 0
+        host[2, n:size] = self.kv.scratch_slot
+        host[3, n:size] = 1
+        meta.copy_(host_meta, non_blocking=True)
+        tables.copy_(host_tables, non_blocking=True)
+
+    def _capture(self, size: int, width: int):
+        from noria.engine.runner import PagedAttentionContext, _DecodeMeta
+
+        dev = self.device
+        meta = torch.zeros(4, size, dtype=torch.long, device=dev)
+        meta[2].fill_(self.kv.scratch_slot)
+        meta[3].fill_(1)
+        tables = torch.zeros(size, width, dtype=torch.int32, device=dev)
+        host_meta = torch.zeros(4, size, dtype=torch.long).pin_memory()
+        host_tables = torch.zeros(size, width, dtype=torch.int32).pin_memory()
+        ids, positions, slots = meta[0].unsqueeze(0), meta[1].unsqueeze(0), meta[2]
+        lens = torch.ones(size, dtype=torch.int32, device=dev)
+        rows = torch.arange(size, device=dev)
+        runner = self.runner
+
+        def run() -> torch.Tensor:
+            lens.copy_(meta[3])  # int64 -> int32 inside the graph
+            ctx = PagedAttentionContext(
+                self.kv, positions, slots, _DecodeMeta(rows, tables, lens, None), [], runner.decode_fn, runner.scale
+            )
+            return runner.model.lm_head(runner.model.hidden_states(ids, positions, attn=ctx)[0])
+
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile kernels, settle the allocator
+                run()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = run()
+        # Every tensor the graph reads or writes stays referenced here: memory freed after capture
+        # would be handed to other tensors while replays still use its address.
+        return {"graph": graph, "meta": meta, "tables": tables, "lens": lens, "rows": rows,
+                "host_meta": host_meta, "host_tables": host_tables, "logits": logits}

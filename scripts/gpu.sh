@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU tests and benchmarks in one call (one CUDA GPU; see issue 9 and DESIGN section 6).
+# Each part runs even if an earlier one failed; the exit status is non-zero if any failed.
+# JSON figures go to $RESULTS (default benchmarks/results/), logs beside them; with $OUT set
+# (the device tool) both are copied there as well.
+#   PARTS="tests engine train sync" scripts/gpu.sh
+set -u
+cd "$(dirname "$0")/.."
+RESULTS=${RESULTS:-benchmarks/results}
+PARTS=${PARTS:-"tests engine train sync fp8"}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+status=0
+
+part() {  # part NAME SECONDS COMMAND...: run (killed after SECONDS), log to $RESULTS/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"
+  local start=$SECONDS
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s"
+  [ "$rc" = 0 ] || status=1
+}
+
+$PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'
+for p in $PARTS; do
+  case $p in
+    tests) part gpu-tests ${T_TESTS:-300} $PY -m pytest -q -x -p no:cacheprovider tests/test_engine_cuda.py tests/test_sync_gpu.py tests/test_train_gpu.py ;;
+    engine) part gpu-engine ${T_ENGINE:-600} $PY -m noria bench gpu-engine --json "$RESULTS/gpu-engine.json" ${ENGINE_ARGS:-} ;;
+    train) part gpu-train ${T_TRAIN:-300} $PY -m noria bench gpu-train --json "$RESULTS/gpu-train.json" ${TRAIN_ARGS:-} ;;
+    sync) part gpu-sync ${T_SYNC:-300} $PY -m noria bench gpu-sync --json "$RESULTS/gpu-sync.json" ${SYNC_ARGS:-} ;;
+    fp8) part gpu-fp8 ${T_FP8:-300} $PY -m noria bench gpu-fp8 --json "$RESULTS/gpu-fp8.json" ${FP8_ARGS:-} ;;
+    *) echo "unknown part $p"; status=1 ;;
+  esac
+done
+if [ -n "${OUT:-}" ]; then cp "$RESULTS"/gpu-*.json "$OUT"/ 2>/dev/null; cat "$RESULTS"/gpu-*.log > "$OUT/gpu-logs.txt"; fi
+exit $status
