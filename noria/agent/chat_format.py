@@ -17,8 +17,10 @@ and turning the engine's text back into an OpenAI assistant message.
   never silently dropped.
 
 Families: ChatML templates (SmolLM2, Qwen2.5, Qwen3: end of turn ``<|im_end|>``). A template that
-does not mention ``tools`` (SmolLM2's) gets the tool list written into the system message here, in
-Qwen3's wording, so one tool-call syntax serves both. ``QWEN3_TEMPLATE`` is Qwen3's format written
+does not mention ``tools`` (SmolLM2's) gets the tool list written into the system message here in
+the format SmolLM2 was tuned on (calls as a JSON list inside ``<tool_call>``), and its ``tool``
+messages are sent as user turns wrapped in ``<tool_response>``, as SmolLM2 saw them; the parser
+reads both the list form and Qwen3's one-object form. ``QWEN3_TEMPLATE`` is Qwen3's format written
 out (tools header, ``<tool_response>`` blocks folded into a user turn, thinking gated by the last
 user query, ``enable_thinking=False`` generation prompt) for tokenizers that ship without it.
 
@@ -41,10 +43,11 @@ _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN_TOOL_CALL = "<tool_call>"
 
 TOOLS_SYSTEM = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+    "You compose function calls. Given a question and the functions below, call one or more of them when "
+    "they help answer it.\nYou have access to the following tools:\n<tools>{tools}</tools>\n"
+    "To call functions, answer with only a list of calls in this format:\n"
+    '<tool_call>[\n{{"name": "func_name1", "arguments": {{"argument1": "value1"}}}}\n]</tool_call>\n'
+    "After the tool responses arrive, give the final answer."
 )
 """The tool instructions written into the system message for templates without tool support."""
 
@@ -134,9 +137,11 @@ class ChatFormat:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool, **kwargs: Any) -> str:
         messages = [dict(m) for m in messages]
-        if tools and not self.native_tools:
-            messages = with_tools_in_system(messages, tools)
-            tools = None
+        if not self.native_tools:
+            messages = [tool_as_user(m) for m in messages]
+            if tools:
+                messages = with_tools_in_system(messages, tools)
+                tools = None
         extra = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra, **kwargs
@@ -204,9 +209,16 @@ def parse_tool_calls(text: str) -> tuple[list[dict[str, Any]], list[str]]:
     return calls, bad
 
 
+def tool_as_user(message: dict[str, Any]) -> dict[str, Any]:
+    """A ``tool`` message as the user turn a template without tool support should show."""
+    if message.get("role") != "tool":
+        return message
+    return {"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+
+
 def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:
     """``messages`` with the tool instructions appended to (or as) the system message."""
-    listing = "".join("\n" + json.dumps(t) for t in tools)
+    listing = json.dumps([t.get("function", t) for t in tools])
     text = TOOLS_SYSTEM.format(tools=listing)
     if messages and messages[0].get("role") == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]

@@ -54,6 +54,7 @@ class SglangRouter:
         port: int | None = None,
         host: str = "127.0.0.1",
         assignment_mode: str = "min_load",
+        policy: str = "manual",
         extra_args: Sequence[str] = (),
         log_path: str | Path | None = None,
     ) -> None:
@@ -63,6 +64,8 @@ class SglangRouter:
         self.host = host
         self.port = port or free_port(host)
         self.assignment_mode = assignment_mode
+        self.policy = policy
+        """``manual`` (session affinity by routing key) unless a benchmark asks for a load-based peer."""
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path else None
         self.process: subprocess.Popen | None = None
@@ -77,7 +80,8 @@ class SglangRouter:
             sys.executable, "-m", "sglang_router.launch_router",
             "--host", self.host, "--port", str(self.port),
             "--worker-urls", *self.worker_urls,
-            "--policy", "manual", "--assignment-mode", self.assignment_mode,
+            "--policy", self.policy,
+            *(["--assignment-mode", self.assignment_mode] if self.policy == "manual" else []),
             "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
             *self.extra_args,
         ]  # fmt: skip
