@@ -122,7 +122,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: weight staging on a caller thread may use the GPU during a capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = run()
         # Every tensor the graph reads or writes stays referenced here: memory freed after capture
         # would be handed to other tensors while replays still use its address.
