@@ -41,7 +41,7 @@ def _build():
         scale_log2,
         stride_qs, stride_qh, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        PAGE: tl.constexpr, SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+        PAGE: tl.constexpr, SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
     ):
         s = tl.program_id(0)
         h = tl.program_id(1)
@@ -64,7 +64,7 @@ def _build():
             slot = page.to(tl.int64) * PAGE + pos % PAGE
             kv_off = slot[:, None] * stride_ks + h * stride_kh + d[None, :]
             k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale_log2  # log2 domain
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # log2 domain
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -72,7 +72,7 @@ def _build():
             p = tl.exp2(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         if SPLITS == 1:
             out = acc / l_i[:, None]
@@ -146,6 +146,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0), hq * d, d,
         GROUP=group, BLOCK_G=block_g, D=d, BLOCK_N=BLOCK_N, PAGE=block_size,
         SPLITS=splits, SPLIT_TOKENS=split_tokens, num_warps=4, num_stages=2,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models: no tf32 rounding
     )
     if splits > 1:
         merge_kernel[(num_seqs * hq,)](target, m, l, out, SPLITS=splits, D=d, num_warps=4)
