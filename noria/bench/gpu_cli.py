@@ -39,6 +39,13 @@ def _fp8(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.bench import gpu_profile
+
+    gpu_profile.run([int(b) for b in _csv(args.batches)], args.context, args.model, args.json)
+    return 0
+
+
 def add_parsers(bsub) -> None:
     """Register the GPU benchmarks under ``noria bench``."""
     p = bsub.add_parser("gpu-engine", help="CUDA: decode tokens/s of the engine vs HF generate and the bandwidth bound")
@@ -79,3 +86,10 @@ def add_parsers(bsub) -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_fp8, takes_overrides=False)
+
+    p = bsub.add_parser("gpu-profile", help="CUDA: decode kernel vs bandwidth (tile sweep) and one decode step's breakdown")
+    p.add_argument("--batches", default="64,256")
+    p.add_argument("--context", type=int, default=768)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    p.set_defaults(handler=_profile, takes_overrides=False)

@@ -22,6 +22,9 @@ import torch
 _KERNELS = None
 BLOCK_N = 64
 """Tokens per inner iteration (several pages when block_size < 64)."""
+NUM_WARPS = 4
+NUM_STAGES = 2
+"""Launch settings of the main kernel (``noria bench gpu-profile`` sweeps them)."""
 
 
 def _kernels():
@@ -145,7 +148,7 @@ def paged_decode_attention(
         scale_log2,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0), hq * d, d,
         GROUP=group, BLOCK_G=block_g, D=d, BLOCK_N=BLOCK_N, PAGE=block_size,
-        SPLITS=splits, SPLIT_TOKENS=split_tokens, num_warps=4, num_stages=2,
+        SPLITS=splits, SPLIT_TOKENS=split_tokens, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models: no tf32 rounding
     )
     if splits > 1:

@@ -1,0 +1,120 @@
+"""``noria bench gpu-profile``: where a decode step's time goes on the GPU.
+
+1. The Triton paged decode kernel alone (Qwen3 shapes: 16 query heads, 8 KV heads of 128, pages of
+   16), for S sequences of ``context`` tokens: its time against the time of reading the same K/V
+   bytes at the copy bandwidth measured in the run, for a sweep of tile sizes and launch settings.
+2. One engine decode step of a Qwen3-size model at batch S: the graph replay's GPU time (CUDA
+   events), the host time to fill its inputs, sampling, and the whole step as the engine loop
+   sees it (scheduling included), averaged over the decode steps of one batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from noria.bench import print_table, write_json
+from noria.bench.gpu_common import copy_bandwidth, cuda_median_s, device_name, random_model
+
+
+def run(batches=(64, 256), context: int = 768, model: str = "qwen3-0.6b", json_path: str | None = None) -> list[dict]:
+    bandwidth = copy_bandwidth()
+    rows = _kernel_sweep(batches, context, bandwidth) + _step_breakdown(model, batches, context)
+    print_table(f"decode profile on {device_name()} (copy bandwidth {bandwidth / 1e9:.0f} GB/s)",
+                ["case", "metric", "value"], [[r["case"], r["metric"], r["noria"]] for r in rows])
+    if json_path:
+        write_json(json_path, "gpu-profile", rows)
+    return rows
+
+
+def _kernel_sweep(batches, context: int, bandwidth: float) -> list[dict]:
+    from noria.engine.cuda import paged_attention as pa
+
+    rows = []
+    hq, hkv, d, page = 16, 8, 128, 16
+    for s in batches:
+        blocks = s * (context // page) + 1
+        k = torch.randn(blocks * page, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = torch.randperm(blocks - 1, device="cuda")[: s * (context // page)].view(s, -1).int()
+        lens = torch.full((s,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(s, hq, d, device="cuda", dtype=torch.bfloat16)
+        floor = s * context * hkv * d * 2 * 2 / (bandwidth / 2)  # K and V read once (copy BW counts read+write)
+        default = (pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES)
+        best = None
+        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+            pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES = block_n, warps, stages
+            try:
+                t = cuda_median_s(lambda: pa.paged_decode_attention(q, k, v, tables, lens, page, 0.088), reps=10)
+            except Exception as e:  # a setting that does not compile (shared memory) is skipped
+                print(f"skip {block_n, warps, stages}: {type(e).__name__}")
+                continue
+            rows.append({"case": f"kernel S={s} ctx={context} BLOCK_N={block_n} warps={warps} stages={stages}",
+                         "metric": "floor_over_time", "noria": round(floor / t, 3), "peers": {}, "bound": 1.0,
+                         "us": round(t * 1e6, 1)})
+            if best is None or t < best[0]:
+                best = (t, block_n, warps, stages)
+        pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES = default
+        t = cuda_median_s(lambda: pa.paged_decode_attention(q, k, v, tables, lens, page, 0.088), reps=10)
+        rows.append({"case": f"kernel S={s} ctx={context} default {default}", "metric": "floor_over_time",
+                     "noria": round(floor / t, 3), "peers": {}, "bound": 1.0, "us": round(t * 1e6, 1),
+                     "best": {"us": round(best[0] * 1e6, 1), "setting": best[1:]}})
+        print(rows[-1], flush=True)
+        del k, v
+    return rows
+
+
+def _step_breakdown(model: str, batches, context: int) -> list[dict]:
+    from noria.bench.gpu_engine import _engine, _generate, _prompts
+
+    lm = random_model(model)
+    rows = []
+    prompt = context - 64
+    for s in batches:
+        engine = _engine(lm, s, context)
+        stats = {"fill": [], "replay": [], "step": [], "sample": []}
+        graphs = engine.runner.graphs
+        orig_fill, orig_step, orig_sample = graphs._fill, engine._step, engine._sample
+
+        def fill(*a, **k):
+            t = time.perf_counter()
+            orig_fill(*a, **k)
+            stats["fill"].append(time.perf_counter() - t)
+
+        def step(chunks):
+            t = time.perf_counter()
+            orig_step(chunks)
+            if all(c.n == 1 for c in chunks):
+                stats["step"].append(time.perf_counter() - t)
+
+        def sample(logits, reqs):
+            t = time.perf_counter()
+            out = orig_sample(logits, reqs)
+            stats["sample"].append(time.perf_counter() - t)
+            return out
+
+        graphs._fill, engine._step, engine._sample = fill, step, sample
+        prompts = _prompts(lm.args.vocab_size, s, prompt)
+        try:
+            _generate(engine, prompts, 8)
+            for v in stats.values():
+                v.clear()
+            start = time.perf_counter()
+            _generate(engine, prompts, 64)
+            total = time.perf_counter() - start
+            g = next(v for k, v in graphs._graphs.items() if k[0] == graphs.bucket(s))
+            replay = cuda_median_s(g["graph"].replay, reps=20)
+        finally:
+            engine.shutdown(drain_timeout_s=1.0)
+        steps = len(stats["step"])
+        mean = {k: sum(v) / max(1, len(v)) for k, v in stats.items()}
+        loop = total / 64  # every step of the batch, prefill included, per new token
+        for metric, value in (("graph_replay_ms", replay * 1e3), ("fill_ms", mean["fill"] * 1e3),
+                              ("sample_and_sync_ms", mean["sample"] * 1e3), ("decode_step_ms", mean["step"] * 1e3),
+                              ("loop_ms_per_token", loop * 1e3)):
+            rows.append({"case": f"{model} step S={s} ctx~{context} ({steps} decode steps)", "metric": metric,
+                         "noria": round(value, 3), "peers": {}, "bound": None})
+        print(rows[-5:], flush=True)
+    return rows
