@@ -76,3 +76,25 @@ async def broken_rollout(ctx, prompts):
 
 def not_async(ctx, sample):
     return sample
+
+
+TOOL_TOKEN = "<tool_call>"
+
+
+async def tiny_tool_agent(ctx, prompt, base_url):
+    """A tool protocol a tiny random model can stumble on: any reply holding the ``<tool_call>`` token
+    calls the ``answer`` tool, whose result comes back as a tool message for a second turn.
+    Reward 1 for an episode that called the tool, 0 otherwise (statuses: ``solved`` / ``no_tool_call``)."""
+    messages = [{"role": "user", "content": prompt.prompt}]
+    async with httpx.AsyncClient(timeout=120) as http:
+        r = await http.post(f"{base_url}/chat/completions", json={"messages": messages})
+        r.raise_for_status()
+        reply = r.json()["choices"][0]
+        messages.append(reply["message"])
+        text = reply["message"]["content"] + "".join(reply.get("noria_unparsable_tool_calls") or [])
+        if TOOL_TOKEN not in text:
+            return {"reward": 0.0, "metadata": {"agent_status": "no_tool_call"}}
+        messages.append({"role": "tool", "content": f"answer: {prompt.label}"})
+        r = await http.post(f"{base_url}/chat/completions", json={"messages": messages})
+        r.raise_for_status()
+    return {"reward": 1.0, "metadata": {"agent_status": "solved"}}

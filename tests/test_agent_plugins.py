@@ -96,3 +96,23 @@ def test_import_path_errors():
 
     with pytest.raises(ConfigError, match="at most one"):
         dataclasses.replace(RolloutConfig(), agent_fn="a:b", generate_fn="c:d").validate()
+
+
+@pytest.mark.parametrize(
+    "layer, path",
+    [
+        ("agent_fn", "agent_layers:guess_then_check_agent"),
+        ("generate_fn", "agent_layers:self_check_generate"),
+        ("rollout_fn", "agent_layers:best_of_two_rollout"),
+    ],
+)
+def test_examples_keep_the_contract(engine, monkeypatch, layer, path):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    result = rollout(engine, **{layer: path})
+    check_invariants(result.groups)
+    samples = [s for g in result.groups for s in g.samples]
+    assert len(samples) == 4 and all(s.reward is not None and s.n_policy_tokens > 0 for s in samples)
+    if layer != "rollout_fn":
+        assert all(0 in s.loss_mask for s in samples)  # environment tokens are in the trajectory, masked

@@ -76,6 +76,7 @@ def start_engine(model: str, log_dir: Path, name: str) -> tuple[subprocess.Popen
                     return proc, url
         except OSError:
             time.sleep(0.5)
+    proc.kill()
     raise TimeoutError(f"{name} not healthy")
 
 
@@ -138,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     folder = str(model_path(args.model))
     tokenizer = load_tokenizer(folder)
     logs = Path(tempfile.mkdtemp(prefix="noria-bench-sessions-"))
-    engines = [start_engine(folder, logs, f"engine-{i}") for i in range(2)]
-    urls = [u for _, u in engines]
+    engines: list[tuple[subprocess.Popen, str]] = []
     figures = {}
     try:
+        for i in range(2):
+            engines.append(start_engine(folder, logs, f"engine-{i}"))
+        urls = [u for _, u in engines]
         for case, policy in (("noria", "manual"), ("load_routing", "power_of_two")):
             flush(urls)
             with SglangRouter(urls, policy=policy, log_path=logs / f"router-{case}.log") as router:
