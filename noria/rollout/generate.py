@@ -26,6 +26,7 @@ training, counted); a reward failure is status FAILED (excluded from advantages,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +161,7 @@ async def run_rollout(
     """One rollout call through the plug-in layer the config names (rollout, generate or agent function)."""
     from noria.agent.plugins import agent_generate, load_plugin
 
+    ctx = dataclasses.replace(ctx, prompts={}, session_server=None)  # callers may share one ctx across calls
     cfg = ctx.sampling
     rollout_fn, generate_fn, agent_fn = (getattr(cfg, k, "") for k in ("rollout_fn", "generate_fn", "agent_fn"))
     if rollout_fn:
@@ -176,10 +178,7 @@ async def run_rollout(
     on_mismatch = getattr(cfg, "session_on_mismatch", "error")
     async with SessionServer(ctx.engine, ctx.tokenizer, base, on_mismatch=on_mismatch) as server:
         ctx.session_server = server
-        try:
-            return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward, generate)
-        finally:
-            ctx.session_server = None
+        return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward, generate)
 
 
 async def custom_rollout(
