@@ -211,7 +211,7 @@ def _rollout_part(r: dict[str, Any]) -> float:
 
 
 STAGES = (
-    ("generate (trainer waiting)", lambda r: _rollout_part(r) - _get(r, "time/reward_s")),
+    ("rollout (or trainer wait)", lambda r: _rollout_part(r) - _get(r, "time/reward_s")),
     ("reward", lambda r: _get(r, "time/reward_s")),
     ("train", lambda r: _get(r, "time/train_s")),
     ("weight sync", lambda r: _get(r, "sync/seconds")),

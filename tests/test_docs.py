@@ -1,0 +1,58 @@
+"""docs/: the generated references match the code, every shipped example has a recipe that loads,
+and the quickstart matches the README's commands. CPU only, no model loads."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from noria.cli import main as noria_main
+from noria.config import field_docs, load_config
+from noria.metrics import METRICS
+from noria.runview.docs import config_reference, metrics_reference, stale_docs
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def test_generated_references_are_up_to_date():
+    assert stale_docs(DOCS) == [], "run `noria docs` to regenerate docs/config.md and docs/metrics.md"
+
+
+def test_config_reference_lists_every_key_and_metrics_reference_every_metric():
+    config, metrics = config_reference(), metrics_reference()
+    for key, _, _, help_text in field_docs():
+        assert f"| `{key}` |" in config and help_text, key
+    for m in METRICS:
+        assert f"| `{m.name}` | {m.unit} |" in metrics
+
+
+def test_docs_check_command_fails_on_a_stale_page(tmp_path, capsys):
+    assert noria_main(["docs", "--out", str(tmp_path)]) == 0
+    assert noria_main(["docs", "--check", "--out", str(tmp_path)]) == 0
+    (tmp_path / "config.md").write_text((tmp_path / "config.md").read_text().replace("Samples per prompt", "Samples"))
+    assert noria_main(["docs", "--check", "--out", str(tmp_path)]) == 1
+    assert "stale: config.md" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_has_a_recipe_and_loads(example):
+    assert f"examples/{example.name}" in (DOCS / "recipes.md").read_text()
+    load_config(example)  # closed and validated; no model is loaded
+
+
+def test_quickstart_matches_the_readme():
+    readme, quick = (ROOT / "README.md").read_text(), (DOCS / "quickstart.md").read_text()
+    for command in ("bash scripts/main.sh", "bash scripts/test.sh", "noria train examples/grpo_smollm2_arithmetic.yaml"):
+        assert command in readme and command in quick
+    for image in re.findall(r"\]\((images/[^)]+)\)", quick):
+        assert (DOCS / image).is_file(), image
+
+
+def test_docs_links_resolve():
+    for page in DOCS.glob("*.md"):
+        for target in re.findall(r"\]\(([^)#:]+\.md)\)", page.read_text()):
+            assert (DOCS / target).is_file(), f"{page.name} links to missing {target}"
