@@ -323,6 +323,11 @@ class TrainConfig:
     param_dtype: Literal["bfloat16", "float32"] = option("bfloat16", "Compute dtype; master weights and optimizer state stay fp32.")
     activation_checkpointing: bool = option(False, "Recompute each layer's activations in backward to save memory.")
     micro_batch_tokens: int = option(4096, "Packed tokens per micro-batch (a sequence longer than this gets its own).")
+    share_prefix: bool = option(
+        True,
+        "Pack consecutive sequences that start with the same untrained tokens (a group's prompt) around one copy "
+        "of them; same loss, fewer tokens through the model.",
+    )
     optim: OptimConfig = option(factory=OptimConfig, help="Optimizer.")
     loss: LossConfig = option(factory=LossConfig, help="RL objective.")
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA.")

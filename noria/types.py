@@ -139,6 +139,14 @@ class TrainBatch:
     """LongTensor [S]: index of each packed sequence in the step's list of samples."""
     weight_versions: Any = None
     """LongTensor [N] or None: weight version of each token (-1 for prompt and non-policy tokens)."""
+    prefix_lens: Any = None
+    """IntTensor [S] or None: shared-prefix packing (``noria.train.packing.share_prefixes``). Packed
+    sequence i is then a prefix of ``prefix_lens[i]`` tokens followed by the rest of each of several
+    original sequences, each attending to the prefix and to itself only (0: a plain sequence).
+    None: every packed sequence is plain."""
+    seq_ids: Any = None
+    """LongTensor [N] or None: the original sequence each token belongs to (shared prefix tokens: the
+    first sequence of their block), non-decreasing; None means the packed sequence index."""
 
     @property
     def n_tokens(self) -> int:

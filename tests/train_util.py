@@ -36,7 +36,7 @@ def pg_loss(x: LossInputs):
     b = x.batch
     per_tok = -(b.advantages * x.logprobs * b.loss_mask)
     token_mean = per_tok.sum() / max(x.total_tokens, 1.0)
-    seq_sum = per_tok.new_zeros(b.n_sequences).index_add(0, x.seq_index, per_tok)
+    seq_sum = per_tok.new_zeros(b.n_tokens).index_add(0, x.seq_index, per_tok)
     seq_mean = seq_sum.sum() / max(x.total_seqs, 1)
     return token_mean + 0.1 * seq_mean, {"pg": (float(per_tok.detach().sum()), float(b.loss_mask.sum()))}
 

@@ -144,17 +144,34 @@ class PackedContext:
     of O(T^2), and each sequence goes through the same causal kernel as when run alone.
     ``deterministic``: attend through :func:`exact_causal_attention` (the engine's deterministic
     arithmetic; gradients from SDPA) instead of SDPA.
+    ``shared``: for each sequence, None (plain causal) or ``(prefix, rest_lens)``: the sequence is a
+    prefix of ``prefix`` tokens followed by several continuations of it (lengths ``rest_lens``), each
+    attending to the prefix and causally to itself only, as if it ran alone after the prefix
+    (``noria.train.packing.share_prefixes``). Its positions must continue from ``prefix``.
     """
 
-    def __init__(self, seq_lens: Sequence[int] | torch.Tensor, deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        seq_lens: Sequence[int] | torch.Tensor,
+        deterministic: bool = False,
+        shared: Sequence[tuple[int, Sequence[int]] | None] | None = None,
+    ) -> None:
         lens = [
             int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)
         ]
         if not lens or any(n <= 0 for n in lens):
             raise ValueError(f"seq_lens must be positive lengths, got {lens}")
+        shared = list(shared) if shared is not None else [None] * len(lens)
+        if len(shared) != len(lens):
+            raise ValueError(f"shared has {len(shared)} entries for {len(lens)} sequences")
+        for n, sh in zip(lens, shared):
+            if sh is not None and (sh[0] < 1 or sh[0] + sum(sh[1]) != n or any(r < 1 for r in sh[1])):
+                raise ValueError(f"shared prefix {sh} does not describe a sequence of {n} tokens")
         self.seq_lens = lens
         self.total = sum(lens)
         self.deterministic = deterministic
+        self.shared = shared
+        self._masks: dict[int, torch.Tensor] = {}  # built once per forward, shared by all layers
 
     def positions(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
         self.check_shape(batch, seq_len)
@@ -167,9 +184,17 @@ class PackedContext:
         self.check_shape(q.shape[0], q.shape[1])
         attend = exact_causal_attention if self.deterministic else _causal_sdpa
         outs, start = [], 0
-        for n in self.seq_lens:
+        for i, (n, sh) in enumerate(zip(self.seq_lens, self.shared)):
             end = start + n
-            outs.append(attend(q[:, start:end], k[:, start:end], v[:, start:end]))
+            qs, ks, vs = q[:, start:end], k[:, start:end], v[:, start:end]
+            if sh is None:
+                outs.append(attend(qs, ks, vs))
+            elif self.deterministic:
+                outs.append(exact_shared_prefix_attention(qs, ks, vs, sh[0], sh[1]))
+            else:
+                if i not in self._masks:
+                    self._masks[i] = shared_prefix_mask(sh[0], sh[1], q.device)
+                outs.append(_sdpa(qs, ks, vs, mask=self._masks[i]))
             start = end
         return torch.cat(outs, dim=1)
 
@@ -183,6 +208,16 @@ class PackedContext:
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return _sdpa(q, k, v, causal=True)
+
+
+def shared_prefix_mask(prefix: int, rest_lens: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool [L, L] (True = attend): causal, and a continuation sees the prefix and itself only."""
+    seg = torch.cat([torch.full((prefix,), -1, device=device)] + [
+        torch.full((int(r),), j, device=device) for j, r in enumerate(rest_lens)
+    ])
+    n = seg.numel()
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return causal & ((seg[None, :] == -1) | (seg[None, :] == seg[:, None]))
 
 
 # --------------------------------------------------------------------------- deterministic mode
@@ -275,17 +310,23 @@ def exact_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     return _ExactCausal.apply(q, k, v)
 
 
+def _exact_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, out: torch.Tensor) -> None:
+    """``out[:] =`` exact attention of queries at positions offset, offset + 1, ... over keys ``k``
+    (query i sees keys 0 .. offset + i), in blocks of :data:`EXACT_QUERY_BLOCK` queries."""
+    batch, n = q.shape[:2]
+    scale = attention_scale(q.shape[-1])
+    for lo in range(0, n, EXACT_QUERY_BLOCK):
+        hi = min(lo + EXACT_QUERY_BLOCK, n)
+        pos = torch.arange(offset + lo, offset + hi, device=q.device).expand(batch, hi - lo)
+        out[:, lo:hi] = exact_attention(q[:, lo:hi], k[:, : offset + hi], v[:, : offset + hi], scale, pos)
+
+
 class _ExactCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(q, k, v)
-        batch, seq_len = q.shape[:2]
-        scale = attention_scale(q.shape[-1])
         out = torch.empty_like(q)
-        for lo in range(0, seq_len, EXACT_QUERY_BLOCK):
-            hi = min(lo + EXACT_QUERY_BLOCK, seq_len)
-            pos = torch.arange(lo, hi, device=q.device).expand(batch, hi - lo)
-            out[:, lo:hi] = exact_attention(q[:, lo:hi], k[:, :hi], v[:, :hi], scale, pos)
+        _exact_rows(q, k, v, 0, out)
         return out
 
     @staticmethod
@@ -294,3 +335,38 @@ class _ExactCausal(torch.autograd.Function):
         with torch.enable_grad():
             out = _sdpa(q, k, v, causal=True)
         return torch.autograd.grad(out, (q, k, v), grad)
+
+
+def exact_shared_prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, rest_lens: Sequence[int]
+) -> torch.Tensor:
+    """:func:`exact_causal_attention` of a shared-prefix sequence (see :class:`PackedContext`): each
+    continuation's queries go through :func:`exact_attention` over [prefix keys, its own keys], the
+    very keys it would see packed alone, so every output row has the bits of the unshared run.
+    The backward is SDPA's with :func:`shared_prefix_mask`."""
+    return _ExactSharedPrefix.apply(q, k, v, prefix, tuple(int(r) for r in rest_lens))
+
+
+class _ExactSharedPrefix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, prefix: int, rest_lens: tuple[int, ...]):
+        ctx.save_for_backward(q, k, v)
+        ctx.prefix, ctx.rest_lens = prefix, rest_lens
+        out = torch.empty_like(q)
+        _exact_rows(q[:, :prefix], k[:, :prefix], v[:, :prefix], 0, out[:, :prefix])
+        start = prefix
+        for r in rest_lens:
+            end = start + r
+            keys = torch.cat([k[:, :prefix], k[:, start:end]], 1)
+            values = torch.cat([v[:, :prefix], v[:, start:end]], 1)
+            _exact_rows(q[:, start:end], keys, values, prefix, out[:, start:end])
+            start = end
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        mask = shared_prefix_mask(ctx.prefix, ctx.rest_lens, q.device)
+        with torch.enable_grad():
+            out = _sdpa(q, k, v, mask=mask)
+        return (*torch.autograd.grad(out, (q, k, v), grad), None, None)

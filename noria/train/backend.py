@@ -28,6 +28,7 @@ from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 import torch
 
 from noria.errors import NoriaError
+from noria.train.packing import seq_index
 from noria.types import TrainBatch
 
 Which = Literal["current", "reference", "teacher"]
@@ -67,7 +68,8 @@ class LossInputs:
     entropy: torch.Tensor | None
     """FloatTensor [n] with grad, or None unless the backend was asked for entropy."""
     seq_index: torch.Tensor
-    """LongTensor [n]: each token's sequence index within the micro-batch."""
+    """LongTensor [n]: each token's original sequence within the micro-batch, numbered 0, 1, ... in order
+    (values below n; with shared prefixes a packed sequence holds several, see ``TrainBatch.seq_ids``)."""
     total_tokens: float
     """Loss tokens (sum of loss_mask) of the whole optimizer step, all ranks."""
     total_seqs: int
@@ -123,6 +125,6 @@ class TrainBackend(Protocol):
 
 def step_totals(batch: TrainBatch) -> tuple[float, int]:
     """(loss tokens, sequences with any loss token) of a whole step's batch."""
-    mask = batch.loss_mask
-    per_seq = torch.segment_reduce(mask.float(), "sum", lengths=torch.diff(batch.cu_seqlens).long())
+    mask = batch.loss_mask.float()
+    per_seq = torch.zeros_like(mask).index_add(0, seq_index(batch).to(mask.device), mask)
     return float(mask.sum()), int((per_seq > 0).sum())

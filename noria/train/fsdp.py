@@ -16,6 +16,13 @@ weights to keep in step, matmuls in bf16, and autocast's fp32 ops (softmax, norm
 in fp32. The two are therefore close but not bitwise equal in bf16; in fp32 (``param_dtype:
 float32``) they agree to fp32 rounding.
 
+Shared prefixes (``train.share_prefix``, on by default): ``share_prefixes`` repacks consecutive
+sequences that begin with the same untrained tokens (a GRPO group's prompt) as one prefix followed
+by each continuation, with attention masked so every token sees exactly what it saw before. The
+losses and gradients are those of the plain packing (up to rounding order); a group of n samples
+runs its prompt through the model once instead of n times. Only trained tokens (``loss_mask`` > 0)
+go through the LM head in ``train_step``.
+
 Gradient accumulation. Each micro-batch's loss is already divided by the step-wide counts
 (``LossInputs.total_tokens`` / ``total_seqs``), so the accumulated gradient is the full-batch
 gradient whatever the split. FSDP2 averages gradients over ranks; the loss is multiplied by the
@@ -77,7 +84,15 @@ from noria.train.checkpoint import load_checkpoint, save_checkpoint
 from noria.train.logprobs import token_logprobs
 from noria.train.lora import adapter_tensors, apply_lora, lora_scaling, merge_lora
 from noria.train.optim import build_optimizer, lr_at, set_lr
-from noria.train.packing import batch_to, plan_for_rank, seq_index, slice_batch
+from noria.train.packing import (
+    batch_to,
+    plan_for_rank,
+    prediction_sources,
+    seq_index,
+    share_prefixes,
+    shared_layout,
+    slice_batch,
+)
 from noria.types import TrainBatch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -132,11 +147,21 @@ class LogprobModel(nn.Module):
         self.deterministic = deterministic
         self.temperature = temperature
 
-    def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False):
-        ctx = PackedContext(torch.diff(cu_seqlens).tolist(), deterministic=self.deterministic)
+    def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False, prefix_lens=None, seq_ids=None, want=None):
+        """``prefix_lens`` / ``seq_ids``: a shared-prefix batch (``TrainBatch``); ``want`` (bool [N]):
+        compute only these tokens' logprobs (the LM head skips the rest, which get 0)."""
+        shared = shared_layout(cu_seqlens, prefix_lens, seq_ids)
+        ctx = PackedContext(torch.diff(cu_seqlens).tolist(), deterministic=self.deterministic, shared=shared)
         hidden = self.lm.hidden_states(input_ids[None], positions[None], ctx)[0]
+        pairs = None
+        if prefix_lens is not None or want is not None:
+            src, dst = prediction_sources(cu_seqlens, positions, prefix_lens)
+            if want is not None:
+                keep = want[dst]
+                src, dst = src[keep], dst[keep]
+            pairs = (src, dst)
         return token_logprobs(
-            hidden, self.lm.lm_head, input_ids, cu_seqlens, self.chunk_tokens, with_entropy, self.temperature
+            hidden, self.lm.lm_head, input_ids, cu_seqlens, self.chunk_tokens, with_entropy, self.temperature, pairs
         )
 
 
@@ -285,10 +310,20 @@ class FSDPBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def _forward(self, model: nn.Module, mb: TrainBatch, with_entropy: bool):
+    def _forward(self, model: nn.Module, mb: TrainBatch, with_entropy: bool, trained_only: bool = False):
         d = self.device
+        want = (mb.loss_mask > 0).to(d) if trained_only else None
         with self._autocast():
-            return model(mb.input_ids.to(d), mb.positions.to(d), mb.cu_seqlens.to(d), with_entropy)
+            return model(
+                mb.input_ids.to(d), mb.positions.to(d), mb.cu_seqlens.to(d), with_entropy, mb.prefix_lens, mb.seq_ids, want
+            )
+
+    def _share(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
+        """``share_prefixes`` when ``train.share_prefix`` is on (the same losses, prompts computed once)."""
+        if not self.cfg.share_prefix:
+            identity = torch.arange(batch.n_tokens)
+            return batch, identity, identity
+        return share_prefixes(batch)
 
     @contextlib.contextmanager
     def _visiting(self, model: nn.Module):
@@ -303,8 +338,13 @@ class FSDPBackend:
             model.to("cpu")
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, which: Which = "current", with_entropy: bool = False) -> TokenLogprobs:
-        """Per-token logprobs [N] (fp32, on CPU) under the policy, reference or teacher; no grad."""
+    def compute_logprobs(
+        self, batch: TrainBatch, which: Which = "current", with_entropy: bool = False, trained_only: bool = False
+    ) -> TokenLogprobs:
+        """Per-token logprobs [N] (fp32, on CPU) under the policy, reference or teacher; no grad.
+
+        ``trained_only``: only tokens with ``loss_mask`` > 0 are computed (the others are 0), which
+        skips most of the LM head's work on prompts."""
         if which == "current":
             ctx, model = contextlib.nullcontext(), self.policy.eval()  # no dropout (LoRA's) here
         elif which in self.frozen:
@@ -313,12 +353,13 @@ class FSDPBackend:
         else:
             why = "loss.kl_coef is 0" if which == "reference" else "train.teacher is not set"
             raise TrainError(f"compute_logprobs(which={which!r}): no {which} model is loaded ({why})")
+        original, (batch, _keep, index) = batch, self._share(batch)
         lp = torch.zeros(batch.n_tokens, dtype=torch.float32, device=self.device)
         ent = torch.zeros_like(lp) if with_entropy else None
         plan = plan_for_rank(batch, self.cfg.micro_batch_tokens, self.rank, self.world)
         with ctx:
             for (a, b), scale in zip(plan.ranges, plan.scales):
-                out_lp, out_ent = self._forward(model, slice_batch(batch, a, b), with_entropy)
+                out_lp, out_ent = self._forward(model, slice_batch(batch, a, b), with_entropy, trained_only)
                 if scale == 0:  # padding micro-batch: run for the collectives, keep nothing
                     continue
                 lo, hi = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
@@ -329,6 +370,8 @@ class FSDPBackend:
             dist.all_reduce(lp)
             if with_entropy:
                 dist.all_reduce(ent)
+        if original is not batch:  # back to the caller's layout: each prefix copy gets its values
+            lp, ent = lp[index.to(lp.device)], None if ent is None else ent[index.to(ent.device)]
         return TokenLogprobs(lp.cpu(), None if ent is None else ent.cpu())
 
     # -------------------------------------------------------------------------------- train
@@ -338,8 +381,12 @@ class FSDPBackend:
     ) -> dict[str, float]:
         """One optimizer step over ``batch`` (see the module docstring); returns averaged metrics."""
         t0 = time.perf_counter()
+        n_tokens = batch.n_tokens  # as given: a shared prefix counts once per sequence that holds it
+        batch, keep, _index = self._share(batch)  # the caller's per-token inputs move with ``keep``
+        old_logprobs = None if old_logprobs is None else old_logprobs[keep]
+        ref_logprobs = None if ref_logprobs is None else ref_logprobs[keep]
         if ref_logprobs is None and "reference" in self.frozen:
-            ref_logprobs = self.compute_logprobs(batch, "reference").logprobs
+            ref_logprobs = self.compute_logprobs(batch, "reference", trained_only=True).logprobs
         total_tokens, total_seqs = step_totals(batch)
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -360,14 +407,14 @@ class FSDPBackend:
         finite = self._all_finite(loss_ok, grad_norm)
         out = self._reduce_metrics(sums)
         out.update(self._apply_or_skip(finite, grad_norm))
-        out.update(tokens=float(batch.n_tokens), loss_tokens=total_tokens, step_time_s=time.perf_counter() - t0)
+        out.update(tokens=float(n_tokens), loss_tokens=total_tokens, step_time_s=time.perf_counter() - t0)
         return out
 
     def _micro_step(self, batch, a, b, old_logprobs, ref_logprobs, total_tokens, total_seqs):
         mb = batch_to(slice_batch(batch, a, b), self.device)
         lo, hi = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
         want_entropy = self.cfg.algorithm == "rl" and self.cfg.loss.entropy_coef > 0
-        lp, ent = self._forward(self.policy, mb, want_entropy)
+        lp, ent = self._forward(self.policy, mb, want_entropy, trained_only=True)
         d = self.device
         old = lp.detach() if old_logprobs is None else old_logprobs[lo:hi].to(d)
         ref = None if ref_logprobs is None else ref_logprobs[lo:hi].to(d)

@@ -41,16 +41,24 @@ def token_logprobs(
     chunk_tokens: int,
     with_entropy: bool = False,
     temperature: float = 1.0,
+    pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each token given its prefix, fp32 [N]; entropy [N] too when asked (else None).
 
     ``temperature`` != 1 scores ``log_softmax(logits.float() / T)`` (T as an fp32 tensor, the
     engine's exact recipe), so rollout and trainer logprobs describe the same distribution.
+    ``pairs = (src, dst)``: compute only tokens ``dst``, each from the hidden state at ``src`` (shared
+    prefixes, or only the trained tokens; ``noria.train.packing.prediction_sources``); the others
+    get 0. Default: every token from the one before it in its sequence.
     """
     temp = None if temperature == 1.0 else torch.tensor(temperature, dtype=torch.float32, device=hidden.device)
     n = input_ids.numel()
-    src = predicted_positions(cu_seqlens.to(input_ids.device), n)
-    targets = input_ids[src + 1]
+    if pairs is None:
+        src = predicted_positions(cu_seqlens.to(input_ids.device), n)
+        dst = src + 1
+    else:
+        src, dst = (t.to(input_ids.device) for t in pairs)
+    targets = input_ids[dst]
     lp_parts, ent_parts = [], []
     for lo in range(0, src.numel(), chunk_tokens):
         idx = src[lo : lo + chunk_tokens]
@@ -62,7 +70,6 @@ def token_logprobs(
             lp, ent = _chunk(h, tgt, head, with_entropy, temp)
         lp_parts.append(lp)
         ent_parts.append(ent)
-    dst = src + 1
     logprobs = _scatter(lp_parts, dst, n, hidden.device)
     entropy = _scatter(ent_parts, dst, n, hidden.device) if with_entropy else None
     return logprobs, entropy
