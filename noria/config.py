@@ -430,9 +430,13 @@ class LogConfig:
     )
 
     def validate(self) -> None:
+        import importlib.util
+
         for name in self.loggers:
             if name not in ("jsonl", "tensorboard", "wandb"):
                 raise ConfigError(f"log.loggers: unknown sink {name!r}; use jsonl, tensorboard or wandb")
+            if name != "jsonl" and importlib.util.find_spec(name) is None:
+                raise ConfigError(f"log.loggers: {name} is not installed here (pip install {name})")
 
 
 @dataclass
