@@ -44,7 +44,7 @@ def _kernel_sweep(batches, context: int, bandwidth: float) -> list[dict]:
         floor = s * context * hkv * d * 2 * 2 / (bandwidth / 2)  # K and V read once (copy BW counts read+write)
         default = (pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES)
         best = None
-        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
             pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES = block_n, warps, stages
             try:
                 t = cuda_median_s(lambda: pa.paged_decode_attention(q, k, v, tables, lens, page, 0.088), reps=10)
