@@ -294,6 +294,23 @@ class LossConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of PPO with GAE (``train.loss.advantage: gae``; ``noria.train.critic``)."""
+
+    path: str | None = option(None, "Critic's starting weights (catalog name or HF folder); null starts from the policy's model.")
+    lr: float = option(1e-5, "Critic learning rate (its own AdamW; the other optimizer settings are train.optim's).")
+    value_clip: float | None = option(
+        0.5, "Clip range of the value update around the rollout-time value (PPO2's clipped value loss); null disables."
+    )
+
+    def validate(self) -> None:
+        if self.lr < 0:
+            raise ConfigError(f"train.critic.lr must be >= 0, got {self.lr}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ConfigError(f"train.critic.value_clip must be > 0 or null, got {self.value_clip}")
+
+
+@dataclass
 class LoraConfig:
     """LoRA adapters through peft (only adapter parameters are trained)."""
 
@@ -331,6 +348,7 @@ class TrainConfig:
     optim: OptimConfig = option(factory=OptimConfig, help="Optimizer.")
     loss: LossConfig = option(factory=LossConfig, help="RL objective.")
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA.")
+    critic: CriticConfig = option(factory=CriticConfig, help="Value model for PPO with GAE.")
     max_nonfinite_skips: int = option(0, "Consecutive steps with a non-finite loss or grad norm to skip before stopping.")
     logprob_chunk_tokens: int = option(1024, "Tokens per chunk when computing logprobs from hidden states (bounds [N, V] memory).")
     teacher: str | None = option(
@@ -364,7 +382,7 @@ class TrainConfig:
         for key in ("max_steps", "max_seq_tokens", "global_batch", "steps_per_rollout"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1 or null, got {getattr(self, key)}")
-        for section in (self.optim, self.loss, self.lora):
+        for section in (self.optim, self.loss, self.lora, self.critic):
             section.validate()
 
 

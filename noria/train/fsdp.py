@@ -274,8 +274,12 @@ class FSDPBackend:
             return torch.device("cuda", index)
         return torch.device("cpu")
 
+    def _head_model(self, lm: nn.Module) -> nn.Module:
+        """The module ``_wrap`` shards and trains: the LM with its logprob head (the critic: a value head)."""
+        return LogprobModel(lm, self.cfg.logprob_chunk_tokens, self.deterministic, self.temperature)
+
     def _wrap(self, lm: nn.Module, train: bool) -> nn.Module:
-        model = LogprobModel(lm, self.cfg.logprob_chunk_tokens, self.deterministic, self.temperature)
+        model = self._head_model(lm)
         if self.deterministic and isinstance(lm, DecoderLM):
             lm.set_exact_numerics(self.compute_dtype)  # frozen models too: ref_kl is 0 at step 0
         elif self.deterministic and train:
@@ -387,6 +391,13 @@ class FSDPBackend:
         ref_logprobs = None if ref_logprobs is None else ref_logprobs[keep]
         if ref_logprobs is None and "reference" in self.frozen:
             ref_logprobs = self.compute_logprobs(batch, "reference", trained_only=True).logprobs
+        out = self._optimizer_step(batch, lambda *args: self._micro_step(*args, old_logprobs, ref_logprobs))
+        out.update(tokens=float(n_tokens), step_time_s=time.perf_counter() - t0)
+        return out
+
+    def _optimizer_step(self, batch: TrainBatch, micro_step) -> dict[str, float]:
+        """Zero grads, ``micro_step(batch, a, b, total_tokens, total_seqs) -> (loss, metrics)`` and
+        backward per micro-batch of this rank, clip, check finiteness on all ranks, step or skip."""
         total_tokens, total_seqs = step_totals(batch)
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -395,7 +406,7 @@ class FSDPBackend:
         loss_sum = 0.0
         loss_ok = torch.ones((), device=self.device)
         for (a, b), scale in zip(plan.ranges, plan.scales):
-            loss, metrics = self._micro_step(batch, a, b, old_logprobs, ref_logprobs, total_tokens, total_seqs)
+            loss, metrics = micro_step(batch, a, b, total_tokens, total_seqs)
             loss_ok = loss_ok * torch.isfinite(loss.detach())
             (loss * (scale * self.world)).backward()
             if scale:  # a padding micro-batch only keeps the ranks' collectives in step
@@ -407,10 +418,10 @@ class FSDPBackend:
         finite = self._all_finite(loss_ok, grad_norm)
         out = self._reduce_metrics(sums)
         out.update(self._apply_or_skip(finite, grad_norm))
-        out.update(tokens=float(n_tokens), loss_tokens=total_tokens, step_time_s=time.perf_counter() - t0)
+        out.update(tokens=float(batch.n_tokens), loss_tokens=total_tokens)
         return out
 
-    def _micro_step(self, batch, a, b, old_logprobs, ref_logprobs, total_tokens, total_seqs):
+    def _micro_step(self, batch, a, b, total_tokens, total_seqs, old_logprobs, ref_logprobs):
         mb = batch_to(slice_batch(batch, a, b), self.device)
         lo, hi = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
         want_entropy = self.cfg.algorithm == "rl" and self.cfg.loss.entropy_coef > 0

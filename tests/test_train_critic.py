@@ -1,0 +1,144 @@
+"""The PPO value model (critic): GAE targets, value learning, PPO steps, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from noria.config import LossConfig, TrainConfig
+from noria.train.backend import TrainError
+from noria.train.critic import CriticBackend, explained_variance, gae_targets, ppo_train
+from noria.train.fsdp import FSDPBackend
+from noria.train.packing import pack_samples
+from noria.types import Sample
+from train_util import weights
+
+
+def samples_with_rewards(vocab: int = 200, seed: int = 0) -> list[Sample]:
+    """Two prompts x 3 samples; one response holds two tool tokens (mask 0) between policy tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(2):
+        prompt = torch.randint(3, vocab, (10,), generator=g).tolist()
+        for i in range(3):
+            r = 4 + i
+            mask = [1] * r
+            if k == 0 and i == 2:
+                mask[2] = mask[3] = 0  # tool output inside the response
+            out.append(Sample(
+                prompt_ids=prompt, response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(), loss_mask=mask,
+                rollout_logprobs=[0.0] * r, weight_versions=[0] * r, reward=float((i + k) % 2), group_id=k, index=i,
+            ))
+    return out
+
+
+def critic_config(**critic) -> TrainConfig:
+    cfg = TrainConfig(param_dtype="float32", logprob_chunk_tokens=8, micro_batch_tokens=40)
+    cfg.optim.lr = 1e-3
+    cfg.critic.lr = 3e-3
+    for k, v in critic.items():
+        setattr(cfg.critic, k, v)
+    return cfg
+
+
+def test_gae_targets_with_gamma_and_lambda_one_give_reward_to_go():
+    samples = samples_with_rewards()
+    batch = pack_samples(samples)
+    values = torch.rand(batch.n_tokens) * batch.loss_mask
+    adv, ret = gae_targets(LossConfig(gamma=1.0, lam=1.0), batch, values, [s.reward for s in samples])
+    trained = batch.loss_mask > 0
+    cu = batch.cu_seqlens.tolist()
+    for i, s in enumerate(samples):  # undiscounted, no bootstrapping: every return is the outcome reward
+        seg = slice(cu[i], cu[i + 1])
+        assert torch.allclose(ret[seg][trained[seg]], torch.full((int(trained[seg].sum()),), s.reward))
+    assert torch.equal(adv[~trained], torch.zeros(int((~trained).sum())))
+    assert torch.equal(ret[~trained], torch.zeros(int((~trained).sum())))
+    # whitened over the trained tokens: A = (R - V - mean) / std
+    raw = (ret - values)[trained]
+    torch.testing.assert_close(adv[trained], (raw - raw.mean()) / (raw.std() + 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_gae_targets_discount_skips_tool_tokens():
+    sample = Sample(prompt_ids=[5, 6], response_ids=[7, 8, 9, 10], loss_mask=[1, 0, 0, 1], reward=1.0)
+    batch = pack_samples([sample])
+    values = torch.zeros(batch.n_tokens)
+    _adv, ret = gae_targets(LossConfig(gamma=0.5, lam=1.0), batch, values, [1.0])
+    # the two policy tokens are consecutive steps for GAE: returns 0.5 and 1.0
+    assert ret.tolist() == [0.0, 0.0, 0.5, 0.0, 0.0, 1.0]
+
+
+def test_critic_learns_the_returns(tiny_model_dir):
+    samples = samples_with_rewards()
+    batch = pack_samples(samples)
+    critic = CriticBackend(critic_config())
+    critic.init(tiny_model_dir)
+    trained = batch.loss_mask > 0
+    v0 = critic.compute_values(batch)
+    assert torch.equal(v0, torch.zeros_like(v0))  # zero-initialised head: no made-up baseline
+    returns = torch.tensor([s.reward for s, n in zip(samples, torch.diff(batch.cu_seqlens).tolist()) for _ in range(n)])
+    returns = returns * batch.loss_mask
+    losses = []
+    for _ in range(12):
+        old = critic.compute_values(batch)
+        m = critic.train_values(batch, returns, old)
+        losses.append(m["critic/value_loss"])
+        assert 0.0 <= m["critic/value_clip_frac"] <= 1.0 and m["critic/grad_norm"] > 0
+    values = critic.compute_values(batch)
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert explained_variance(values[trained], returns[trained]) > 0.5
+    assert torch.equal(values[~trained], torch.zeros(int((~trained).sum())))
+
+
+def test_value_clip_bounds_the_first_update(tiny_model_dir):
+    """With a tiny clip range, a token whose new value left the range around V_old gets no gradient
+    from the clipped term: the loss is the max of both, so clip_frac counts those tokens."""
+    samples = samples_with_rewards()
+    batch = pack_samples(samples)
+    critic = CriticBackend(critic_config(value_clip=1e-4))
+    critic.init(tiny_model_dir)
+    returns = batch.loss_mask * 5.0
+    old = critic.compute_values(batch)
+    critic.train_values(batch, returns, old)
+    m = critic.train_values(batch, returns, old)  # values moved past old +- 1e-4: clipped term is larger
+    assert m["critic/value_clip_frac"] > 0.5
+
+
+def test_ppo_train_updates_policy_and_critic(tiny_model_dir):
+    cfg = critic_config()
+    cfg.loss.advantage = "gae"
+    policy = FSDPBackend(cfg)
+    policy.init(tiny_model_dir)
+    critic = CriticBackend(cfg)
+    critic.init(tiny_model_dir)
+    before_policy, before_head = weights(policy), critic.policy.value_head.weight.detach().clone()
+    parts = ppo_train(policy, critic, samples_with_rewards(), cfg, steps=2)
+    assert len(parts) == 2 and policy.step == 2 and critic.step == 2
+    for m in parts:
+        assert {"loss", "grad_norm", "critic/value_loss", "critic/grad_norm"} <= m.keys()
+        assert m["skipped"] == 0.0 and m["critic/skipped"] == 0.0
+    after_policy = weights(policy)
+    assert any(not torch.equal(before_policy[k], after_policy[k]) for k in before_policy)
+    assert not torch.equal(before_head, critic.policy.value_head.weight.detach())
+
+
+def test_critic_checkpoint_round_trip_and_contract(tiny_model_dir, tmp_path):
+    samples = samples_with_rewards()
+    batch = pack_samples(samples)
+    critic = CriticBackend(critic_config())
+    critic.init(tiny_model_dir)
+    returns = batch.loss_mask * 1.0
+    critic.train_values(batch, returns, critic.compute_values(batch))
+    saved = critic.compute_values(batch)
+    critic.save(tmp_path / "ckpt")
+    critic.train_values(batch, returns, saved)
+    assert not torch.equal(critic.compute_values(batch), saved)
+    fresh = CriticBackend(critic_config())
+    fresh.init(tiny_model_dir)
+    fresh.load(tmp_path / "ckpt")
+    assert torch.equal(fresh.compute_values(batch), saved) and fresh.step == 1
+    with pytest.raises(TrainError, match="not sent to rollout engines"):
+        next(iter(critic.state_dict_for_sync(1 << 20)))
+    with pytest.raises(TrainError, match="value head"):
+        critic.export_hf(tmp_path / "hf")
+    with pytest.raises(TrainError, match="train_values"):
+        critic.train_step(batch)
