@@ -9,7 +9,8 @@ instructions an agent would carry) and its own question; each later turn appends
 message. Generation is greedy with ``ignore_eos`` for exactly ``new_tokens`` tokens, so both cases
 see the same token counts. A session sends its next turn as soon as the previous one returns.
 
-Cases, each on the same two engines, their prefix caches flushed first:
+Cases, each on the same two engines, their prefix caches flushed first and then warmed with the
+shared system prompt (one request sent to each engine directly: a fleet serving agents holds it):
 
 - ``noria`` (session routing): the router runs ``--policy manual --assignment-mode min_load`` and
   each request carries its session id in ``x-smg-routing-key``;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -117,9 +119,16 @@ async def run_case(engine: Any, tokenizer: Any, sessions: int, turns: int, new_t
     }
 
 
-def flush(urls: list[str]) -> None:
+def flush_and_warm(urls: list[str], tokenizer: Any) -> None:
+    """Empty every engine's prefix cache, then prefill the shared system prompt on each (steady state)."""
+    from noria.agent.chat_format import ChatFormat
+
+    ids = ChatFormat(tokenizer).first_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "warm-up"}])
+    body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
     for u in urls:
         urllib.request.urlopen(urllib.request.Request(f"{u}/flush_cache", data=b"{}", method="POST"), timeout=30).read()
+        request = urllib.request.Request(f"{u}/generate", data=body, method="POST", headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=120).read()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             engines.append(start_engine(folder, logs, f"engine-{i}"))
         urls = [u for _, u in engines]
         for case, policy in (("noria", "manual"), ("load_routing", "power_of_two")):
-            flush(urls)
+            flush_and_warm(urls, tokenizer)
             with SglangRouter(urls, policy=policy, log_path=logs / f"router-{case}.log") as router:
                 client = HttpEngineClient(router.url)
                 engine = client if case == "noria" else KeylessClient(client)
