@@ -116,6 +116,45 @@ class RewardConfig:
 
 
 @dataclass
+class BufferConfig:
+    """The group buffer between rollout and trainer (``noria.rollout.buffer``)."""
+
+    impl: str = option(
+        "",
+        "Empty for the built-in GroupBuffer, or an import path `pkg.module:Class` of a class with the same operations "
+        "(put, take, metrics, state_dict, load_state_dict; see noria.rollout.buffer).",
+    )
+    capacity_batches: int = option(
+        2,
+        "Capacity in training batches: the buffer holds at most this many times rollout.prompts_per_step groups; a put "
+        "on a full buffer waits (the rollout scheduler stops starting groups).",
+    )
+    filters: list[str] = option(
+        factory=list,
+        help="Group filters applied on put, in order: zero_reward_variance (dynamic sampling: every reward equal), "
+        "over_length (a sample hit rollout.max_new_tokens), or an import path `pkg.module:fn` with fn(group) -> None "
+        "(keep) or a drop reason (str).",
+    )
+    on_drop: Literal["discard", "return"] = option(
+        "discard",
+        "What happens to the prompt of a dropped group: discarded, or returned to the data source (it is drawn again "
+        "before any new prompt).",
+    )
+
+    def validate(self) -> None:
+        if self.capacity_batches < 1:
+            raise ConfigError(f"rollout.buffer.capacity_batches must be >= 1, got {self.capacity_batches}")
+        if self.impl and ":" not in self.impl:
+            raise ConfigError(f"rollout.buffer.impl must be an import path pkg.module:Class, got {self.impl!r}")
+        for name in self.filters:
+            if name not in ("zero_reward_variance", "over_length") and ":" not in name:
+                raise ConfigError(
+                    f"rollout.buffer.filters: unknown filter {name!r}; use zero_reward_variance, over_length "
+                    "or an import path pkg.module:fn"
+                )
+
+
+@dataclass
 class RolloutConfig:
     """Sampling of training trajectories."""
 
@@ -162,6 +201,23 @@ class RolloutConfig:
     engine_timeout_s: float = option(
         600.0, "Seconds one rollout request may take before the engine is declared dead and the run stops."
     )
+    max_in_flight: int | None = option(
+        None,
+        "Trajectories generating at once at most (the rollout scheduler's places); null is prompts_per_step * n_samples "
+        "(one step's worth).",
+    )
+    granularity: Literal["auto", "group", "sample"] = option(
+        "auto",
+        "When places free up: group (when every trajectory of a group has finished) or sample (each finished trajectory "
+        "frees its place; a new group starts once n_samples places are free). auto: sample when max_staleness > 0, else group.",
+    )
+    pause_mode: Literal["retract", "in_place"] = option(
+        "retract",
+        "How a disaggregated engine takes a weight update during generation: retract (in-flight requests are aborted and "
+        "resumed from their partial tokens under the new weights) or in_place (generation pauses, the weights change, "
+        "generation continues with its KV cache).",
+    )
+    buffer: BufferConfig = option(factory=lambda: BufferConfig(), help="The group buffer between rollout and trainer.")
 
     def validate(self) -> None:
         _check_sampling("rollout", self.temperature, self.top_p, self.top_k, self.min_p, self.max_new_tokens)
@@ -188,6 +244,11 @@ class RolloutConfig:
                 "rollout.max_staleness > 0 (asynchronous RL) needs rollout.placement: disaggregated; a colocated engine "
                 "pauses while the trainer runs, so it cannot generate ahead"
             )
+        if self.max_in_flight is not None and self.max_in_flight < self.n_samples:
+            raise ConfigError(
+                f"rollout.max_in_flight must be >= rollout.n_samples ({self.n_samples}) or null, got {self.max_in_flight}"
+            )
+        self.buffer.validate()
 
 
 @dataclass
@@ -270,8 +331,11 @@ class LossConfig:
     kl_coef: float = option(0.0, "Weight of the KL penalty against the reference model (0 loads no reference).")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = option("low_var_kl", "KL estimator.")
     entropy_coef: float = option(0.0, "Weight of the entropy bonus.")
-    off_policy: Literal["none", "tis", "mis", "seq_is"] = option(
-        "none", "Correction using rollout logprobs as the behaviour policy: token-level truncated IS, masked IS (icepop), or sequence-level IS."
+    off_policy: Literal["none", "tis", "mis", "seq_is", "recompute"] = option(
+        "none",
+        "Correction using rollout logprobs as the behaviour policy: token-level truncated IS, masked IS (icepop), or "
+        "sequence-level IS; recompute: the trainer's recomputed logprobs are the behaviour policy (no weight; the "
+        "explicit choice for asynchronous RL, where none is refused).",
     )
     is_cap: float = option(2.0, "TIS / sequence IS: upper cap of the importance weight.")
     mis_low: float = option(0.5, "MIS: tokens whose importance weight is below this are masked.")
@@ -487,6 +551,13 @@ class RunConfig:
                 self.train.global_batch = 8
         else:
             resolve_batch(self)
+        if self.train.algorithm == "rl" and self.rollout.max_staleness > 0 and self.train.loss.off_policy == "none":
+            raise ConfigError(
+                "rollout.max_staleness > 0 (asynchronous RL) needs an explicit off-policy correction in "
+                "train.loss.off_policy: tis (truncated importance weights) or mis (masked outside "
+                "[mis_low, mis_high]) with the rollout logprobs as the behaviour policy, seq_is (sequence-level IS), "
+                "or recompute (the trainer's recomputed logprobs as the behaviour policy)"
+            )
 
 
 def resolve_batch(config: RunConfig) -> None:

@@ -164,12 +164,13 @@ def test_engine_process_that_dies_stops_the_run_naming_it(tiny_model_dir, tmp_pa
     try:
         job.engine_process.kill()
         job.engine_process.wait()
-        prompts = job.next_prompts()
         start = time.perf_counter()
         with pytest.raises(EngineFailure, match=r"engine at http://127\.0\.0\.1:\d+ .*exited with code"):
             import asyncio
 
-            asyncio.run(job.rollout(prompts))
+            from noria.loop import rl_loop
+
+            asyncio.run(job.run(rl_loop))
         assert time.perf_counter() - start < 30
     finally:
         job.close()

@@ -7,13 +7,20 @@ What it owns: turning a ``RunConfig`` into running parts, and the parts' per-ste
   process (it pauses and releases its KV memory while the trainer runs); ``disaggregated`` starts
   ``noria serve`` as a child process on a free loopback port, or uses ``rollout.engine_url``;
 - the trainer backend (``FSDPBackend``, one process), the weight sync (``noria.sync``), the group
-  buffer, and the run folder (config.yaml, metrics.jsonl, eval.jsonl, checkpoints/, final/).
+  buffer, and the run folder (config.yaml, metrics.jsonl, eval.jsonl, checkpoints/, final/);
+- the rollout scheduler (``noria.rollout.scheduler``), a background task on the loop's event loop
+  that keeps trajectories in flight and fills the buffer while the trainer computes in a thread.
+  ``rollout.max_staleness`` bounds how far it runs ahead (0: synchronous RL).
+
+Weight updates: a disaggregated engine is paused around each push (``rollout.pause_mode``: retract
+or in place); a colocated one is already paused, its KV memory released, for the trainer's turn.
 
 Order of checks: the config is validated when loaded; prompts, reward and run folder are checked
 here before any model loads, so a bad input costs seconds, not a model load.
 
 Resume (``--resume RUN_DIR``): the last committed checkpoint restores weights, AdamW, RNG, the data
-cursor, the buffer, the step, the group counter and the weight version; the engine, started from the
+cursor (with the prompts of groups that were still generating put back first), the buffer's waiting
+groups, the step, the group counter, the count of trained groups and the weight version; the engine, started from the
 base model, receives the checkpoint's weights under that version before the first rollout, and
 metrics lines after the checkpoint are dropped so the resumed run repeats exactly the same steps.
 
@@ -41,8 +48,10 @@ from typing import Any
 from noria.config import RunConfig, save_config
 from noria.errors import NoriaError
 from noria.metrics import RunLog, mean
-from noria.rollout import EngineFailure, GroupBuffer, HttpEngineClient, LocalEngineClient, RolloutContext
-from noria.rollout.generate import RolloutResult, run_rollout  # run_rollout: the plug-in layers (noria.agent)
+from noria.rollout import EngineFailure, HttpEngineClient, LocalEngineClient, RolloutContext
+from noria.rollout.buffer import build_buffer, prompt_to_dict, resolve_filters
+from noria.rollout.generate import generate_one, run_rollout  # run_rollout: the plug-in layers (noria.agent)
+from noria.rollout.scheduler import RolloutScheduler
 from noria.types import Group, Prompt, Sample, Status
 
 SERVE_READY_TIMEOUT_S = 600.0
@@ -88,7 +97,13 @@ class Job:
         self.next_group_id = 0
         self.version = 0
         self.total_steps = 0
-        self.buffer = GroupBuffer(capacity=max(4 * config.rollout.prompts_per_step, 1), max_staleness=config.rollout.max_staleness)
+        self.trained_groups = 0
+        r = config.rollout
+        self.buffer = build_buffer(
+            r.buffer.impl, capacity=r.buffer.capacity_batches * r.prompts_per_step, max_staleness=r.max_staleness,
+            filters=resolve_filters(r.buffer.filters), on_drop=self.on_drop,
+        )  # fmt: skip
+        self.scheduler: RolloutScheduler | None = None
         self.engine_process: subprocess.Popen | None = None
         self.local_engine: Any = None
         self.client: Any = None
@@ -173,29 +188,61 @@ class Job:
     def begin_step(self) -> None:
         self.timer = {"start": time.perf_counter()}
 
-    def next_prompts(self) -> list[tuple[Prompt, list[int]]]:
-        prompts = self.source.next_batch(self.config.rollout.prompts_per_step)
-        return [(p, self.prompt_ids[p.index]) for p in prompts]
+    def next_prompt(self) -> tuple[Prompt, list[int]] | None:
+        batch = self.source.next_batch(1)
+        return (batch[0], self.prompt_ids[batch[0].index]) if batch else None
 
-    async def rollout(self, prompts: list[tuple[Prompt, list[int]]]) -> RolloutResult:
-        ctx = RolloutContext(self.client, self.tokenizer, self.config.rollout, seed=self.config.seed)
-        result = await run_rollout(ctx, prompts, self.next_group_id, self.config.rollout.n_samples, self.reward)
-        self.next_group_id += len(prompts)
-        return result
+    def on_drop(self, group: Group, reason: str) -> None:
+        if self.config.rollout.buffer.on_drop == "return":
+            self.source.return_prompt(group.prompt)
 
-    def put_groups(self, groups: list[Group]) -> None:
-        for group in groups:
-            self.buffer.put(group)  # a dropped group is counted by reason (buffer/dropped/<reason>)
+    @contextlib.asynccontextmanager
+    async def rollouts(self) -> AsyncIterator[None]:
+        """The rollout scheduler runs in the background for the body; then it drains (in-flight work is
+        cancelled and its prompts go back to the data source)."""
+        r = self.config.rollout
+        ctx = RolloutContext(self.client, self.tokenizer, r, seed=self.config.seed)
+        self.scheduler = RolloutScheduler(
+            ctx, self.next_prompt, self.buffer, self.reward, n_samples=r.n_samples, groups_per_step=r.prompts_per_step,
+            max_staleness=r.max_staleness, max_in_flight=r.max_in_flight or r.prompts_per_step * r.n_samples,
+            granularity=granularity(r), next_group_id=self.next_group_id, version=self.version,
+            trained=self.trained_groups, **rollout_plugin(r),
+        )  # fmt: skip
+        self.scheduler.start()
+        try:
+            yield
+        finally:
+            await self.scheduler.close()
+            self.next_group_id, unfinished = self.scheduler.resume_point()
+            for prompt in unfinished:
+                self.source.return_prompt(prompt)
+            self.scheduler = None
 
-    def take_groups(self, n: int) -> list[Group]:
-        return self.buffer.take(n, self.version)
+    async def take_groups(self) -> list[Group]:
+        """One training batch (``prompts_per_step`` groups, by group id), waiting for the rollout as long
+        as it takes; fewer only when the data source ran out. Staleness is checked by the buffer here."""
+        n, scheduler = self.config.rollout.prompts_per_step, self.scheduler
+        start = time.perf_counter()
+        groups: list[Group] = []
+        while True:
+            taken = self.buffer.take(n - len(groups), self.version)
+            scheduler.on_taken(len(taken))  # at once: the scheduler's staleness bound counts them
+            groups += taken
+            if len(groups) == n or scheduler.finished:
+                break
+            await scheduler.wait_change()
+        self.trained_groups += len(groups)
+        self.timer["wait"] = time.perf_counter() - start
+        return sorted(groups, key=lambda g: g.group_id)
 
     @contextlib.asynccontextmanager
     async def trainer_turn(self) -> AsyncIterator[None]:
-        """Colocated: pause the engine (requests retracted) and release its KV memory meanwhile."""
+        """Colocated: pause the engine (requests retracted) and release its KV memory meanwhile; the
+        scheduler starts no group until the engine is back (its arrival order stays that of a fresh step)."""
         if self.config.rollout.placement != "colocated":
             yield
             return
+        self.scheduler.hold(True)
         await self.client.pause()
         await self.client.release_memory()
         try:
@@ -203,6 +250,7 @@ class Job:
         finally:
             await self.client.resume_memory()
             await self.client.resume()
+            self.scheduler.hold(False)
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """``steps_per_rollout`` optimizer steps on the groups' trainable samples."""
@@ -234,23 +282,42 @@ class Job:
         """Push the trainer's weights to the engines as the next version (or the current one on resume)."""
         version = self.version + 1 if advance else self.version
         bucket = self.config.sync.bucket_mb << 20
-        metrics = await asyncio.to_thread(self.sync.push, self.backend.state_dict_for_sync(bucket), version)
+        async with self.generation_paused():
+            metrics = await asyncio.to_thread(self.sync.push, self.backend.state_dict_for_sync(bucket), version)
         self.version = version
         self.backend.weight_version = version
+        if self.scheduler is not None:
+            self.scheduler.on_version(version)
         return metrics
 
-    def end_step(self, rollout: RolloutResult, groups: list[Group], train: dict[str, float], sync: dict[str, float]) -> None:
+    @contextlib.asynccontextmanager
+    async def generation_paused(self) -> AsyncIterator[None]:
+        """A disaggregated engine generating meanwhile pauses (``rollout.pause_mode``) for a weight update:
+        retracted requests resume from their partial tokens, in-place ones keep their KV cache; the
+        tokens after carry the new version either way. A colocated engine is already paused here."""
+        if self.config.rollout.placement == "colocated" or self.scheduler is None:
+            yield
+            return
+        await self.client.pause(self.config.rollout.pause_mode)
+        try:
+            yield
+        finally:
+            await self.client.resume()
+
+    def end_step(self, groups: list[Group], train: dict[str, float], sync: dict[str, float]) -> None:
         self.step += 1
         row = {"step": self.step, "version": self.version}
-        row.update(rollout_metrics(rollout, self.config.rollout.n_samples))
-        row.update(self.buffer.metrics())
+        row.update(group_metrics(groups))
+        row.update(self.scheduler.metrics())
+        row.update(self.buffer.metrics(self.version))
         row.update(train)
         row.update(sync)
         row["groups/trained"] = float(len(groups))
+        row["time/trainer_wait_s"] = self.timer["wait"]
         row.update(self.engine_metrics())
         row["seconds"] = time.perf_counter() - self.timer["start"]
         self.log.write_step(row)
-        self.log.write_samples(self.step, rollout.groups, self.tokenizer)  # rollouts/step-N.jsonl (noria inspect)
+        self.log.write_samples(self.step, groups, self.tokenizer)  # rollouts/step-N.jsonl (noria inspect)
 
     async def evaluate(self, when: str) -> None:
         """Greedy accuracy on the held-out prompts, on the rollout engine; a failure is logged, not raised."""
@@ -296,11 +363,16 @@ class Job:
                 self.backend.save(target, extra=self.checkpoint_extra())
 
     def checkpoint_extra(self) -> dict[str, Any]:
+        """The run's position; groups still generating are not saved: their prompts go back to the source."""
+        next_group_id, unfinished = self.scheduler.resume_point() if self.scheduler else (self.next_group_id, [])
+        data = self.source.state_dict()
+        data["returned"] = [prompt_to_dict(p) for p in unfinished] + data["returned"]
         return {
             "rl_step": self.step,
-            "next_group_id": self.next_group_id,
+            "next_group_id": next_group_id,
+            "trained_groups": self.trained_groups,
             "version": self.version,
-            "data": self.source.state_dict(),
+            "data": data,
             "buffer": self.buffer.state_dict(),
         }
 
@@ -313,6 +385,7 @@ class Job:
             extra = self.backend.load(ckpt)
             self.step = int(extra["rl_step"])
             self.next_group_id = int(extra["next_group_id"])
+            self.trained_groups = int(extra.get("trained_groups", self.step * self.config.rollout.prompts_per_step))
             self.version = int(extra["version"])
             self.backend.weight_version = self.version
             self.source.load_state_dict(extra["data"])
@@ -348,8 +421,30 @@ def check_supported(config: RunConfig) -> None:
         raise NoriaError("run_rl needs train.algorithm: rl")
     if config.train.world_size > 1:
         raise NoriaError("train.world_size > 1 for RL needs the distributed launcher (not available yet); use world_size 1")
-    if config.rollout.max_staleness > 0:
-        raise NoriaError("rollout.max_staleness > 0 (asynchronous RL) is not available yet; use 0")
+    if config.rollout.max_staleness > 0 and config.rollout.placement == "colocated":  # also refused when loaded
+        raise NoriaError(
+            "rollout.max_staleness > 0 (asynchronous RL) needs rollout.placement: disaggregated; a colocated engine "
+            "pauses while the trainer runs, so it cannot generate ahead"
+        )
+
+
+def granularity(rollout: Any) -> str:
+    """``rollout.granularity`` resolved: auto is sample-level under asynchronous RL, group-level otherwise."""
+    if rollout.granularity != "auto":
+        return rollout.granularity
+    return "sample" if rollout.max_staleness > 0 else "group"
+
+
+def rollout_plugin(rollout: Any) -> dict[str, Any]:
+    """How the scheduler produces a group: per trajectory with a generate function (the default, or
+    ``rollout.generate_fn``), or a whole group at a time through a rollout or agent function."""
+    if getattr(rollout, "rollout_fn", "") or getattr(rollout, "agent_fn", ""):
+        return {"rollout_group": run_rollout}
+    if getattr(rollout, "generate_fn", ""):
+        from noria.agent.plugins import load_plugin
+
+        return {"generate": load_plugin(rollout.generate_fn, "rollout.generate_fn")}
+    return {"generate": generate_one}
 
 
 def backend_options(config: RunConfig) -> dict[str, Any]:
@@ -394,27 +489,24 @@ def average(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def rollout_metrics(rollout: RolloutResult, n_samples: int) -> dict[str, float]:
-    samples = [s for g in rollout.groups for s in g.samples]
+def group_metrics(groups: list[Group]) -> dict[str, float]:
+    """What the trained groups hold: rewards, lengths, statuses, weight versions."""
+    samples = [s for g in groups for s in g.samples]
     rewards = [s.reward for s in samples if s.reward is not None]
     lengths = [len(s.response_ids) for s in samples]
-    tokens = sum(lengths)
-    solved = [g for g in rollout.groups if any((s.reward or 0) > 0 for s in g.samples)]
-    uniform = [g for g in rollout.groups if len({s.reward for s in g.samples}) == 1]
-    out = {
+    solved = [g for g in groups if any((s.reward or 0) > 0 for s in g.samples)]
+    uniform = [g for g in groups if len({s.reward for s in g.samples}) == 1]
+    mixed = [g for g in groups if len({v for s in g.samples for v, m in zip(s.weight_versions, s.loss_mask) if m}) > 1]
+    return {
         "rollout/reward_mean": mean(rewards),
         "rollout/response_len_mean": mean(lengths),
+        "rollout/trained_tokens": float(sum(lengths)),
         "rollout/truncated_frac": mean([s.status is Status.TRUNCATED for s in samples]),
         "rollout/aborted": float(sum(s.status is Status.ABORTED for s in samples)),
-        "rollout/groups_solved_frac": len(solved) / max(len(rollout.groups), 1),
-        "rollout/groups_zero_variance_frac": len(uniform) / max(len(rollout.groups), 1),
-        "rollout/tokens": float(tokens),
-        "rollout/tokens_per_s": tokens / max(rollout.seconds - rollout.reward_seconds, 1e-9),
-        "time/rollout_s": rollout.seconds,
-        "time/reward_s": rollout.reward_seconds,
+        "rollout/groups_solved_frac": len(solved) / max(len(groups), 1),
+        "rollout/groups_zero_variance_frac": len(uniform) / max(len(groups), 1),
+        "rollout/groups_mixed_versions_frac": len(mixed) / max(len(groups), 1),
     }
-    out.update({k: float(v) for k, v in rollout.counts.as_metrics().items()})
-    return out
 
 
 def eval_sampling(config: RunConfig) -> Any:

@@ -1,15 +1,25 @@
-"""The group buffer between rollout and trainer: ``put(group)``, ``take(n)``, ``metrics()``.
+"""The group buffer between rollout and trainer: ``put(group)``, ``take(n, version)``, ``metrics(version)``.
 
 What it owns: finished groups waiting to be trained on, in arrival order, and the count of groups
 it dropped, by reason. A group is dropped where the information exists:
 
 - on put, ``no_trainable_sample``: generation gave up on it (every sample aborted or failed);
+- on put, a filter's reason: ``zero_reward_variance`` (dynamic sampling: every reward equal, so
+  every advantage is 0), ``over_length`` (a sample hit the token limit), or a user filter's;
 - on take, ``stale``: the trainer's version minus the group's oldest policy-token version exceeds
   ``max_staleness`` (DESIGN.md section 1).
 
-Synchronous RL (max staleness 0, the loop waits for the rollout before training) puts a step's
-groups and takes them all back at once. Capacity bounds what may wait; ``put`` on a full buffer
-raises here (the asynchronous scheduler that blocks on it comes with issue 6).
+A dropped group goes to ``on_drop(group, reason)`` (the job returns its prompt to the data source or
+discards it, by ``rollout.buffer.on_drop``).
+
+What blocks on what (one asyncio event loop; nothing here is thread-safe): ``await put`` waits
+while the buffer holds ``capacity`` groups, until a ``take`` frees room; ``take`` never waits (it
+returns what is there, at most ``n``; the caller waits for the producer). Capacity is a multiple of
+the training batch (``rollout.buffer.capacity_batches``).
+
+Replacing it: ``rollout.buffer.impl: pkg.module:Class``; the class is built with the keyword
+arguments of ``GroupBuffer.__init__`` and needs the same methods: ``put``, ``take``, ``metrics``,
+``__len__``, ``state_dict``, ``load_state_dict`` (tests/test_async_buffer.py is the contract).
 
 Checkpoints: ``state_dict`` holds the waiting groups and the counters, so a resumed run neither
 trains a group twice nor loses one.
@@ -17,8 +27,11 @@ trains a group twice nor loses one.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import importlib
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from noria.errors import NoriaError
@@ -26,60 +39,117 @@ from noria.types import Group, Prompt, Sample, Status
 
 TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
 
+GroupFilter = Callable[[Group], "str | None"]
+"""``filter(group)`` -> None to keep the group, or the reason it is dropped."""
+DropHook = Callable[[Group, str], None]
 
-class BufferFull(NoriaError):
-    """``put`` on a buffer that holds ``capacity`` groups."""
+
+def zero_reward_variance(group: Group) -> str | None:
+    """Dynamic sampling (DAPO): every scored reward equal, so every advantage would be 0."""
+    rewards = {s.reward for s in group.samples if s.status in TRAINABLE and s.reward is not None}
+    return "zero_reward_variance" if len(rewards) <= 1 else None
+
+
+def over_length(group: Group) -> str | None:
+    """A sample ran into the token limit: its reward judges a cut-off answer."""
+    return "over_length" if any(s.status is Status.TRUNCATED for s in group.samples) else None
+
+
+FILTERS: dict[str, GroupFilter] = {"zero_reward_variance": zero_reward_variance, "over_length": over_length}
+
+
+def load_object(path: str, key: str) -> Any:
+    """``pkg.module:name`` -> the object; the error names the config ``key``."""
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise NoriaError(f"{key}: cannot load {path!r}: {type(e).__name__}: {e}") from e
+
+
+def resolve_filters(names: Sequence[str]) -> list[GroupFilter]:
+    """The filters named in ``rollout.buffer.filters`` (registered names or import paths)."""
+    return [FILTERS[n] if n in FILTERS else load_object(n, "rollout.buffer.filters") for n in names]
 
 
 class GroupBuffer:
-    """A bounded FIFO of groups with drop-on-put and staleness-on-take; see the module docstring."""
+    """A bounded FIFO of groups with drops on put and staleness on take; see the module docstring."""
 
-    def __init__(self, capacity: int, max_staleness: int = 0) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        max_staleness: int = 0,
+        filters: Sequence[GroupFilter] = (),
+        on_drop: DropHook | None = None,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"buffer capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.max_staleness = max_staleness
+        self.filters = list(filters)
+        self.on_drop = on_drop
         self.groups: deque[Group] = deque()
         self.dropped: Counter[str] = Counter()
         self.put_total = 0
         self.taken_total = 0
         self.last_staleness: list[int] = []
+        self._room = asyncio.Event()
 
-    def put(self, group: Group) -> bool:
-        """Store ``group``; returns False when it was dropped (see ``dropped``)."""
-        if not any(s.status in TRAINABLE and s.reward is not None for s in group.samples):
-            self.dropped["no_trainable_sample"] += 1
+    async def put(self, group: Group) -> bool:
+        """Store ``group`` (waiting while the buffer is full); False when it was dropped instead."""
+        reason = self.drop_reason(group)
+        if reason is not None:
+            self.drop(group, reason)
             return False
-        if len(self.groups) >= self.capacity:
-            raise BufferFull(f"group buffer is full ({self.capacity} groups)")
+        while len(self.groups) >= self.capacity:
+            self._room.clear()
+            await self._room.wait()
         self.groups.append(group)
         self.put_total += 1
         return True
 
+    def drop_reason(self, group: Group) -> str | None:
+        if not any(s.status in TRAINABLE and s.reward is not None for s in group.samples):
+            return "no_trainable_sample"
+        for keep_or_reason in (f(group) for f in self.filters):
+            if keep_or_reason is not None:
+                return str(keep_or_reason)
+        return None
+
     def take(self, n: int, version: int) -> list[Group]:
         """Up to ``n`` groups, oldest first, dropping those too stale for trainer ``version``."""
         out: list[Group] = []
-        self.last_staleness = []
         while self.groups and len(out) < n:
             group = self.groups.popleft()
             staleness = staleness_of(group, version)
             if staleness > self.max_staleness:
-                self.dropped["stale"] += 1
+                self.drop(group, "stale")
                 continue
             self.last_staleness.append(staleness)
             out.append(group)
         self.taken_total += len(out)
+        self._room.set()
         return out
+
+    def drop(self, group: Group, reason: str) -> None:
+        self.dropped[reason] += 1
+        if self.on_drop is not None:
+            self.on_drop(group, reason)
 
     def __len__(self) -> int:
         return len(self.groups)
 
-    def metrics(self) -> dict[str, float]:
-        s = self.last_staleness
+    def metrics(self, version: int) -> dict[str, float]:
+        """Size and capacity; staleness of the groups taken since the last call and of those waiting."""
+        taken, self.last_staleness = self.last_staleness, []
+        waiting = [staleness_of(g, version) for g in self.groups]
         out = {
             "buffer/size": float(len(self.groups)),
-            "buffer/staleness_mean": sum(s) / len(s) if s else 0.0,
-            "buffer/staleness_max": float(max(s)) if s else 0.0,
+            "buffer/capacity": float(self.capacity),
+            "buffer/staleness_mean": sum(taken) / len(taken) if taken else 0.0,
+            "buffer/staleness_max": float(max(taken)) if taken else 0.0,
+            "buffer/waiting_staleness_mean": sum(waiting) / len(waiting) if waiting else 0.0,
+            "buffer/waiting_staleness_max": float(max(waiting)) if waiting else 0.0,
         }
         out.update({f"buffer/dropped/{k}": float(v) for k, v in sorted(self.dropped.items())})
         return out
@@ -99,16 +169,28 @@ class GroupBuffer:
         self.taken_total = int(state["taken_total"])
 
 
+def build_buffer(impl: str, **kwargs: Any) -> Any:
+    """The built-in ``GroupBuffer``, or the class at import path ``impl`` (``rollout.buffer.impl``)."""
+    cls = load_object(impl, "rollout.buffer.impl") if impl else GroupBuffer
+    return cls(**kwargs)
+
+
 def staleness_of(group: Group, version: int) -> int:
     """Trainer ``version`` minus the oldest weight version of any policy token in the group."""
     oldest = group.min_version
     return 0 if oldest is None else max(version - oldest, 0)
 
 
+def prompt_to_dict(prompt: Prompt) -> dict[str, Any]:
+    """Plain data, in the data source's checkpoint format."""
+    data = dataclasses.asdict(prompt)
+    data["prompt"] = prompt.prompt if isinstance(prompt.prompt, str) else [dict(m) for m in prompt.prompt]
+    return data
+
+
 def group_to_dict(group: Group) -> dict[str, Any]:
     """Plain data (for checkpoints and inspection)."""
-    prompt = dataclasses.asdict(group.prompt)
-    prompt["prompt"] = group.prompt.prompt if isinstance(group.prompt.prompt, str) else [dict(m) for m in group.prompt.prompt]
+    prompt = prompt_to_dict(group.prompt)
     samples = []
     for s in group.samples:
         row = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}

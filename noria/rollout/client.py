@@ -41,7 +41,7 @@ class EngineClient(Protocol):
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput: ...
 
-    async def pause(self) -> None: ...
+    async def pause(self, mode: str = "retract") -> None: ...
 
     async def resume(self) -> None: ...
 
@@ -72,8 +72,8 @@ class LocalEngineClient:
         except Exception as e:  # EngineDead and anything else the engine thread raised
             raise EngineFailure(f"{self.name} failed: {type(e).__name__}: {e}") from e
 
-    async def pause(self) -> None:
-        await self.engine.pause("retract")
+    async def pause(self, mode: str = "retract") -> None:
+        await self.engine.pause(mode)
 
     async def resume(self) -> None:
         await self.engine.resume()
@@ -118,8 +118,8 @@ class HttpEngineClient:
         data = await self._call(self.http.generate(body, routing_key=req.routing_key))
         return output_from_sglang(data, req)
 
-    async def pause(self) -> None:
-        await self._post("/pause_generation", {"mode": "retract"})
+    async def pause(self, mode: str = "retract") -> None:
+        await self._post("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
         await self._post("/continue_generation", {})

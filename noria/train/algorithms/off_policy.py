@@ -43,6 +43,7 @@ def _all(mask: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(mask, dtype=torch.bool)
 
 
+@register_off_policy("recompute")  # the same weights, chosen explicitly (asynchronous RL refuses "none")
 @register_off_policy("none")
 def no_correction(
     cfg: LossConfig, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, seq_index: torch.Tensor

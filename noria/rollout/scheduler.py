@@ -1,0 +1,286 @@
+"""The rollout scheduler: a background worker that keeps the engines busy and fills the group buffer.
+
+How data moves::
+
+    next_prompt() ─▶ admit? ─▶ n_samples x generate fn ─▶ Group ─▶ reward ─▶ await buffer.put(group)
+                       ▲           (each holds a place)                       (waits while full)
+                       └── wakes on: a place freed, a put done, a take, a new weight version
+
+At most ``max_in_flight`` trajectories generate at once. Places free by ``granularity``:
+
+- ``group``: a group's places free only when all its trajectories have finished;
+- ``sample`` (the default of asynchronous RL): each finished trajectory frees its place, so one
+  long trajectory does not hold its group's other places; a new group starts once ``n_samples``
+  places are free.
+
+A group is produced per trajectory with a generate function (``generate``), or whole through
+``rollout_group`` (a rollout or agent function, ``noria.rollout.generate.run_rollout``); the latter
+frees its places when the group is done, whatever the granularity.
+
+Admission (staleness, AReaL's rule): a group started now is trained after every group already
+trained, waiting or in flight, so it is admitted only while
+``trained + waiting + in flight < (version + max_staleness + 1) * groups_per_step``, ``version``
+being the weights the engines serve. With ``max_staleness`` 0 that is exactly synchronous RL: one
+step's groups, then nothing until the trainer has taken them and pushed new weights. The bound is
+on admission; the buffer still checks every group's real staleness on take (groups finish out of
+order), and a stale group is dropped there.
+
+What blocks on what: the worker waits for a wake-up; the trainer waits in ``wait_change`` until a
+group lands or the worker stops. Everything runs on one asyncio event loop (the trainer's compute
+runs in a thread and never touches this object).
+
+Shutdown (``close``): no new group starts, in-flight trajectories are cancelled and awaited, and
+the prompts of unfinished groups are reported (``unfinished_prompts``) so that a checkpoint keeps
+them. A failure in any trajectory (``EngineFailure``) stops the worker and is raised to the trainer
+from ``wait_change``.
+
+Not guaranteed: the order groups finish in; with several trajectories of a group retracted for a
+weight update, which of them resumes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from noria.config import RewardConfig
+from noria.rewards.runner import ScoreCounts, score_groups_async
+from noria.rollout.generate import GenerateFn, RolloutContext, RolloutResult, generate_one
+from noria.types import Group, Prompt, Sample
+
+PromptFeed = Callable[[], "tuple[Prompt, list[int]] | None"]
+"""The next (prompt, prompt ids) to roll out, or None when the data source has none now."""
+GroupRollout = Callable[..., Awaitable[RolloutResult]]
+"""``(ctx, [(prompt, ids)], group_id, n_samples, reward) -> RolloutResult`` of that one group."""
+
+
+class RolloutScheduler:
+    """Keeps up to ``max_in_flight`` trajectories generating and puts finished groups in ``buffer``."""
+
+    def __init__(
+        self,
+        ctx: RolloutContext,
+        next_prompt: PromptFeed,
+        buffer: Any,
+        reward: RewardConfig,
+        *,
+        n_samples: int,
+        groups_per_step: int,
+        max_staleness: int,
+        max_in_flight: int,
+        granularity: str,
+        next_group_id: int = 0,
+        version: int = 0,
+        trained: int = 0,
+        generate: GenerateFn = generate_one,
+        rollout_group: GroupRollout | None = None,
+    ) -> None:
+        if granularity not in ("group", "sample"):
+            raise ValueError(f"granularity must be group or sample, got {granularity!r}")
+        self.ctx, self.next_prompt, self.buffer, self.reward = ctx, next_prompt, buffer, reward
+        self.generate, self.rollout_group = generate, rollout_group
+        self.n_samples, self.groups_per_step, self.max_staleness = n_samples, groups_per_step, max_staleness
+        self.max_in_flight, self.granularity = max_in_flight, granularity
+        self.next_group_id, self.version, self.trained = next_group_id, version, trained
+        self.in_flight = 0  # trajectories holding a place
+        self.pending: dict[int, Prompt] = {}  # groups started and not yet put, by id
+        self.error: BaseException | None = None
+        self.finished = False  # no prompt left and nothing pending: the worker has stopped
+        self._tasks: set[asyncio.Task] = set()
+        self._worker: asyncio.Task | None = None
+        self._stopping = False
+        self._held = False
+        self._wake_worker, self._wake_trainer = asyncio.Event(), asyncio.Event()
+        self._stats = _Interval()
+
+    # ------------------------------------------------------------------------------ control
+
+    def start(self) -> None:
+        self._worker = asyncio.create_task(self._run(), name="rollout-scheduler")
+
+    async def close(self) -> None:
+        """Stop starting groups, cancel the in-flight ones and wait for them (prompts stay in ``pending``)."""
+        self._stopping = True
+        for task in [*self._tasks, *([self._worker] if self._worker else [])]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *([self._worker] if self._worker else []), return_exceptions=True)
+
+    def on_taken(self, n: int) -> None:
+        """The trainer took ``n`` groups from the buffer (room freed, admission moves)."""
+        self.trained += n
+        if n:
+            self._notify()
+
+    def hold(self, held: bool) -> None:
+        """While held, no group starts (a colocated engine is paused for the trainer's turn)."""
+        self._held = held
+        self._notify()
+
+    def on_version(self, version: int) -> None:
+        """The engines now serve ``version`` (admission moves)."""
+        self.version = version
+        self._notify()
+
+    async def wait_change(self) -> None:
+        """Until a group lands in the buffer, is dropped, or the worker stops; raises the worker's error."""
+        self._raise_error()
+        if not self.finished:  # the caller looked at the buffer just now, without awaiting since
+            self._wake_trainer.clear()
+            await self._wake_trainer.wait()
+        self._raise_error()
+
+    def resume_point(self) -> tuple[int, list[Prompt]]:
+        """Were the run to stop now: the next group id and the prompts of the groups started but not
+        in the buffer yet (to go back to the data source). Pending groups at the end of the id range
+        give their ids back, so a synchronous run resumed from a checkpoint numbers, and seeds, its
+        groups as an uninterrupted one."""
+        next_id = self.next_group_id
+        while next_id - 1 in self.pending:
+            next_id -= 1
+        return next_id, [self.pending[g] for g in sorted(self.pending)]
+
+    def metrics(self) -> dict[str, float]:
+        """What happened since the last call: tokens, generation rate, engine busy fraction, rewards."""
+        stats, self._stats = self._stats, _Interval(busy=self.in_flight > 0)
+        return stats.collect(self.in_flight, len(self.pending), self._stats.start)
+
+    # ------------------------------------------------------------------------------ worker
+
+    def _admissible(self) -> bool:
+        places = self.max_in_flight - self.in_flight >= self.n_samples and not self._held
+        bound = (self.version + self.max_staleness + 1) * self.groups_per_step
+        return places and self.trained + len(self.buffer) + len(self.pending) < bound
+
+    async def _run(self) -> None:
+        try:
+            while not self._stopping:
+                item = self.next_prompt() if self._admissible() else None
+                if item is not None:
+                    self._start_group(*item)
+                    continue
+                if not self.pending and self._admissible():  # nothing to wait for: the data ran out
+                    break
+                self._wake_worker.clear()
+                await self._wake_worker.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
+            if not isinstance(e, asyncio.CancelledError):
+                self.error = e
+            raise
+        finally:
+            self.finished = True
+            self._notify()
+
+    def _start_group(self, prompt: Prompt, ids: list[int]) -> None:
+        group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1
+        self.pending[group_id] = prompt
+        self._hold(self.n_samples)
+        task = asyncio.create_task(self._run_group(group_id, prompt, ids))
+        self._tasks.add(task)
+        task.add_done_callback(self._group_done)
+
+    async def _run_group(self, group_id: int, prompt: Prompt, ids: list[int]) -> None:
+        if self.rollout_group is not None:
+            group, counts = await self._rollout_whole_group(group_id, prompt, ids)
+        else:
+            group, counts = await self._generate_group(group_id, prompt, ids)
+        self._stats.add(group, counts)
+        await self.buffer.put(group)  # waits while the buffer is full; a dropped group went to on_drop
+        del self.pending[group_id]
+        self._notify()
+
+    async def _rollout_whole_group(self, group_id: int, prompt: Prompt, ids: list[int]) -> tuple[Group, ScoreCounts]:
+        ctx = dataclasses.replace(self.ctx, prompts={})  # rollout functions write per-call state into it
+        try:
+            result = await self.rollout_group(ctx, [(prompt, ids)], group_id, self.n_samples, self.reward)
+        finally:
+            self._hold(-self.n_samples)
+        return result.groups[0], result.counts
+
+    async def _generate_group(self, group_id: int, prompt: Prompt, ids: list[int]) -> tuple[Group, ScoreCounts]:
+        samples = [Sample(prompt_ids=list(ids), group_id=group_id, index=i, metadata=dict(prompt.metadata)) for i in range(self.n_samples)]
+        tasks = [asyncio.create_task(self._run_sample(s)) for s in samples]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # on a failure or cancellation, stop the group's other trajectories too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.granularity == "group":
+                self._hold(-self.n_samples)
+        group = Group(group_id=group_id, prompt=prompt, samples=tuple(samples))
+        return group, await score_groups_async([group], self.reward)
+
+    async def _run_sample(self, sample: Sample) -> None:
+        try:
+            await self.generate(self.ctx, sample)
+        finally:
+            if self.granularity == "sample":
+                self._hold(-1)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.error is None:
+            self.error = task.exception()
+            self._stopping = True
+            for other in self._tasks:
+                other.cancel()
+            if self._worker is not None:
+                self._worker.cancel()
+        self._notify()
+
+    def _hold(self, places: int) -> None:
+        self._stats.busy(self.in_flight, self.in_flight + places)
+        self.in_flight += places
+        self._notify()
+
+    def _notify(self) -> None:
+        self._wake_worker.set()
+        self._wake_trainer.set()
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Interval:
+    """Counters between two ``metrics`` calls; the engine counts as busy while a trajectory is in flight."""
+
+    def __init__(self, busy: bool = False) -> None:
+        self.start = time.perf_counter()
+        self.busy_since: float | None = self.start if busy else None
+        self.busy_s = 0.0
+        self.tokens = 0
+        self.groups = 0
+        self.counts = ScoreCounts()
+
+    def busy(self, before: int, after: int) -> None:
+        now = time.perf_counter()
+        if before == 0 and after > 0:
+            self.busy_since = now
+        elif before > 0 and after == 0 and self.busy_since is not None:
+            self.busy_s += now - self.busy_since
+            self.busy_since = None
+
+    def add(self, group: Group, counts: ScoreCounts) -> None:
+        self.tokens += sum(len(s.response_ids) for s in group.samples)
+        self.groups += 1
+        self.counts.scored += counts.scored
+        self.counts.skipped += counts.skipped
+        self.counts.failed.update(counts.failed)
+
+    def collect(self, in_flight: int, pending_groups: int, now: float) -> dict[str, float]:
+        busy = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+        seconds = max(now - self.start, 1e-9)
+        out = {
+            "rollout/in_flight": float(in_flight),
+            "rollout/in_flight_groups": float(pending_groups),
+            "rollout/groups_finished": float(self.groups),
+            "rollout/tokens": float(self.tokens),
+            "rollout/tokens_per_s": self.tokens / seconds,
+            "engine/busy_frac": min(busy / seconds, 1.0),
+        }
+        out.update({k: float(v) for k, v in self.counts.as_metrics().items()})
+        return out
