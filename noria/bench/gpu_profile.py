@@ -6,6 +6,9 @@
 2. One engine decode step of a Qwen3-size model at batch S: the graph replay's GPU time (CUDA
    events), the host time to fill its inputs, sampling, and the whole step as the engine loop
    sees it (scheduling included), averaged over the decode steps of one batch.
+
+Status: written after the first H200 runs and not yet run on a device (the session's device time
+ran out); expect to fix small things on its first run.
 """
 
 from __future__ import annotations
