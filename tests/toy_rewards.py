@@ -15,3 +15,12 @@ def flaky(response: str, label, metadata) -> float:
     if "a" in response:
         raise RuntimeError("flaky reward: refused a response with an 'a'")
     return digits(response, label, metadata)
+
+
+def slow_digits(response: str, label, metadata) -> float:
+    """``digits`` after a random pause of up to 30 ms (reward latency for the asynchronous-RL tests)."""
+    import random
+    import time
+
+    time.sleep(random.random() * 0.03)
+    return digits(response, label, metadata)
