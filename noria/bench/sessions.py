@@ -128,7 +128,7 @@ def flush_and_warm(urls: list[str], tokenizer: Any) -> None:
     for u in urls:
         urllib.request.urlopen(urllib.request.Request(f"{u}/flush_cache", data=b"{}", method="POST"), timeout=30).read()
         request = urllib.request.Request(f"{u}/generate", data=body, method="POST", headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(request, timeout=120).read()
+        urllib.request.urlopen(request, timeout=900).read()  # a first request may build the C++ kernels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc, _ in engines:
             proc.terminate()
-            proc.wait(30)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     name = f"{args.model} engines=2 sessions={args.sessions} turns={args.turns} new={args.new_tokens}"
     results = [
         {"case": name, "metric": metric, "noria": figures["noria"][metric], "peers": {"load_routing": figures["load_routing"][metric]}}
