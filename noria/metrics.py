@@ -112,6 +112,11 @@ METRICS: tuple[Metric, ...] = tuple(
         ("optimizer_step", "count", "Optimizer steps done so far."),
         ("train/samples", "count", "Samples trained on this step."),
         ("train/skipped_no_samples", "flag", "1 when no sample of the step could be trained on."),
+        ("critic/value_loss", "loss", "PPO with GAE: the critic's clipped value loss (0.5 * squared error), token mean."),
+        ("critic/value_clip_frac", "fraction", "Trained tokens whose value update was clipped (train.critic.value_clip)."),
+        ("critic/value_mean", "value", "Mean predicted value over trained tokens."),
+        ("critic/explained_variance", "1", "1 - Var(returns - values) / Var(returns): 1 is a perfect critic, 0 no better than a constant."),
+        ("critic/*", "varies", "The critic's optimizer-step figures (loss, grad_norm, lr, skipped, ...): same meaning as the policy's names."),
     ])
     + _table("time", [
         ("time/rollout_s", "s", "Generation plus reward scoring of the step's groups."),
