@@ -1,0 +1,139 @@
+"""``noria bench async``: synchronous vs fully asynchronous RL, the same work, long-tailed responses.
+
+The case: ``noria train`` twice, each in a fresh subprocess, with the engine in its own ``noria
+serve`` process (``rollout.placement: disaggregated``) and the trainer in the train process; the
+same model, prompts (arithmetic task), group size, prompts per step and number of steps. Only
+``rollout.max_staleness`` differs: 0 (synchronous: the trainer waits for the step's slowest
+trajectory, the engine waits for the optimizer and the weight push) against ``--staleness`` k
+(asynchronous: the engine keeps generating the next steps' groups while the trainer trains;
+``train.loss.off_policy: tis``; sample-level places).
+
+Long tail: responses are generated with ``ignore_eos`` by this module's generate function
+(``rollout.generate_fn``): 10% of trajectories, chosen by their sampling seed, get
+``--max-new-tokens`` tokens, the others an eighth of it (so the long ones are 8x the median).
+
+Figures per side (from ``metrics.jsonl``): ``tokens_per_s`` = trained response tokens over the
+wall time of all steps after the first (the first builds kernels); ``steps_per_s`` the same for
+steps (trained tokens per step differ: the asynchronous side trains what finished first, and drops
+a long group that finishes more than k versions late, so read both); ``trainer_idle_frac`` = time the
+trainer waited for groups over that wall time; ``engine_idle_frac`` = 1 - the share of time the
+scheduler had a trajectory in flight. The speedup is async / sync tokens per second. The reward
+(share of digits in the response) only gives GRPO something to rank; accuracy is not measured here.
+
+Not measured: several engines or trainer ranks, GPUs. On a small shared CPU the engine and the
+trainer compete for the same cores when they overlap, which caps what asynchrony can gain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+async def long_tail_generate(ctx: Any, sample: Any) -> Any:
+    """``generate_one`` with a per-trajectory length: 10% get max_new_tokens, the rest an eighth; EOS ignored."""
+    from noria.rollout.generate import generate_one, sample_seed
+
+    full = ctx.sampling.max_new_tokens
+    long = random.Random(sample_seed(ctx.seed, sample.group_id, sample.index)).random() < 0.1
+    sampling = dataclasses.replace(ctx.sampling, max_new_tokens=full if long else max(full // 8, 1))
+    return await generate_one(dataclasses.replace(ctx, sampling=sampling, engine=_IgnoreEos(ctx.engine)), sample)
+
+
+class _IgnoreEos:
+    """An engine client whose requests run to their token limit."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.name = engine.name
+
+    async def generate(self, req: Any) -> Any:
+        req.sampling.ignore_eos = True
+        return await self.engine.generate(req)
+
+
+def digit_share(response: str, label: Any, metadata: Any) -> float:
+    """Share of the response's non-space characters that are digits (varied enough for GRPO)."""
+    chars = [c for c in response if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+def config(model: str, steps: int, prompts_per_step: int, n_samples: int, max_new_tokens: int, staleness: int) -> dict:
+    cfg: dict[str, Any] = {
+        "name": f"bench-async-k{staleness}",
+        "model": {"path": model},
+        "data": {"task": "arithmetic", "task_args": {"n_train": 2000, "n_test": 8, "ops": ["+"]}},
+        "reward": {"name": "noria.bench.async_rl:digit_share"},
+        "rollout": {
+            "n_samples": n_samples, "prompts_per_step": prompts_per_step, "max_new_tokens": max_new_tokens,
+            "placement": "disaggregated", "max_staleness": staleness, "generate_fn": "noria.bench.async_rl:long_tail_generate",
+        },
+        "train": {"max_steps": steps, "optim": {"lr": 1e-6}},
+    }  # fmt: skip
+    if staleness > 0:
+        cfg["train"]["loss"] = {"off_policy": "tis"}
+    return cfg
+
+
+def figures(run: Path) -> dict[str, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()][1:]
+    wall = sum(r["seconds"] for r in rows)
+    return {
+        "steps": len(rows),
+        "wall_s": wall,
+        "tokens_per_s": sum(r["rollout/trained_tokens"] for r in rows) / wall,
+        "steps_per_s": len(rows) / wall,
+        "tokens_per_step": sum(r["rollout/trained_tokens"] for r in rows) / len(rows),
+        "dropped_stale": rows[-1].get("buffer/dropped/stale", 0.0),
+        "trainer_idle_frac": sum(r["time/trainer_wait_s"] for r in rows) / wall,
+        "engine_idle_frac": 1 - sum(r["engine/busy_frac"] * r["seconds"] for r in rows) / wall,
+        "max_staleness_seen": max(r["buffer/staleness_max"] for r in rows),
+    }
+
+
+def run(
+    model: str = "smollm2-135m-instruct",
+    steps: int = 8,
+    prompts_per_step: int = 4,
+    n_samples: int = 4,
+    max_new_tokens: int = 128,
+    staleness: int = 2,
+    json_path: str | None = None,
+    work_dir: str | None = None,
+) -> list[dict]:
+    from noria.bench import print_table, write_json
+
+    work = Path(work_dir or tempfile.mkdtemp(prefix="noria-bench-async-"))
+    work.mkdir(parents=True, exist_ok=True)
+    sides: dict[str, dict[str, float]] = {}
+    for name, k in (("sync", 0), ("async", staleness)):
+        path = work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config(model, steps, prompts_per_step, n_samples, max_new_tokens, k)))
+        run_dir = work / name
+        cmd = [sys.executable, "-m", "noria", "train", str(path), "--run-dir", str(run_dir), "--no-progress"]
+        print(f"bench async: {name} (max_staleness {k}) -> {run_dir}", file=sys.stderr)
+        subprocess.run(cmd, check=True)
+        sides[name] = figures(run_dir)
+    s, a = sides["sync"], sides["async"]
+    header = ["mode", "tokens/s", "steps/min", "tokens/step", "trainer idle", "engine idle", "wall s", "staleness max", "stale drops"]
+    rows = [[n, f["tokens_per_s"], 60 * f["steps_per_s"], f["tokens_per_step"], f["trainer_idle_frac"], f["engine_idle_frac"],
+             f["wall_s"], f["max_staleness_seen"], f["dropped_stale"]] for n, f in sides.items()]  # fmt: skip
+    case = f"{model} P={prompts_per_step} n={n_samples} long-tail max_new={max_new_tokens} (10% 8x median) k={staleness}"
+    print_table(f"async RL vs sync: {case}; speedup {a['tokens_per_s'] / s['tokens_per_s']:.2f}x", header, rows)
+    results = [
+        {"case": case, "metric": "tokens_per_s", "noria": a["tokens_per_s"], "peers": {"sync": s["tokens_per_s"]}, "bound": None},
+        {"case": case, "metric": "steps_per_s", "noria": a["steps_per_s"], "peers": {"sync": s["steps_per_s"]}, "bound": None},
+        {"case": case, "metric": "trainer_idle_frac", "noria": a["trainer_idle_frac"], "peers": {"sync": s["trainer_idle_frac"]}, "bound": None},
+        {"case": case, "metric": "engine_idle_frac", "noria": a["engine_idle_frac"], "peers": {"sync": s["engine_idle_frac"]}, "bound": None},
+    ]  # fmt: skip
+    if json_path:
+        write_json(json_path, "async", results)
+    return results
