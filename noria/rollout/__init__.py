@@ -4,7 +4,8 @@ Modules::
 
     client.py    EngineClient: LocalEngineClient (in process) and HttpEngineClient (SGLang HTTP API)
     generate.py  the default generate function and one step's rollout (generate + reward -> groups)
-    buffer.py    GroupBuffer: put / take / metrics, drops by reason, staleness on take
+    buffer.py    GroupBuffer: put (waits when full) / take / metrics, drops by reason, staleness on take
+    scheduler.py RolloutScheduler: the background worker keeping <= N trajectories in flight
 
 ``rollout`` speaks to engines only through the client, never to engine internals (DESIGN.md 4).
 """
