@@ -191,3 +191,25 @@ def test_truncated_turn_is_closed_before_appending(tmp_path):
     end = ChatFormat(tok).end_of_turn_id
     assert session.response_ids[n0] == end and session.loss_mask[n0] == 0  # the template's close, not the policy's
     assert engine.requests[1].input_ids == session.ids[: len(engine.requests[1].input_ids)]
+
+
+def test_engine_refusal_ends_the_trajectory_truncated(tmp_path):
+    from noria.agent.session import session_status
+    from noria.engine.protocol import RequestError
+    from noria.types import Status
+
+    tok = qwen3_tokenizer(tmp_path)
+
+    class TooLong:
+        async def generate(self, req):
+            raise RequestError(f"prompt has {len(req.input_ids)} tokens; the context limit is 8")
+
+    async def run():
+        async with SessionServer(TooLong(), tok, SamplingParams(max_new_tokens=8)) as server:
+            server.open("c")
+            err = await post(server.base_url("c"), {"messages": [{"role": "user", "content": "hi"}]}, expect=400)
+            return err, server.close("c")
+
+    err, session = asyncio.run(run())
+    assert err["error"]["code"] == "invalid_request" and session.engine_failure is None
+    assert session_status(session)[0] is Status.TRUNCATED

@@ -108,7 +108,10 @@ def finish(session: Any, sample: Sample, result: dict[str, Any], failure: str) -
     if failure:
         status, reason = Status.FAILED, failure
     elif "status" in result:
-        status, reason = Status(result["status"]), str(result.get("status_reason", ""))
+        try:
+            status, reason = Status(result["status"]), str(result.get("status_reason", ""))
+        except ValueError:
+            status, reason = Status.FAILED, f"agent returned an unknown status {result['status']!r}"
     sample.status, sample.status_reason = status, reason
     if result.get("reward") is not None and status is not Status.FAILED:
         sample.reward = float(result["reward"])

@@ -28,6 +28,10 @@ Sampling: temperature, top-p, top-k and min-p come from the server's ``SamplingP
 rollout config), never from the request, because the trainer recomputes log-probabilities at the
 rollout temperature; a request may lower ``max_tokens`` and add ``stop`` strings.
 
+An engine that refuses a request (too long for its context: ``RequestError`` in process, HTTP 4xx
+from a server) answers the agent 400 and ends the trajectory as TRUNCATED; any other engine error
+is kept and re-raised by the rollout after the agent returns (it stops the step).
+
 Routing: every engine request carries the session id as routing key; a request that names no
 session is refused (HTTP 400) before it reaches an engine or a router.
 
@@ -321,8 +325,12 @@ class SessionServer:
             except TemplateError as e:
                 return _error(400, "template_error", str(e))
             except RequestError as e:  # the engine refused the request (too long for its context, ...)
+                session.last_finish = "length"
                 return _error(400, "invalid_request", str(e))
-            except NoriaError as e:  # the engine failed: the rollout re-raises it after the agent returns
+            except NoriaError as e:  # the engine failed, or (HTTP 4xx) refused the request
+                if _refused(e):
+                    session.last_finish = "length"
+                    return _error(400, "invalid_request", str(e))
                 session.engine_failure = e
                 return _error(502, "engine_failure", str(e))
         response = {
@@ -353,6 +361,13 @@ class SessionServer:
         if s is None:
             return _error(404, "unknown_session", "no such session")
         return web.json_response({"id": s.id, "turns": s.turns, "tokens": len(s.ids), "policy_tokens": sum(s.loss_mask)})
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether an engine client's error is the server's 4xx answer (a bad request, not a dead engine)."""
+    cause = error.__cause__
+    response = getattr(cause, "response", None)
+    return response is not None and 400 <= getattr(response, "status_code", 0) < 500
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
