@@ -154,6 +154,12 @@ class Job:
         self.client, target = self.start_engine(path)
         self.backend = FSDPBackend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
         self.backend.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
+        self.critic = None
+        if cfg.train.loss.advantage == "gae":  # PPO: a value model gives per-token advantages
+            from noria.train.critic import CriticBackend
+
+            self.critic = CriticBackend(cfg.train, seed=cfg.seed)
+            self.critic.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
         self.sync = build_weight_sync(cfg, target, self.folder)
         if resume:
             self.restore()
@@ -264,14 +270,19 @@ class Job:
         samples = [s for g in kept for s in g]
         if not samples:
             return {"time/train_s": time.perf_counter() - t0, "train/skipped_no_samples": 1.0}
-        advantages = compute_advantages(cfg.loss, [[s.reward for s in g] for g in kept])
-        flat_adv = [a for per_group in advantages for a in per_group]
         k = cfg.steps_per_rollout
-        size = math.ceil(len(samples) / k)
-        slices = [(samples[i : i + size], flat_adv[i : i + size]) for i in range(0, len(samples), size)]
-        batches = [pack_samples(s, a) for s, a in slices]
-        old = [self.backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
-        parts = [self.backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
+        if self.critic is not None:
+            from noria.train.critic import ppo_train
+
+            parts = ppo_train(self.backend, self.critic, samples, cfg, k)
+        else:
+            advantages = compute_advantages(cfg.loss, [[s.reward for s in g] for g in kept])
+            flat_adv = [a for per_group in advantages for a in per_group]
+            size = math.ceil(len(samples) / k)
+            slices = [(samples[i : i + size], flat_adv[i : i + size]) for i in range(0, len(samples), size)]
+            batches = [pack_samples(s, a) for s, a in slices]
+            old = [self.backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
+            parts = [self.backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
         out = average(parts)
         out["optimizer_step"] = out.pop("step", float(self.backend.step))
         out["train/samples"] = float(len(samples))
@@ -360,6 +371,8 @@ class Job:
 
             target = checkpoint_dir(self.folder, self.step)
             if not target.exists():
+                if self.critic is not None:  # first: the policy's checkpoint commits the step
+                    self.critic.save(critic_checkpoint(target))
                 self.backend.save(target, extra=self.checkpoint_extra())
 
     def checkpoint_extra(self) -> dict[str, Any]:
@@ -383,6 +396,8 @@ class Job:
         ckpt = latest_checkpoint(self.folder)
         if ckpt is not None:
             extra = self.backend.load(ckpt)
+            if self.critic is not None:
+                self.critic.load(critic_checkpoint(ckpt))
             self.step = int(extra["rl_step"])
             self.next_group_id = int(extra["next_group_id"])
             self.trained_groups = int(extra.get("trained_groups", self.step * self.config.rollout.prompts_per_step))
@@ -445,6 +460,11 @@ def rollout_plugin(rollout: Any) -> dict[str, Any]:
 
         return {"generate": load_plugin(rollout.generate_fn, "rollout.generate_fn")}
     return {"generate": generate_one}
+
+
+def critic_checkpoint(policy_checkpoint: Path) -> Path:
+    """Where the critic of a policy checkpoint lives (``step-N.critic``, committed before ``step-N``)."""
+    return policy_checkpoint.with_name(policy_checkpoint.name + ".critic")
 
 
 def backend_options(config: RunConfig) -> dict[str, Any]:

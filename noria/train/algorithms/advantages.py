@@ -11,8 +11,8 @@ with a single sample has no baseline to compare against; the group estimators gi
 Standard deviations are the unbiased (n - 1) estimate, as in TRL and verl, and ``EPS`` keeps the
 division finite when every reward of a group is equal (those samples then get advantage 0).
 
-GAE is a separate pure function over token rewards and values: the value model (critic) that would
-produce those values belongs to the trainer backend.
+GAE is a separate pure function over token rewards and values; the value model (critic) that
+produces those values is ``noria.train.critic`` (PPO with ``train.loss.advantage: gae``).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def compute_advantages(cfg: LossConfig, rewards: list[list[float]]) -> list[list
     """
     if cfg.advantage == "gae":
         raise UnknownAlgorithmError(
-            "train.loss.advantage: 'gae' needs per-token values from a value model, which the trainer does not "
-            "provide yet; call noria.train.algorithms.gae(token_rewards, values, mask, gamma, lam) directly "
-            f"or pick an outcome estimator: {', '.join(sorted(ADVANTAGES))}"
+            "train.loss.advantage: 'gae' needs per-token values from the critic, not group rewards: the RL job "
+            "runs it through noria.train.critic.ppo_train (or call noria.train.algorithms.gae directly); "
+            f"outcome estimators here: {', '.join(sorted(ADVANTAGES))}"
         )
     return lookup(ADVANTAGES, "advantage estimator", cfg.advantage, "train.loss.advantage")(cfg, rewards)
 
