@@ -18,7 +18,8 @@ shared system prompt (one request sent to each engine directly: a fleet serving 
   request), and the session server sends no key.
 
 Measured per case: hit rate = sum of the engines' ``cached_tokens`` over sum of prompt tokens of
-every request (also for turns >= 2 only), generated tokens per second of wall time, wall seconds.
+every request (also for turns >= 2 only), generated tokens per second of wall time, wall seconds,
+and the busiest engine's share of the generated tokens (0.5 is an even split).
 
 Not measured: eviction under memory pressure (the caches hold every session), think time between
 turns. Both engines and the router share this machine's cores.
@@ -119,6 +120,16 @@ async def run_case(engine: Any, tokenizer: Any, sessions: int, turns: int, new_t
     }
 
 
+def generated_tokens(urls: list[str]) -> list[float]:
+    """Each engine's generated-token counter (its Prometheus ``/metrics``)."""
+    out = []
+    for u in urls:
+        text = urllib.request.urlopen(f"{u}/metrics", timeout=30).read().decode()
+        line = next(x for x in text.splitlines() if x.startswith("noria_engine_generated_tokens "))
+        out.append(float(line.split()[1]))
+    return out
+
+
 def flush_and_warm(urls: list[str], tokenizer: Any) -> None:
     """Empty every engine's prefix cache, then prefill the shared system prompt on each (steady state)."""
     from noria.agent.chat_format import ChatFormat
@@ -159,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             with SglangRouter(urls, policy=policy, log_path=logs / f"router-{case}.log") as router:
                 client = HttpEngineClient(router.url)
                 engine = client if case == "noria" else KeylessClient(client)
+                before = generated_tokens(urls)
                 figures[case] = asyncio.run(run_case(engine, tokenizer, args.sessions, args.turns, args.new_tokens))
+                work = [a - b for a, b in zip(generated_tokens(urls), before)]
+                figures[case]["busiest_engine_share"] = max(work) / max(sum(work), 1.0)
     finally:
         for proc, _ in engines:
             proc.terminate()
@@ -171,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{args.model} engines=2 sessions={args.sessions} turns={args.turns} new={args.new_tokens}"
     results = [
         {"case": name, "metric": metric, "noria": figures["noria"][metric], "peers": {"load_routing": figures["load_routing"][metric]}}
-        for metric in ("hit_rate", "hit_rate_turn2plus", "tokens_per_s", "seconds")
+        for metric in ("hit_rate", "hit_rate_turn2plus", "tokens_per_s", "seconds", "busiest_engine_share")
     ]
     rows = [[r["metric"], r["noria"], r["peers"]["load_routing"]] for r in results]
     print_table(f"sessions: {name}", ["metric", "noria (session key)", "load_routing"], rows)
