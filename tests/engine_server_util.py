@@ -69,3 +69,22 @@ class ServeProcess:
             code = self.process.wait()
         self.log.close()
         return code
+
+
+def routed_engines(model_dir, logs: Path, count: int = 2):
+    """Generator for a fixture: ``count`` ``noria serve`` engines behind the real sglang-router,
+    yielding ``(router, engines)`` and stopping them all afterwards."""
+    from noria.router.sglang_router import SglangRouter
+
+    engines = [ServeProcess(model_dir, "--engine-id", f"engine-{i}", log_dir=logs) for i in range(count)]
+    router = None
+    try:
+        for e in engines:
+            e.wait_ready()
+        router = SglangRouter([e.url for e in engines], log_path=logs / "router.log").start(timeout_s=60)
+        yield router, engines
+    finally:
+        if router is not None:
+            router.stop()
+        for e in engines:
+            e.stop()

@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from engine_server_util import ServeProcess
+from engine_server_util import routed_engines
 
 from noria.engine.protocol import GenerateOutput, GenerateRequest, SamplingParams
 from noria.router import ROUTING_HEADER, LocalRouter, MissingRoutingKey, RoutedClient
-from noria.router.sglang_router import SglangRouter, free_port
+from noria.router.sglang_router import free_port
 
 LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
 ONE = {"max_new_tokens": 1}
@@ -23,19 +23,7 @@ ONE = {"max_new_tokens": 1}
 @pytest.fixture(scope="module")
 def routed(tiny_model_dir, tmp_path_factory):
     pytest.importorskip("sglang_router")
-    logs = tmp_path_factory.mktemp("router-logs")
-    engines = [ServeProcess(tiny_model_dir, "--engine-id", f"engine-{i}", log_dir=logs) for i in range(2)]
-    router = None
-    try:
-        for e in engines:
-            e.wait_ready()
-        router = SglangRouter([e.url for e in engines], log_path=logs / "router.log").start(timeout_s=60)
-        yield router, engines
-    finally:
-        if router is not None:
-            router.stop()
-        for e in engines:
-            e.stop()
+    yield from routed_engines(tiny_model_dir, tmp_path_factory.mktemp("router-logs"))
 
 
 def engine_of(router_url: str, key: str | None, sampling: dict = ONE) -> str:

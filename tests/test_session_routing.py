@@ -8,30 +8,17 @@ import asyncio
 
 import httpx
 import pytest
-from engine_server_util import ServeProcess
+from engine_server_util import routed_engines
 
 from noria.agent.session import SessionServer, session_generate
 from noria.engine.protocol import GenerateRequest, SamplingParams
 from noria.router import MissingRoutingKey
-from noria.router.sglang_router import SglangRouter
 
 
 @pytest.fixture(scope="module")
 def routed(tiny_model_dir, tmp_path_factory):
     pytest.importorskip("sglang_router")
-    logs = tmp_path_factory.mktemp("session-router-logs")
-    engines = [ServeProcess(tiny_model_dir, "--engine-id", f"engine-{i}", log_dir=logs) for i in range(2)]
-    router = None
-    try:
-        for e in engines:
-            e.wait_ready()
-        router = SglangRouter([e.url for e in engines], log_path=logs / "router.log").start(timeout_s=60)
-        yield router, engines
-    finally:
-        if router is not None:
-            router.stop()
-        for e in engines:
-            e.stop()
+    yield from routed_engines(tiny_model_dir, tmp_path_factory.mktemp("session-router-logs"))
 
 
 @pytest.mark.router
