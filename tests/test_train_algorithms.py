@@ -75,7 +75,7 @@ def test_reinforce_pp_baseline_centres_per_group_then_normalises_globally():
 def test_unknown_advantage_lists_valid_names_and_gae_points_to_the_function():
     with pytest.raises(NoriaError, match="train.loss.advantage.*valid: dr_grpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo"):
         compute_advantages(LossConfig(advantage="ppo"), [[1.0]])
-    with pytest.raises(UnknownAlgorithmError, match="value model.*noria.train.algorithms.gae"):
+    with pytest.raises(UnknownAlgorithmError, match="critic.*noria.train.critic.ppo_train.*noria.train.algorithms.gae"):
         compute_advantages(LossConfig(advantage="gae"), [[1.0]])
 
 
@@ -325,7 +325,7 @@ def test_registries_hold_the_documented_names():
     assert set(POLICY_LOSSES) == {"ppo_clip", "gspo", "cispo"}
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "low_var_kl"}
     assert set(AGGREGATIONS) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum"}
-    assert set(OFF_POLICY) == {"none", "tis", "mis", "seq_is"}
+    assert set(OFF_POLICY) == {"none", "tis", "mis", "seq_is", "recompute"}
 
 
 def test_registering_a_taken_name_is_refused():
