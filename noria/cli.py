@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         "async",
         help="trained tokens/s, trainer and engine idle: synchronous vs fully asynchronous RL, long-tailed responses",
         description="`noria train` twice with the engine as its own noria serve process: max_staleness 0 against "
-        "--staleness, the same steps; 10%% of responses are 8x the median length (EOS ignored). Idle fractions: "
+        "--staleness, the same steps; 10% of responses are 8x the median length (EOS ignored). Idle fractions: "
         "lower is better.",
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step")
     p.add_argument("--n-samples", type=int, default=4, help="answers per prompt")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length of the long responses (the others: an eighth)")
-    p.add_argument("--staleness", type=int, default=2, help="rollout.max_staleness of the asynchronous side")
+    p.add_argument("--staleness", type=int, default=4, help="rollout.max_staleness of the asynchronous side")
     p.add_argument("--work-dir", help="folder for the configs and run folders (default a new temp folder)")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_bench_async, takes_overrides=False)
