@@ -105,7 +105,7 @@ def run(
     prompts_per_step: int = 4,
     n_samples: int = 4,
     max_new_tokens: int = 128,
-    staleness: int = 2,
+    staleness: int = 4,
     json_path: str | None = None,
     work_dir: str | None = None,
 ) -> list[dict]:
