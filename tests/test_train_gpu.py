@@ -69,3 +69,26 @@ def test_fsdp2_nccl_matches_single_cuda(tiny_model_dir, tmp_path):
     bf16 = make_backend(tiny_model_dir, device="cuda", micro_batch_tokens=24)
     m16 = bf16.train_step(batch)
     assert got["m16"]["skipped"] == 0.0 and got["m16"]["grad_norm"] == pytest.approx(m16["grad_norm"], rel=0.05)
+
+
+def test_shared_prefix_and_critic_on_cuda(tiny_model_dir):
+    """Shared-prefix packing on the GPU gives the plain packing's logprobs and step; the PPO critic
+    trains there too."""
+    from noria.train.critic import CriticBackend, ppo_train
+    from test_train_critic import critic_config, samples_with_rewards
+    from test_train_shared_prefix import grouped_samples
+
+    samples = grouped_samples(groups=((12, 4), (9, 3), (5, 1)), vocab=200)
+    batch = pack_samples(samples, torch.linspace(-1, 1, len(samples)).tolist())
+    plain = make_backend(tiny_model_dir, loss_fn=None, device="cuda", share_prefix=False, micro_batch_tokens=40)
+    shared = make_backend(tiny_model_dir, loss_fn=None, device="cuda", share_prefix=True, micro_batch_tokens=40)
+    torch.testing.assert_close(shared.compute_logprobs(batch).logprobs, plain.compute_logprobs(batch).logprobs, atol=1e-4, rtol=1e-4)
+    m_plain, m_shared = plain.train_step(batch), shared.train_step(batch)
+    assert abs(m_plain["loss"] - m_shared["loss"]) < 1e-4 and abs(m_plain["grad_norm"] - m_shared["grad_norm"]) < 1e-3
+    cfg = critic_config()
+    cfg.device = "cuda"
+    cfg.loss.advantage = "gae"
+    critic = CriticBackend(cfg)
+    critic.init(tiny_model_dir)
+    parts = ppo_train(shared, critic, samples_with_rewards(), cfg, steps=1)
+    assert parts[0]["critic/skipped"] == 0.0 and parts[0]["critic/value_loss"] > 0
