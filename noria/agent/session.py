@@ -339,7 +339,11 @@ class SessionServer:
             "created": int(time.time()),
             "model": "noria-session",
             "choices": [choice],
-            "usage": {"prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.output_ids)},
+            "usage": {
+                "prompt_tokens": out.prompt_tokens,
+                "completion_tokens": len(out.output_ids),
+                "total_tokens": out.prompt_tokens + len(out.output_ids),  # required by OpenAI's schema
+            },
             "noria": {"weight_version": out.weight_version, "cached_tokens": out.cached_tokens, "turn": session.turns},
         }
         if body.get("stream"):
