@@ -60,6 +60,7 @@ class KeylessClient:
 
 
 def start_engine(model: str, log_dir: Path, name: str) -> tuple[subprocess.Popen, str]:
+    from noria.launch.local import wait_healthy
     from noria.router.sglang_router import free_port
 
     port = free_port()
@@ -69,18 +70,8 @@ def start_engine(model: str, log_dir: Path, name: str) -> tuple[subprocess.Popen
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited; see {log_dir / (name + '.log')}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"{name} not healthy")
+    wait_healthy(proc, url, log_dir / f"{name}.log", timeout_s=300)
+    return proc, url
 
 
 async def run_case(engine: Any, tokenizer: Any, sessions: int, turns: int, new_tokens: int) -> dict[str, float]:

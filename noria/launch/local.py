@@ -554,20 +554,27 @@ def start_server(path: Path, config: RunConfig, folder: Path) -> tuple[subproces
     log = open(folder / "engine.log", "ab")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVE_READY_TIMEOUT_S
+    wait_healthy(process, url, folder / "engine.log")
+    return process, url
+
+
+def wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s: float = SERVE_READY_TIMEOUT_S) -> None:
+    """Wait until the ``noria serve`` child at ``url`` answers /health; EngineFailure (with the log's
+    tail) if it exits first, or (after stopping it) if it is not healthy within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            tail = (folder / "engine.log").read_text(errors="replace")[-2000:]
+            tail = log_path.read_text(errors="replace")[-2000:]
             raise EngineFailure(f"engine server (noria serve) exited with code {process.returncode} while starting:\n{tail}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
-                    return process, url
+                    return
         except OSError:
             pass
         time.sleep(0.5)
     stop_server(process)
-    raise EngineFailure(f"engine server at {url} did not become healthy within {SERVE_READY_TIMEOUT_S:g} s (see {folder / 'engine.log'})")
+    raise EngineFailure(f"engine server at {url} did not become healthy within {timeout_s:g} s (see {log_path})")
 
 
 def stop_server(process: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -38,11 +38,10 @@ import torch
 from torch import nn
 
 from noria.config import LossConfig, TrainConfig
-from noria.models import PackedContext
 from noria.train.algorithms.advantages import EPS, gae
 from noria.train.backend import TrainError
-from noria.train.fsdp import FSDPBackend
-from noria.train.packing import batch_to, pack_samples, prediction_sources, shared_layout, slice_batch
+from noria.train.fsdp import FSDPBackend, packed_hidden, wanted_sources
+from noria.train.packing import batch_to, pack_samples, slice_batch
 from noria.types import Sample, TrainBatch
 
 
@@ -59,12 +58,8 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False, prefix_lens=None, seq_ids=None, want=None):
-        ctx = PackedContext(torch.diff(cu_seqlens).tolist(), shared=shared_layout(cu_seqlens, prefix_lens, seq_ids))
-        hidden = self.lm.hidden_states(input_ids[None], positions[None], ctx)[0]
-        src, dst = prediction_sources(cu_seqlens, positions, prefix_lens)
-        if want is not None:
-            keep = want[dst]
-            src, dst = src[keep], dst[keep]
+        hidden = packed_hidden(self.lm, input_ids, positions, cu_seqlens, prefix_lens, seq_ids)
+        src, dst = wanted_sources(cu_seqlens, positions, prefix_lens, want)
         values = self.value_head(hidden.index_select(0, src)).squeeze(-1).float()
         out = torch.zeros(input_ids.numel(), dtype=torch.float32, device=hidden.device)
         return out.index_copy(0, dst, values), None

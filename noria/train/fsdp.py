@@ -150,19 +150,29 @@ class LogprobModel(nn.Module):
     def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False, prefix_lens=None, seq_ids=None, want=None):
         """``prefix_lens`` / ``seq_ids``: a shared-prefix batch (``TrainBatch``); ``want`` (bool [N]):
         compute only these tokens' logprobs (the LM head skips the rest, which get 0)."""
-        shared = shared_layout(cu_seqlens, prefix_lens, seq_ids)
-        ctx = PackedContext(torch.diff(cu_seqlens).tolist(), deterministic=self.deterministic, shared=shared)
-        hidden = self.lm.hidden_states(input_ids[None], positions[None], ctx)[0]
+        hidden = packed_hidden(self.lm, input_ids, positions, cu_seqlens, prefix_lens, seq_ids, self.deterministic)
         pairs = None
         if prefix_lens is not None or want is not None:
-            src, dst = prediction_sources(cu_seqlens, positions, prefix_lens)
-            if want is not None:
-                keep = want[dst]
-                src, dst = src[keep], dst[keep]
-            pairs = (src, dst)
+            pairs = wanted_sources(cu_seqlens, positions, prefix_lens, want)
         return token_logprobs(
             hidden, self.lm.lm_head, input_ids, cu_seqlens, self.chunk_tokens, with_entropy, self.temperature, pairs
         )
+
+
+def packed_hidden(lm: nn.Module, input_ids, positions, cu_seqlens, prefix_lens=None, seq_ids=None, deterministic=False):
+    """Final hidden states [N, H] of a packed batch (plain or shared-prefix sequences)."""
+    shared = shared_layout(cu_seqlens, prefix_lens, seq_ids)
+    ctx = PackedContext(torch.diff(cu_seqlens).tolist(), deterministic=deterministic, shared=shared)
+    return lm.hidden_states(input_ids[None], positions[None], ctx)[0]
+
+
+def wanted_sources(cu_seqlens, positions, prefix_lens=None, want=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prediction_sources`` restricted to the tokens ``want`` (bool [N]) marks, when given."""
+    src, dst = prediction_sources(cu_seqlens, positions, prefix_lens)
+    if want is not None:
+        keep = want[dst]
+        src, dst = src[keep], dst[keep]
+    return src, dst
 
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
