@@ -46,6 +46,21 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _module(name: str):
+    """A GPU benchmark module that declares its own arguments: ``add_arguments(parser)`` and
+    ``main(args) -> int`` (imported when the parser is built: keep torch out of its top level)."""
+    import importlib
+
+    return importlib.import_module(f"noria.bench.{name}")
+
+
+def _module_parser(bsub, command: str, module: str, help: str) -> None:
+    mod = _module(module)
+    p = bsub.add_parser(command, help=help)
+    mod.add_arguments(p)
+    p.set_defaults(handler=lambda args, overrides: mod.main(args), takes_overrides=False)
+
+
 def add_parsers(bsub) -> None:
     """Register the GPU benchmarks under ``noria bench``."""
     p = bsub.add_parser("gpu-engine", help="CUDA: decode tokens/s of the engine vs HF generate and the bandwidth bound")
@@ -93,3 +108,8 @@ def add_parsers(bsub) -> None:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_profile, takes_overrides=False)
+
+    _module_parser(bsub, "gpu-rl", "gpu_rl",
+                   "CUDA: the main job's algorithm on a random Qwen3-shaped model, seconds per step and stage shares")
+    _module_parser(bsub, "gpu-multi", "gpu_multi",
+                   "several CUDA GPUs: FSDP2 over 2 GPUs vs 1, async RL with engine and trainer on separate GPUs")
