@@ -3,6 +3,10 @@
 Subcommands import their component lazily, so ``noria --help`` and config errors answer in well
 under a second and before any model is loaded. Overrides are dotted config keys
 (``--rollout.n_samples 8``); they are validated together with the YAML file before any heavy work.
+
+``main`` first turns NVLink multicast off in the environment (NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1; exported values win), so that every
+process a command starts inherits it (see ``noria.launch.env``).
 """
 
 from __future__ import annotations
@@ -439,6 +443,9 @@ def split_overrides(argv: list[str], own_options: set[str]) -> tuple[list[str], 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from noria.launch.env import multicast_off
+
+    multicast_off()  # before any process group; every child process inherits it (noria.launch.env)
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -35,6 +35,15 @@ class ConfigError(NoriaError):
     """A config file or override is invalid; the message names the key path."""
 
 
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device(key: str, device: str) -> None:
+    """``device`` must be cpu, cuda or cuda:N."""
+    if not DEVICE.fullmatch(device):
+        raise ConfigError(f"{key} must be cpu, cuda or cuda:N, got {device!r}")
+
+
 def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
     """A config field with its documentation; ``default`` may be a callable via ``factory``."""
     factory = kwargs.pop("factory", dataclasses.MISSING)
@@ -195,6 +204,11 @@ class RolloutConfig:
     engine_url: str | None = option(
         None, "disaggregated: base URL of a running engine server (noria serve, SGLang); null starts `noria serve` itself."
     )
+    engine_device: str | None = option(
+        None,
+        "disaggregated: torch device of the `noria serve` engine the run starts (its --device), e.g. cuda:0 while "
+        "train.device is cuda:1; null uses model.device. The trainer stays on train.device.",
+    )
     max_staleness: int = option(
         0, "Largest allowed trainer version minus the oldest weight version in a group; 0 is synchronous RL."
     )
@@ -239,6 +253,13 @@ class RolloutConfig:
             raise ConfigError(f"rollout.engine_timeout_s must be > 0, got {self.engine_timeout_s}")
         if self.engine_url is not None and self.placement != "disaggregated":
             raise ConfigError("rollout.engine_url names an external engine: it needs rollout.placement: disaggregated")
+        if self.engine_device is not None:
+            if self.placement != "disaggregated" or self.engine_url is not None:
+                raise ConfigError(
+                    "rollout.engine_device places the `noria serve` engine the run starts: it needs rollout.placement: "
+                    "disaggregated and no rollout.engine_url (a colocated engine uses model.device)"
+                )
+            check_device("rollout.engine_device", self.engine_device)
         if self.max_staleness > 0 and self.placement == "colocated":
             raise ConfigError(
                 "rollout.max_staleness > 0 (asynchronous RL) needs rollout.placement: disaggregated; a colocated engine "
@@ -463,6 +484,12 @@ class SyncConfig:
     bucket_mb: int = option(256, "Tensors are sent in buckets of about this many MiB.")
     verify: bool = option(False, "After every update, compare a checksum of every engine tensor with the trainer's.")
     disk_dir: str | None = option(None, "disk transport: folder the weights are written to; null uses RUN_DIR/weights.")
+    broadcast_backend: Literal["auto", "nccl", "gloo"] = option(
+        "auto",
+        "broadcast transport's group: nccl (CUDA weights, the engine on another GPU), gloo (any tensors; CUDA ones "
+        "travel through host memory). auto: nccl when the trainer's weights are on CUDA, except gloo when the RL "
+        "job's engine is on the trainer's own GPU (NCCL cannot hold two ranks on one GPU).",
+    )
 
     def validate(self) -> None:
         if self.bucket_mb < 1:

@@ -5,7 +5,9 @@ What it owns: turning a ``RunConfig`` into running parts, and the parts' per-ste
 - data: the task's (or file's) train and test prompts, rendered once; too-long ones dropped;
 - the engine, by ``rollout.placement``: ``colocated`` builds the built-in ``Engine`` in this
   process (it pauses and releases its KV memory while the trainer runs); ``disaggregated`` starts
-  ``noria serve`` as a child process on a free loopback port, or uses ``rollout.engine_url``;
+  ``noria serve`` as a child process on a free loopback port (on ``rollout.engine_device``, else
+  ``model.device``; the trainer stays on ``train.device``, so engine and trainer may hold one GPU
+  each), or uses ``rollout.engine_url``;
 - the trainer backend (``FSDPBackend``, one process), the weight sync (``noria.sync``), the group
   buffer, and the run folder (config.yaml, metrics.jsonl, eval.jsonl, checkpoints/, final/);
 - the rollout scheduler (``noria.rollout.scheduler``), a background task on the loop's event loop
@@ -14,6 +16,11 @@ What it owns: turning a ``RunConfig`` into running parts, and the parts' per-ste
 
 Weight updates: a disaggregated engine is paused around each push (``rollout.pause_mode``: retract
 or in place); a colocated one is already paused, its KV memory released, for the trainer's turn.
+The ``broadcast`` transport's group (``sync.broadcast_backend: auto``) is NCCL when the trainer is
+on a GPU and the engine on another one, gloo otherwise (both on one GPU: NCCL refuses two ranks
+on one device, so the CUDA weights go through host memory).
+
+Child processes get this process's environment with NVLink multicast off (``noria.launch.env``).
 
 Order of checks: the config is validated when loaded; prompts, reward and run folder are checked
 here before any model loads, so a bad input costs seconds, not a model load.
@@ -35,7 +42,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -47,6 +53,7 @@ from typing import Any
 
 from noria.config import RunConfig, save_config
 from noria.errors import NoriaError
+from noria.launch.env import child_env
 from noria.metrics import RunLog, mean
 from noria.rollout import EngineFailure, HttpEngineClient, LocalEngineClient, RolloutContext
 from noria.rollout.buffer import build_buffer, prompt_to_dict, resolve_filters
@@ -263,6 +270,10 @@ class Job:
         from noria.train import pack_samples
         from noria.train.algorithms import compute_advantages
 
+        with on_device(self.backend.device):
+            return self._train(groups)
+
+    def _train(self, groups: list[Group]) -> dict[str, float]:
         t0 = time.perf_counter()
         cfg = self.config.train
         kept = [trainable(g) for g in groups]
@@ -294,12 +305,16 @@ class Job:
         version = self.version + 1 if advance else self.version
         bucket = self.config.sync.bucket_mb << 20
         async with self.generation_paused():
-            metrics = await asyncio.to_thread(self.sync.push, self.backend.state_dict_for_sync(bucket), version)
+            metrics = await asyncio.to_thread(self.push, version, bucket)
         self.version = version
         self.backend.weight_version = version
         if self.scheduler is not None:
             self.scheduler.on_version(version)
         return metrics
+
+    def push(self, version: int, bucket_bytes: int) -> dict[str, float]:
+        with on_device(self.backend.device):
+            return self.sync.push(self.backend.state_dict_for_sync(bucket_bytes), version)
 
     @contextlib.asynccontextmanager
     async def generation_paused(self) -> AsyncIterator[None]:
@@ -481,9 +496,35 @@ def build_weight_sync(config: RunConfig, target: Any, folder: Path) -> Any:
     cfg = config.sync
     if cfg.transport == "auto" and config.rollout.engine_url is not None:
         cfg = dataclasses.replace(cfg, transport="disk")  # an external server loads a folder
+    if cfg.broadcast_backend == "auto" and same_cuda_device(config.train.device, engine_device(config)):
+        cfg = dataclasses.replace(cfg, broadcast_backend="gloo")  # NCCL: one rank per GPU
     from noria.models.catalog import model_path
 
     return build_sync(cfg, [target], run_dir=folder, source=model_path(config.model.path))
+
+
+def on_device(device: Any) -> contextlib.AbstractContextManager:
+    """The trainer's CUDA device as the current one for the calling thread (worker threads start on
+    cuda:0; code that means "the current device" then means the trainer's, e.g. on cuda:1)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)
+
+
+def engine_device(config: RunConfig) -> str:
+    """The device of the ``noria serve`` engine the run starts: ``rollout.engine_device`` or ``model.device``."""
+    return config.rollout.engine_device or config.model.device
+
+
+def same_cuda_device(a: str, b: str) -> bool:
+    """Whether two device strings name the same CUDA device (``cuda`` is ``cuda:0``: no process here
+    sets another current device before the trainer and the engine load)."""
+    import torch
+
+    da, db = torch.device(a), torch.device(b)
+    return da.type == db.type == "cuda" and (da.index or 0) == (db.index or 0)
 
 
 def trainable(group: Group) -> list[Sample]:
@@ -545,14 +586,14 @@ def start_server(path: Path, config: RunConfig, folder: Path) -> tuple[subproces
 
     port = free_port()
     cmd = [sys.executable, "-m", "noria", "serve", "--model", str(path), "--port", str(port)]
-    cmd += ["--dtype", config.model.dtype, "--device", config.model.device, "--weight-version", "0"]
+    cmd += ["--dtype", config.model.dtype, "--device", engine_device(config), "--weight-version", "0"]
     for f in fields(config.engine):
         value = getattr(config.engine, f.name)
         if value is not None:
             cmd += [f"--engine.{f.name}", json.dumps(value) if not isinstance(value, str) else value]
     folder.mkdir(parents=True, exist_ok=True)
     log = open(folder / "engine.log", "ab")
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     wait_healthy(process, url, folder / "engine.log")
     return process, url

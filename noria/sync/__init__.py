@@ -92,7 +92,7 @@ def _transport(name: str, targets: list[Any], pool: Any, cfg: SyncConfig, run_di
     if name == "broadcast":
         from noria.sync.broadcast import BroadcastTransport
 
-        return BroadcastTransport(targets, pool)
+        return BroadcastTransport(targets, pool, cfg.broadcast_backend)
     from noria.sync.disk import DiskTransport
 
     if cfg.disk_dir is None and run_dir is None:

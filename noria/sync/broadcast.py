@@ -2,8 +2,12 @@
 
 The group is made at the first push: the trainer hosts the rendezvous store on 127.0.0.1 (a free
 port) and every engine joins as rank 1..n (``/init_weights_update_group``, or
-``Engine.init_weights_update_group`` in process); gloo when the trainer's tensors are on the CPU,
-NCCL when they are on CUDA. Per bucket::
+``Engine.init_weights_update_group`` in process). Its backend (``sync.broadcast_backend``): gloo
+when the trainer's tensors are on the CPU, NCCL when they are on CUDA (auto); gloo can be asked for
+with CUDA tensors too (an engine on the trainer's own GPU, which NCCL refuses as a second rank on one
+device): the trainer sends host copies and a CUDA engine receives through gloo's host staging; nccl
+with CPU tensors is an error. Engine and trainer may be on different CUDA devices: each rank's NCCL
+communicator lives on the device of the tensors it passes. Per bucket::
 
     trainer:  post the bucket's names/dtypes/shapes and chunk plan to every engine
               ─▶ one broadcast per chunk, all in flight at once: a tensor of ALONE_BYTES or more
@@ -51,8 +55,12 @@ MASTER_ADDRESS = "127.0.0.1"
 class BroadcastTransport(Transport):
     name = "broadcast"
 
-    def __init__(self, targets: list[Any], pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    def __init__(self, targets: list[Any], pool: concurrent.futures.ThreadPoolExecutor, backend: str = "auto") -> None:
+        """``backend``: auto (by the device of the tensors sent), nccl or gloo."""
         super().__init__(targets, pool)
+        if backend not in ("auto", "nccl", "gloo"):
+            raise WeightSyncError(f"broadcast backend must be auto, nccl or gloo, got {backend!r}")
+        self.wanted = backend
         self.group: Any = None
         self.group_name = ""
         self.backend = ""
@@ -60,8 +68,7 @@ class BroadcastTransport(Transport):
 
     def send(self, buckets: Iterator[Bucket], version: int, update_id: str) -> None:
         for bucket in buckets:
-            device = bucket[0][1].device
-            self._ensure_group("nccl" if device.type == "cuda" else "gloo")
+            self._ensure_group(self._backend_for(bucket[0][1].device))
             tensors = [self._sendable(t) for _, t in bucket]
             chunks = _chunks(tensors, CHUNK_BYTES)
             names = [n for n, _ in bucket]
@@ -75,6 +82,13 @@ class BroadcastTransport(Transport):
     def close(self) -> None:
         self._drop_group()
         self._flat = [None, None]
+
+    def _backend_for(self, device: torch.device) -> str:
+        if self.wanted == "nccl" and device.type != "cuda":
+            raise WeightSyncError(f"sync.broadcast_backend nccl needs the trainer's weights on CUDA, they are on {device}")
+        if self.wanted != "auto":
+            return self.wanted
+        return "nccl" if device.type == "cuda" else "gloo"
 
     def _sendable(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
