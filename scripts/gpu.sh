@@ -30,6 +30,7 @@ for p in $PARTS; do
     engine) part gpu-engine ${T_ENGINE:-600} $PY -m noria bench gpu-engine --json "$RESULTS/gpu-engine.json" ${ENGINE_ARGS:-} ;;
     train) part gpu-train ${T_TRAIN:-300} $PY -m noria bench gpu-train --json "$RESULTS/gpu-train.json" ${TRAIN_ARGS:-} ;;
     sync) part gpu-sync ${T_SYNC:-300} $PY -m noria bench gpu-sync --json "$RESULTS/gpu-sync.json" ${SYNC_ARGS:-} ;;
+    rl) part gpu-rl ${T_RL:-420} $PY -m noria bench gpu-rl --json "$RESULTS/gpu-rl.json" ${RL_ARGS:---prompts 8,64 --new-tokens 32,256} ;;
     fp8) part gpu-fp8 ${T_FP8:-300} $PY -m noria bench gpu-fp8 --json "$RESULTS/gpu-fp8.json" ${FP8_ARGS:-} ;;
     *) echo "unknown part $p"; status=1 ;;
   esac
