@@ -121,10 +121,10 @@ def run(model: str = "qwen3-0.6b", device: str = "cuda", steps: int = 3,
             overrides = job_overrides(folder, device, steps + 1, prompts, samples, new_tokens) + _pairs(extra)
             rows, run_s = run_job(overrides, work / f"run-{prompts}x{samples}x{new_tokens}")
             results += build_results(model, vocab, device, prompts, samples, new_tokens, rows, run_s, overrides)
+            if json_path:  # after each setting: a later one killed by a time limit leaves the earlier figures
+                write_json(json_path, "gpu-rl", results)
             _empty_cache(device)
     print_results(results)
-    if json_path:
-        write_json(json_path, "gpu-rl", results)
     return results
 
 
