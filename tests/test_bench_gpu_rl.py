@@ -58,7 +58,7 @@ def test_bench_runs_the_main_job_and_splits_its_steps(tmp_path, monkeypatch):
     # The trainer really trained every step: the reward varies within groups, no group was dropped.
     assert head["optimizer_steps"] == 2 and head["skipped_steps"] == 0 and head["groups_trained"] == 2
     assert all(r["train/samples"] == 8 and r["loss_tokens"] > 0 and r["rollout/groups_zero_variance_frac"] == 0 for r in rows)
-    assert all("grad_norm" in r and r["grad_norm"] > 0 for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows) and head["grad_norm_mean"] == pytest.approx(rows[1]["grad_norm"], rel=1e-3)
     figures = {r["metric"]: r["noria"] for r in rest}
     assert 0 < figures["generated_tokens_per_step"] <= 2 * 4 * 8
     assert figures["trained_tokens_per_step"] > figures["generated_tokens_per_step"]  # prompts are in it too

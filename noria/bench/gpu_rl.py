@@ -305,6 +305,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "trained_response_tokens": avg(r.get("rollout/trained_tokens", 0.0) for r in measured),
         "trainer_tokens": avg(r.get("tokens", 0.0) for r in measured),
         "reward_mean": avg(r["rollout/reward_mean"] for r in measured),
+        "grad_norm": avg(r.get("grad_norm", 0.0) for r in measured),
         "groups_trained": avg(r["groups/trained"] for r in measured),
         "optimizer_steps": int(max(r.get("optimizer_step", 0.0) for r in rows)),
         "skipped_steps": sum(int(r.get("train/skipped_no_samples", 0)) + int(r.get("skipped", 0)) for r in rows),
@@ -339,6 +340,7 @@ def build_results(model: str, vocab: int, device: str, prompts: int, samples: in
         "trained_response_tokens_per_step": f["trained_response_tokens"], "groups_trained": f["groups_trained"],
         "optimizer_steps": f["optimizer_steps"], "skipped_steps": f["skipped_steps"],
         "engine_retractions": f["retractions"], "reward_mean": round(f["reward_mean"], 4),
+        "grad_norm_mean": round(f["grad_norm"], 6),
         "setting": f"{prompts}x{samples}x{new_tokens}", "overrides": overrides, "device": machine_name(),
     })  # fmt: skip
     return results
