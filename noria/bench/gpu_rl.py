@@ -29,9 +29,11 @@ to an empty string. The stop token ``<|im_end|>`` is one id in 151936, so nearly
 to ``max_new_tokens`` (fixed lengths: good for timing, unlike a real model's).
 
 The reward: a random model never solves arithmetic, so the task's ``numeric`` reward is 0 for every
-sample, every group has zero variance and GRPO would train on nothing. ``digit_share`` (the share
-of a response's characters that are digits) varies on random text, so groups keep a spread of
-rewards and the trainer runs its full step: a bench-only reward, not a task.
+sample, every group has zero variance and every advantage is 0 (the example has no group filter, so
+the optimizer still steps, with a zero gradient: measured here, grad_norm 0). ``digit_share`` (the
+share of a response's characters that are digits) varies on random text, so groups keep a spread
+of rewards and the trainer takes real steps (``grad_norm_mean`` > 0 in the JSON): a bench-only
+reward, not a task.
 
 Figures, from the job's own ``RUN_DIR/metrics.jsonl``, means over the steps after the first (the
 first builds kernels and caches): ``seconds`` per step and its stages: ``rollout`` =
