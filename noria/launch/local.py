@@ -267,13 +267,13 @@ class Job:
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """``steps_per_rollout`` optimizer steps on the groups' trainable samples."""
-        from noria.train import pack_samples
-        from noria.train.algorithms import compute_advantages
-
         with on_device(self.backend.device):
             return self._train(groups)
 
     def _train(self, groups: list[Group]) -> dict[str, float]:
+        from noria.train import pack_samples
+        from noria.train.algorithms import compute_advantages
+
         t0 = time.perf_counter()
         cfg = self.config.train
         kept = [trainable(g) for g in groups]
