@@ -131,3 +131,176 @@ def test_weight_update_recaptures_graphs(tiny_model_dir):
         assert before is not None
     finally:
         engine.shutdown(1.0)
+
+
+def _need_triton():
+    from noria.engine.cuda import triton_available
+
+    if not triton_available():
+        pytest.skip("no triton")
+
+
+def _tiny_qwen3(dtype=torch.bfloat16, seed=0):
+    from noria.models.config import ModelArgs
+    from noria.models.decoder import DecoderLM
+
+    config = {"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True}
+    torch.manual_seed(seed)
+    lm = DecoderLM(ModelArgs.from_hf_config(config), hf_config=config).to("cuda", dtype)
+    with torch.no_grad():
+        for n, p in lm.named_parameters():
+            if n.endswith("norm.weight"):  # not all ones: the norms' weights must be applied
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return lm.eval()
+
+
+def _close_bf16(out, ref, share=0.02):
+    """Equal but for a few rounding flips (fp32 reductions in another order): at most `share` of the
+    elements differ, each by at most 2 bf16 ulps of the value."""
+    diff = (out.float() - ref.float()).abs()
+    assert (out != ref).float().mean().item() <= share
+    assert (diff <= ref.float().abs() * 2**-6 + 1e-6).all(), diff.max().item()
+
+
+def test_fused_kernels_match_the_eager_modules():
+    """add_rmsnorm, q/k norm + RoPE + K/V store and silu_mul against the model's own modules (bf16)."""
+    _need_triton()
+    import torch.nn.functional as F
+
+    from noria.engine.cuda import fused
+    from noria.models.decoder import apply_rope, rope_inv_freq, rope_tables
+
+    lm = _tiny_qwen3()
+    layer = lm.model.layers[0]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(37, 256, device="cuda", generator=g).bfloat16()
+    res = torch.randn(37, 256, device="cuda", generator=g).bfloat16()
+    want_res = res + x
+    got_res = res.clone()
+    out = fused.add_rmsnorm(x, layer.input_layernorm.weight, 1e-6, got_res)
+    assert torch.equal(got_res, want_res)
+    _close_bf16(out, layer.input_layernorm(want_res))
+    _close_bf16(fused.add_rmsnorm(x, layer.input_layernorm.weight, 1e-6), layer.input_layernorm(x))
+
+    gate, up = torch.randn(2, 37, 512, device="cuda", generator=g).bfloat16()
+    _close_bf16(fused.silu_mul(gate, up), F.silu(gate) * up)
+
+    a = layer.self_attn
+    n, hq, hkv, d = 37, 8, 4, 64
+    q = torch.randn(n, hq * d, device="cuda", generator=g).bfloat16()
+    k = torch.randn(n, hkv * d, device="cuda", generator=g).bfloat16()
+    v = torch.randn(n, hkv * d, device="cuda", generator=g).bfloat16()
+    positions = torch.randint(0, 2000, (n,), device="cuda", generator=g)
+    slots = torch.randperm(100, device="cuda", generator=g)[:n]
+    k_pool = torch.zeros(100, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.zeros_like(k_pool)
+    cos, sin = rope_tables(rope_inv_freq(lm.args, q.device), torch.arange(2048, device="cuda"), torch.bfloat16)
+    q_out = q.clone()
+    fused.qk_norm_rope_store(q_out, k, v, a.q_norm.weight, a.k_norm.weight, cos, sin, positions, slots,
+                             k_pool, v_pool, 1e-6)
+    c, s = rope_tables(rope_inv_freq(lm.args, q.device), positions[None], torch.bfloat16)
+    _close_bf16(q_out.view(n, hq, d), apply_rope(a.q_norm(q.view(1, n, hq, d)), c, s)[0])
+    _close_bf16(k_pool[slots], apply_rope(a.k_norm(k.view(1, n, hkv, d)), c, s)[0])
+    assert torch.equal(v_pool[slots], v.view(n, hkv, d))
+    untouched = torch.ones(100, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert not k_pool[untouched].any() and not v_pool[untouched].any()
+
+
+def test_device_sampler_follows_the_sampling_recipe():
+    """Greedy rows: argmax and log_softmax; sampled rows: the inverse CDF of softmax(logits / T) at u."""
+    _need_triton()
+    from noria.engine.cuda import fused
+    from noria.engine.sampling import _sample_torch
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    logits = (3 * torch.randn(64, 151936, device="cuda", generator=g)).bfloat16()
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.5] * 16, device="cuda")
+    u = torch.rand(64, device="cuda", generator=g)
+    out = fused.sample_rows(logits, temps, u)
+    ids, lp = _sample_torch(logits.float(), temps, u)
+    agree = (out[0].long() == ids).float().mean().item()
+    assert agree >= 0.95, agree  # a row may differ only when u sits within rounding of a CDF boundary
+    same = out[0].long() == ids
+    assert torch.allclose(out[1].float()[same], lp[same], atol=1e-4)
+    greedy = temps == 0
+    assert torch.equal(out[0].long()[greedy], logits.float().argmax(-1)[greedy])
+    # empirical distribution of one row at T = 1 matches its softmax
+    row = torch.randn(1, 50, device="cuda", generator=g).expand(20000, 50).contiguous()
+    draws = fused.sample_rows(row, torch.ones(20000, device="cuda"), torch.rand(20000, device="cuda", generator=g))
+    freq = torch.bincount(draws[0].long(), minlength=50).float() / 20000
+    assert (freq - torch.softmax(row[0].float(), -1)).abs().max().item() < 0.015
+
+
+def test_fused_decoder_matches_the_model_forward():
+    """One decode step of a Qwen3-shaped model (q/k norm, GQA, bf16) through FusedDecoder against the
+    model's modules over the same paged cache."""
+    _need_triton()
+    from noria.config import EngineConfig
+    from noria.engine.cuda.fused import FusedDecoder
+    from noria.engine.kv_cache import KVCache
+    from noria.engine.runner import ModelRunner, PagedAttentionContext, _DecodeMeta
+
+    lm = _tiny_qwen3()
+    kv = KVCache.for_model(lm.args, EngineConfig(kv_cache_tokens=4096, block_size=16), torch.bfloat16, torch.device("cuda"))
+    runner = ModelRunner(lm, kv, torch.device("cuda"), cuda_graphs=False)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lens = [5, 100, 333, 17]
+    # sequence i owns blocks [24 i, 24 i + 24) of the pools, in a shuffled order
+    tables = torch.stack([24 * i + torch.randperm(24, device="cuda", generator=g) for i in range(len(lens))]).int()
+    for i in range(lm.args.num_layers):  # a random cached context
+        kv.k_pools[i].normal_(generator=g)
+        kv.v_pools[i].normal_(generator=g)
+    positions = torch.tensor([n - 1 for n in lens], device="cuda")
+    slots = torch.stack([tables[i, p // 16] * 16 + p % 16 for i, p in enumerate(positions.tolist())]).long()
+    ids = torch.randint(0, 1000, (len(lens),), device="cuda", generator=g)
+    cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    pools = [(k.clone(), v.clone()) for k, v in zip(kv.k_pools, kv.v_pools)]
+    ctx = PagedAttentionContext(kv, positions[None], slots, _DecodeMeta(torch.arange(len(lens), device="cuda"), tables, cl, None),
+                                [], runner.decode_fn, runner.scale)
+    with torch.no_grad():
+        want = lm.hidden_states(ids[None], positions[None], attn=ctx)[0]
+        want_k = [k[slots].clone() for k in kv.k_pools]
+        for (k, v), (k0, v0) in zip(zip(kv.k_pools, kv.v_pools), pools):
+            k.copy_(k0)
+            v.copy_(v0)
+        fused = FusedDecoder(lm, 2048)
+        got = fused.hidden_states(ids, positions, slots, kv, lambda i, q, kp, vp: runner.decode_fn(
+            q, kp, vp, tables, cl, 16, runner.scale))
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 1e-2, err
+    for i in range(lm.args.num_layers):
+        kerr = ((kv.k_pools[i][slots].float() - want_k[i].float()).norm() / want_k[i].float().norm()).item()
+        assert kerr < 1e-2, (i, kerr)
+
+
+def test_decode_steps_sample_inside_the_graph(tiny_model_dir):
+    """Plain sampling rows run the fused decoder and the graph's sampler (one read-back per step);
+    top-p rows fall back to the logits path; both give the engine's usual outputs."""
+    engine = _engine(tiny_model_dir, torch.bfloat16)
+    calls = {"graph": 0, "logits": 0}
+    graph_step, logits_step = engine.runner.forward_sampled, engine._sample
+
+    def counted_graph(*a):
+        calls["graph"] += 1
+        return graph_step(*a)
+
+    def counted_logits(*a):
+        calls["logits"] += 1
+        return logits_step(*a)
+
+    engine.runner.forward_sampled, engine._sample = counted_graph, counted_logits
+    try:
+        assert engine.runner.fused is not None
+        out = _generate(engine, PROMPTS, 16, temperature=0.8, seed=5)
+        assert calls["graph"] >= 10
+        assert all(len(o.output_ids) == 16 and all(lp <= 0 for lp in o.logprobs) for o in out)
+        again = _generate(engine, PROMPTS[:1], 16, temperature=0.8, seed=5)[0]
+        assert again.output_ids == out[0].output_ids  # seeded: the batch does not matter
+        before = calls["graph"]
+        _generate(engine, PROMPTS[:2], 8, temperature=0.8, top_p=0.9)
+        assert calls["graph"] == before and calls["logits"] >= 8
+    finally:
+        engine.shutdown(1.0)

@@ -42,7 +42,8 @@ def _fp8(args: argparse.Namespace, overrides: list[str]) -> int:
 def _profile(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.bench import gpu_profile
 
-    gpu_profile.run([int(b) for b in _csv(args.batches)], args.context, args.model, args.json)
+    gpu_profile.run([int(b) for b in _csv(args.batches)], args.context, args.model, args.json,
+                    sweep=not args.no_sweep, unfused=not args.no_unfused)
     return 0
 
 
@@ -106,6 +107,8 @@ def add_parsers(bsub) -> None:
     p.add_argument("--batches", default="64,256")
     p.add_argument("--context", type=int, default=768)
     p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--no-sweep", action="store_true", help="skip the attention kernel's tile sweep")
+    p.add_argument("--no-unfused", action="store_true", help="skip the steps without the fused decoder")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_profile, takes_overrides=False)
 

@@ -4,11 +4,10 @@
    16), for S sequences of ``context`` tokens: its time against the time of reading the same K/V
    bytes at the copy bandwidth measured in the run, for a sweep of tile sizes and launch settings.
 2. One engine decode step of a Qwen3-size model at batch S: the graph replay's GPU time (CUDA
-   events), the host time to fill its inputs, sampling, and the whole step as the engine loop
-   sees it (scheduling included), averaged over the decode steps of one batch.
-
-Status: written after the first H200 runs and not yet run on a device (the session's device time
-ran out); expect to fix small things on its first run.
+   events), and on the host: filling the graph's inputs, launching it, waiting for and reading
+   the sampled ids, the scheduler's processing of the results and its next schedule, and the
+   whole step as the engine loop sees it, averaged over the decode steps of one batch; with the
+   fused decoder (``noria.engine.cuda.fused``) and, for comparison, with the model's own modules.
 """
 
 from __future__ import annotations
@@ -22,9 +21,13 @@ from noria.bench import print_table, write_json
 from noria.bench.gpu_common import copy_bandwidth, cuda_median_s, device_name, random_model
 
 
-def run(batches=(64, 256), context: int = 768, model: str = "qwen3-0.6b", json_path: str | None = None) -> list[dict]:
+def run(batches=(64, 256), context: int = 768, model: str = "qwen3-0.6b", json_path: str | None = None,
+        sweep: bool = True, unfused: bool = True) -> list[dict]:
     bandwidth = copy_bandwidth()
-    rows = _kernel_sweep(batches, context, bandwidth) + _step_breakdown(model, batches, context)
+    rows = _kernel_sweep(batches, context, bandwidth) if sweep else []
+    rows += _step_breakdown(model, batches, context)
+    if unfused:  # the same steps with the model's own modules in the graph (no fused kernels)
+        rows += _step_breakdown(model, batches, context, fused=False)
     print_table(f"decode profile on {device_name()} (copy bandwidth {bandwidth / 1e9:.0f} GB/s)",
                 ["case", "metric", "value"], [[r["case"], r["metric"], r["noria"]] for r in rows])
     if json_path:
@@ -69,7 +72,7 @@ def _kernel_sweep(batches, context: int, bandwidth: float) -> list[dict]:
     return rows
 
 
-def _step_breakdown(model: str, batches, context: int) -> list[dict]:
+def _step_breakdown(model: str, batches, context: int, fused: bool = True) -> list[dict]:
     from noria.bench.gpu_engine import _engine, _generate, _prompts
 
     lm = random_model(model)
@@ -77,33 +80,44 @@ def _step_breakdown(model: str, batches, context: int) -> list[dict]:
     prompt = context - 64
     for s in batches:
         engine = _engine(lm, s, context)
-        stats = {"fill": [], "replay": [], "step": [], "sample": []}
+        if not fused:
+            engine.runner.fused = None
         graphs = engine.runner.graphs
-        orig_fill, orig_step, orig_sample = graphs._fill, engine._step, engine._sample
+        stats: dict[str, list[float]] = {k: [] for k in ("fill", "launch", "sampled", "step", "process", "schedule")}
+        decode = {"now": False}
 
-        def fill(*a, **k):
-            t = time.perf_counter()
-            orig_fill(*a, **k)
-            stats["fill"].append(time.perf_counter() - t)
+        def timed(obj, attr: str, key: str, only_decode: bool = True):
+            orig = getattr(obj, attr)
+
+            def wrapper(*a, **k):
+                t = time.perf_counter()
+                out = orig(*a, **k)
+                if decode["now"] or not only_decode:
+                    stats[key].append(time.perf_counter() - t)
+                return out
+
+            setattr(obj, attr, wrapper)
+
+        orig_step = engine._step
 
         def step(chunks):
+            decode["now"] = all(c.n == 1 for c in chunks)
             t = time.perf_counter()
             orig_step(chunks)
-            if all(c.n == 1 for c in chunks):
+            if decode["now"]:
                 stats["step"].append(time.perf_counter() - t)
 
-        def sample(logits, reqs):
-            t = time.perf_counter()
-            out = orig_sample(logits, reqs)
-            stats["sample"].append(time.perf_counter() - t)
-            return out
-
-        graphs._fill, engine._step, engine._sample = fill, step, sample
+        timed(graphs, "_fill", "fill")
+        timed(graphs, "forward", "launch")
+        timed(engine.runner, "forward_sampled", "sampled")
+        timed(engine.scheduler, "process", "process")
+        engine._step = step
         prompts = _prompts(lm.args.vocab_size, s, prompt)
         try:
             _generate(engine, prompts, 8)
             for v in stats.values():
                 v.clear()
+            timed(engine.scheduler, "schedule", "schedule", only_decode=False)
             start = time.perf_counter()
             _generate(engine, prompts, 64)
             total = time.perf_counter() - start
@@ -114,10 +128,19 @@ def _step_breakdown(model: str, batches, context: int) -> list[dict]:
         steps = len(stats["step"])
         mean = {k: sum(v) / max(1, len(v)) for k, v in stats.items()}
         loop = total / 64  # every step of the batch, prefill included, per new token
-        for metric, value in (("graph_replay_ms", replay * 1e3), ("fill_ms", mean["fill"] * 1e3),
-                              ("sample_and_sync_ms", mean["sample"] * 1e3), ("decode_step_ms", mean["step"] * 1e3),
-                              ("loop_ms_per_token", loop * 1e3)):
-            rows.append({"case": f"{model} step S={s} ctx~{context} ({steps} decode steps)", "metric": metric,
+        figures = (
+            ("graph_replay_ms", replay * 1e3),
+            ("fill_ms", mean["fill"] * 1e3),
+            ("launch_ms", (mean["launch"] - mean["fill"]) * 1e3),
+            ("wait_and_read_ms", (mean["sampled"] - mean["launch"]) * 1e3),
+            ("process_ms", mean["process"] * 1e3),
+            ("schedule_ms", mean["schedule"] * 1e3),
+            ("decode_step_ms", mean["step"] * 1e3),
+            ("loop_ms_per_token", loop * 1e3),
+        )
+        tag = "fused" if engine.runner.fused is not None else "unfused"
+        for metric, value in figures:
+            rows.append({"case": f"{model} {tag} step S={s} ctx~{context} ({steps} decode steps)", "metric": metric,
                          "noria": round(value, 3), "peers": {}, "bound": None})
-        print(rows[-5:], flush=True)
+        print(rows[-len(figures):], flush=True)
     return rows

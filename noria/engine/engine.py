@@ -56,7 +56,7 @@ from noria.engine.kv_cache import KVCache
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
 from noria.engine.runner import ModelRunner
-from noria.engine.sampling import sample
+from noria.engine.sampling import device_sampleable, draw_uniforms, sample
 from noria.engine.scheduler import Chunk, Req, Scheduler, StopChecker
 from noria.models import DecoderLM, load_model, load_tokenizer, model_path
 
@@ -99,7 +99,8 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.scheduler = Scheduler(config, self.kv, self.radix, StopChecker(eos, tokenizer))
         self.runner = ModelRunner(
-            model, self.kv, self.device, config.attention, config.deterministic, max_batch=config.max_running_requests
+            model, self.kv, self.device, config.attention, config.deterministic, max_batch=config.max_running_requests,
+            max_positions=self.max_context,
         )
         self._generator = torch.Generator(self.device).manual_seed(seed)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -454,12 +455,26 @@ class Engine:
             command()
 
     def _step(self, chunks: list[Chunk]) -> None:
-        logits = self.runner.forward(chunks)
         reqs = [c.req for c in chunks if c.sample]
-        ids, logprobs, top = self._sample(logits, reqs)
+        done = self._sample_in_graph(chunks, reqs)
+        if done is not None:
+            (ids, logprobs), top = done, None
+        else:
+            ids, logprobs, top = self._sample(self.runner.forward(chunks), reqs)
         notify = self.scheduler.process(chunks, ids, logprobs, top, self.weight_version)
         self._stats.record(len(ids))
         self._notify(notify)
+
+    def _sample_in_graph(self, chunks: list[Chunk], reqs: list[Req]):
+        """(ids, logprobs) of a decode step sampled inside its CUDA graph, or None (another path)."""
+        if not self.runner.samples_in_graph(chunks):
+            return None
+        params = [r.request.sampling for r in reqs]
+        if not device_sampleable(params, max((r.request.top_logprobs_num for r in reqs), default=0)):
+            return None
+        temps = [0.0 if p.greedy else float(p.temperature) for p in params]
+        uniforms = draw_uniforms(params, [r.generator for r in reqs], self._generator)
+        return self.runner.forward_sampled(chunks, temps, uniforms)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]):
         if not reqs:

@@ -164,6 +164,7 @@ class ModelRunner:
         deterministic: bool = False,
         max_batch: int = 256,
         cuda_graphs: bool = True,
+        max_positions: int | None = None,
     ) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(f"the engine runs the native DecoderLM, got {type(model).__name__}")
@@ -178,10 +179,16 @@ class ModelRunner:
         if deterministic:
             model.set_exact_numerics(next(model.parameters()).dtype)
         self.graphs = None
+        self.fused = None
+        """CUDA: the fused decode forward the graphs capture (``noria.engine.cuda.fused``), or None."""
         if self.device.type == "cuda" and not deterministic and cuda_graphs:
+            from noria.engine.cuda import triton_available
+            from noria.engine.cuda.fused import FusedDecoder
             from noria.engine.cuda.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_batch)
+            if triton_available() and FusedDecoder.supported(model):
+                self.fused = FusedDecoder(model, max_positions or model.args.max_position_embeddings)
 
     def refresh_weights(self) -> None:
         """Rebuild the engine-only weight copies from the model (call after every weight update)."""
@@ -190,12 +197,31 @@ class ModelRunner:
         if self.graphs is not None:  # captured graphs hold the old parameters' addresses
             self.graphs.clear()
 
+    def _graph_step(self, chunks: list[Chunk]) -> bool:
+        return (self.graphs is not None and all(c.n == 1 and c.sample for c in chunks)
+                and self.graphs.bucket(len(chunks)) is not None)
+
+    def samples_in_graph(self, chunks: list[Chunk]) -> bool:
+        """Whether :meth:`forward_sampled` runs this step (a decode step from a graph that samples)."""
+        return self._graph_step(chunks) and self.graphs.device_sampling
+
+    @torch.no_grad()
+    def forward_sampled(
+        self, chunks: list[Chunk], temps: list[float], uniforms: torch.Tensor
+    ) -> tuple[list[int], list[float]]:
+        """A decode step sampled inside its CUDA graph (plain temperature or greedy rows: see
+        ``sampling.device_sampleable``; only when :meth:`samples_in_graph`): every chunk's token id
+        and logprob. Blocking: one device->host read of 2 x S numbers, which waits for the step."""
+        _, sampled = self.graphs.forward(chunks, temps, uniforms)
+        host = sampled.cpu()
+        return host[0].long().tolist(), host[1].tolist()
+
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits [number of sampling chunks, V] in the model's dtype, in chunk order (the sampler
         works in fp32 and widens on the fly: no fp32 copy of the logits)."""
-        if self.graphs is not None and all(c.n == 1 and c.sample for c in chunks) and self.graphs.bucket(len(chunks)):
-            return self.graphs.forward(chunks)
+        if self._graph_step(chunks):
+            return self.graphs.forward(chunks)[0]
         ids, positions, slots, ctx = self._prepare(chunks)
         rows = self._to_device(self._last_rows(chunks), torch.long)
         if self.fast is not None:

@@ -9,8 +9,9 @@ top-k and min-p truncation: that is the distribution a trainer recomputes at the
 (see ``GenerateOutput.logprobs``).
 
 How. On the CPU one fused C++ pass per row (``kernels/sampling.cpp``) computes the max, the
-log-sum-exp, the token and its logprob, with no ``[S, V]`` temporaries; elsewhere the same recipe
-runs in torch. Top-k/top-p/min-p rows (sort-based) and top-k logprobs go through torch, and only
+log-sum-exp, the token and its logprob, with no ``[S, V]`` temporaries; on CUDA with Triton the
+same recipe is a Triton kernel (``noria.engine.cuda.fused.sample_rows``, also captured at the end
+of decode graphs); elsewhere it runs in torch. Top-k/top-p/min-p rows (sort-based) and top-k logprobs go through torch, and only
 when some row asks for them. Fused logprobs equal ``log_softmax`` to fp32 rounding (a different
 summation order); ``exact_logprobs`` takes them from ``torch.log_softmax`` itself.
 
@@ -61,11 +62,16 @@ def sample(
     ``exact_logprobs``: take the chosen logprobs from ``torch.log_softmax`` (the trainer's op, bit
     for bit) instead of the fused kernel (equal to rounding); deterministic mode asks for it.
     """
-    uniforms = _uniforms(params, generators, default_generator)
+    uniforms = draw_uniforms(params, generators, default_generator)
     temps = torch.tensor([0.0 if p.greedy else float(p.temperature) for p in params])
     fused = _fused_kernel(logits)
     if fused is not None:
         token_ids, chosen = fused.sample_rows(logits.contiguous(), temps, uniforms)
+    elif _triton_sampler(logits):
+        from noria.engine.cuda.fused import sample_rows
+
+        out = sample_rows(logits.contiguous(), temps.to(logits.device), uniforms.to(logits.device))
+        token_ids, chosen = out[0].long(), out[1].float()
     else:
         token_ids, chosen = _sample_torch(logits.float(), temps, uniforms)
     truncated = [i for i, p in enumerate(params) if not p.greedy and _truncates(p)]
@@ -84,6 +90,22 @@ def sample(
     return result
 
 
+def device_sampleable(params: list[SamplingParams], top_logprobs_num: int) -> bool:
+    """Whether a CUDA graph's sampler (``noria.engine.cuda.fused.sample_rows``: greedy or plain
+    temperature) draws these rows as :func:`sample` would: no top-k/top-p/min-p, no top logprobs
+    (deterministic mode never samples in a graph)."""
+    return top_logprobs_num == 0 and not any(not p.greedy and _truncates(p) for p in params)
+
+
+def _triton_sampler(logits: torch.Tensor) -> bool:
+    """CUDA logits and Triton present: the fused device sampler replaces the torch recipe."""
+    if logits.device.type != "cuda":
+        return False
+    from noria.engine.cuda import triton_available
+
+    return triton_available()
+
+
 def _fused_kernel(logits: torch.Tensor):
     """The C++ sampler for CPU logits, or None (CUDA, no compiler): then the torch fallback runs."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
@@ -95,7 +117,7 @@ def _fused_kernel(logits: torch.Tensor):
     return kernels.cpu_kernel() if kernels.fused_kernels_enabled() else None
 
 
-def _uniforms(
+def draw_uniforms(
     params: list[SamplingParams], generators: list[torch.Generator | None], default: torch.Generator | None
 ) -> torch.Tensor:
     """One U[0, 1) per row: from the row's own generator when seeded, else from the shared one.

@@ -11,8 +11,13 @@ made only of decode chunks (one token per sequence) is therefore run from a grap
   (one host->device copy of a pinned staging buffer) and the graph is replayed;
 - padded rows write their K/V to the cache's scratch slot (``KVCache.scratch_slot``, outside every
   block) and attend over one token, so they touch nothing a request owns;
-- the graph's logits buffer ``[B, V]`` is returned as a view of its first S rows: valid until the
-  next replay (the engine samples from it before the next step).
+- the forward is :class:`~noria.engine.cuda.fused.FusedDecoder` when the model fits (the
+  runner's ``fused``), else the model's own modules; the graph ends with the device sampler
+  (``fused.sample_rows``) at per-row temperatures and uniforms written before the replay, so a
+  plain sampling step (no top-k/top-p/min-p, no top logprobs) reads back 2 x S numbers and
+  nothing else;
+- the graph's logits ``[B, V]`` and samples ``[2, B]`` are returned as views of their first S
+  rows/columns: valid until the next replay (the engine reads them before the next step).
 
 Graphs hold the addresses of the weights and of the K/V pools: :meth:`DecodeGraphs.clear` after
 every weight update (``ModelRunner.refresh_weights``), and a replay checks the pools' address
@@ -24,6 +29,8 @@ batch, and cuBLAS may choose another kernel for the padded row count).
 from __future__ import annotations
 
 import torch
+
+from noria.engine.cuda import fused
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
@@ -39,6 +46,10 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], dict] = {}
         self._pool = None
         self._pools_ptr = None
+        from noria.engine.cuda import triton_available
+
+        self.device_sampling = triton_available()
+        """The graph ends with the Triton sampler (else the caller samples from the logits)."""
 
     def clear(self) -> None:
         self._graphs.clear()
@@ -53,8 +64,11 @@ class DecodeGraphs:
         """Block-table width of a graph: the next power of two (at least 16 blocks)."""
         return max(16, 1 << (blocks - 1).bit_length())
 
-    def forward(self, chunks) -> torch.Tensor:
-        """Logits [S, V] of a decode-only step (S = len(chunks) <= the largest bucket)."""
+    def forward(self, chunks, temps: list[float] | None = None, uniforms: torch.Tensor | None = None):
+        """Replay the step's graph; returns (logits [S, V], sampled fp64 [2, S]) as views of the
+        graph's buffers, valid until the next replay. ``sampled`` holds the ids and logprobs drawn
+        inside the graph (``fused.sample_rows``) at ``temps`` and ``uniforms``; without them the
+        rows are greedy and the caller samples from the logits."""
         ptr = self.kv.k_pools[0].data_ptr()
         if ptr != self._pools_ptr:
             self.clear()
@@ -64,18 +78,20 @@ class DecodeGraphs:
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         g = self._graphs[key]
-        self._fill(g["meta"], g["tables"], g["host_meta"], g["host_tables"], chunks, key[0])
+        self._fill(g, chunks, key[0], temps)
+        if uniforms is not None:
+            g["uniforms"][:n].copy_(uniforms)
         g["graph"].replay()
-        return g["logits"][:n]
+        return g["logits"][:n], g["sampled"][:, :n]
 
-    def _fill(self, meta, tables, host_meta, host_tables, chunks, size: int) -> None:
-        # Both host buffers are pinned and contiguous, exactly the device buffers' shapes: a
+    def _fill(self, g: dict, chunks, size: int, temps: list[float] | None) -> None:
+        # The host buffers are pinned and contiguous, exactly the device buffers' shapes: a
         # non-blocking copy of a strided slice would go through a pageable temporary that can be
         # freed before the copy runs.
         bs = self.kv.block_size
         n = len(chunks)
-        host = host_meta.numpy()
-        tab = host_tables.numpy()
+        host = g["host_meta"].numpy()
+        tab = g["host_tables"].numpy()
         tab[:] = 0
         for i, c in enumerate(chunks):
             p = c.start
@@ -88,8 +104,13 @@ class DecodeGraphs:
         host[0:2, n:size] = 0
         host[2, n:size] = self.kv.scratch_slot
         host[3, n:size] = 1
-        meta.copy_(host_meta, non_blocking=True)
-        tables.copy_(host_tables, non_blocking=True)
+        g["meta"].copy_(g["host_meta"], non_blocking=True)
+        g["tables"].copy_(g["host_tables"], non_blocking=True)
+        host_temps = g["host_temps"].numpy()
+        host_temps[:] = 0.0
+        if temps is not None:
+            host_temps[:n] = temps
+        g["temps"].copy_(g["host_temps"], non_blocking=True)
 
     def _capture(self, size: int, width: int):
         from noria.engine.runner import PagedAttentionContext, _DecodeMeta
@@ -104,14 +125,29 @@ class DecodeGraphs:
         ids, positions, slots = meta[0].unsqueeze(0), meta[1].unsqueeze(0), meta[2]
         lens = torch.ones(size, dtype=torch.int32, device=dev)
         rows = torch.arange(size, device=dev)
+        temps = torch.zeros(size, dtype=torch.float32, device=dev)
+        host_temps = torch.zeros(size, dtype=torch.float32).pin_memory()
+        uniforms = torch.zeros(size, dtype=torch.float32, device=dev)
+        sampled = torch.empty(2, size, dtype=torch.float64, device=dev)
         runner = self.runner
+        kv = self.kv
+
+        def attend(layer: int, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+            return runner.decode_fn(q, k_pool, v_pool, tables, lens, kv.block_size, runner.scale)
 
         def run() -> torch.Tensor:
             lens.copy_(meta[3])  # int64 -> int32 inside the graph
-            ctx = PagedAttentionContext(
-                self.kv, positions, slots, _DecodeMeta(rows, tables, lens, None), [], runner.decode_fn, runner.scale
-            )
-            return runner.model.lm_head(runner.model.hidden_states(ids, positions, attn=ctx)[0])
+            if runner.fused is not None:
+                hidden = runner.fused.hidden_states(meta[0], meta[1], slots, kv, attend)
+            else:
+                ctx = PagedAttentionContext(
+                    kv, positions, slots, _DecodeMeta(rows, tables, lens, None), [], runner.decode_fn, runner.scale
+                )
+                hidden = runner.model.hidden_states(ids, positions, attn=ctx)[0]
+            logits = runner.model.lm_head(hidden)
+            if self.device_sampling:
+                fused.sample_rows(logits, temps, uniforms, sampled)
+            return logits
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -127,5 +163,6 @@ class DecodeGraphs:
             logits = run()
         # Every tensor the graph reads or writes stays referenced here: memory freed after capture
         # would be handed to other tensors while replays still use its address.
-        return {"graph": graph, "meta": meta, "tables": tables, "lens": lens, "rows": rows,
+        return {"graph": graph, "meta": meta, "tables": tables, "lens": lens, "rows": rows, "temps": temps,
+                "host_temps": host_temps, "uniforms": uniforms, "sampled": sampled,
                 "host_meta": host_meta, "host_tables": host_tables, "logits": logits}
