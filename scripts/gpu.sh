@@ -4,6 +4,7 @@
 # JSON figures go to $RESULTS (default benchmarks/results/), logs beside them; with $OUT set
 # (the device tool) both are copied there as well.
 #   PARTS="tests engine train sync" scripts/gpu.sh
+#   PARTS=multi scripts/gpu.sh                  (2 GPUs; LAYOUT=one-gpu on one, see noria bench gpu-multi --help)
 set -u
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-benchmarks/results}
@@ -32,6 +33,10 @@ for p in $PARTS; do
     sync) part gpu-sync ${T_SYNC:-300} $PY -m noria bench gpu-sync --json "$RESULTS/gpu-sync.json" ${SYNC_ARGS:-} ;;
     rl) part gpu-rl ${T_RL:-420} $PY -m noria bench gpu-rl --json "$RESULTS/gpu-rl.json" ${RL_ARGS:---prompts 8,64 --new-tokens 32,256} ;;
     fp8) part gpu-fp8 ${T_FP8:-300} $PY -m noria bench gpu-fp8 --json "$RESULTS/gpu-fp8.json" ${FP8_ARGS:-} ;;
+    multi)  # issue 10: needs 2 GPUs (LAYOUT=one-gpu runs the same code on one); NVLink multicast off in every process
+      export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+      part gpu-multi-tests ${T_MULTI_TESTS:-300} $PY -m pytest -q -x -p no:cacheprovider tests/test_multi_gpu_cuda.py tests/test_sync_gpu.py tests/test_train_gpu.py
+      part gpu-multi-${LAYOUT:-two-gpus} ${T_MULTI:-600} $PY -m noria bench gpu-multi --layout "${LAYOUT:-two-gpus}" --json "$RESULTS/gpu-multi-${LAYOUT:-two-gpus}.json" ${MULTI_ARGS:-} ;;
     *) echo "unknown part $p"; status=1 ;;
   esac
 done
