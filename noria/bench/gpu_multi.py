@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-new-tokens", type=int, default=256)
     a("--staleness", type=int, default=2, help="rl part: rollout.max_staleness of the asynchronous side")
     a("--rl-micro-batch-tokens", type=int, default=8192)
-    a("--work-dir", help="folder for model folders, configs and run folders (default a new temp folder)")
+    a("--work-dir", help="folder for model folders, configs and run folders, kept (default a temp folder, removed)")
     a("--json", help="write the figures to this JSON file")
 
 
@@ -127,13 +127,14 @@ def main(args: argparse.Namespace) -> int:
     unknown = set(parts) - {"fsdp", "rl"}
     if unknown:
         raise SystemExit(f"noria bench gpu-multi: unknown parts {sorted(unknown)}; use fsdp, rl")
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="noria-bench-multi-"))
-    work.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    if "fsdp" in parts:
-        rows += fsdp_part(args, layout, work)
-    if "rl" in parts:
-        rows += rl_part(args, layout, work)
+    with tempfile.TemporaryDirectory(prefix="noria-bench-multi-") as tmp:  # model folders are GBs: removed after
+        work = Path(args.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        rows: list[dict] = []
+        if "fsdp" in parts:
+            rows += fsdp_part(args, layout, work)
+        if "rl" in parts:
+            rows += rl_part(args, layout, work)
     if args.json:
         from noria.bench import write_json
 
