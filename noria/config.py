@@ -424,6 +424,11 @@ class TrainConfig:
     device: str = option("cpu", "cpu or cuda; fsdp2 uses gloo on CPU and NCCL on CUDA.")
     param_dtype: Literal["bfloat16", "float32"] = option("bfloat16", "Compute dtype; master weights and optimizer state stay fp32.")
     activation_checkpointing: bool = option(False, "Recompute each layer's activations in backward to save memory.")
+    compile: bool = option(
+        False,
+        "torch.compile each decoder layer of the trained model (fused norm, RoPE and SwiGLU kernels; attention stays "
+        "eager). The first steps compile (tens of seconds); not with engine.deterministic.",
+    )
     micro_batch_tokens: int = option(4096, "Packed tokens per micro-batch (a sequence longer than this gets its own).")
     share_prefix: bool = option(
         True,
@@ -578,6 +583,11 @@ class RunConfig:
                 self.train.global_batch = 8
         else:
             resolve_batch(self)
+        if self.train.compile and self.engine.deterministic:
+            raise ConfigError(
+                "train.compile with engine.deterministic: deterministic mode runs the exact-numerics modules, which "
+                "compiled kernels would not reproduce; set one of them to false"
+            )
         if self.train.algorithm == "rl" and self.rollout.max_staleness > 0 and self.train.loss.off_policy == "none":
             raise ConfigError(
                 "rollout.max_staleness > 0 (asynchronous RL) needs an explicit off-policy correction in "

@@ -21,7 +21,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.bench import gpu_train
 
     gpu_train.run(args.model, args.sequences, args.min_len, args.max_len, args.steps, args.warmup,
-                  args.micro_batch_tokens, not args.no_checkpointing, args.json)
+                  args.micro_batch_tokens, not args.no_checkpointing, compile=args.compile, json_path=args.json)
     return 0
 
 
@@ -84,6 +84,7 @@ def add_parsers(bsub) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing")
+    p.add_argument("--compile", action="store_true", help="train.compile: torch.compile each decoder layer")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_train, takes_overrides=False)
 

@@ -26,7 +26,7 @@ from noria.bench.gpu_common import bf16_matmul_rate, device_name, random_model, 
 
 
 def run(model: str = "qwen3-1.7b", sequences: int = 24, min_len: int = 512, max_len: int = 1536, steps: int = 3,
-        warmup: int = 1, micro_batch_tokens: int = 8192, activation_checkpointing: bool = True,
+        warmup: int = 1, micro_batch_tokens: int = 8192, activation_checkpointing: bool = True, compile: bool = False,
         json_path: str | None = None, work_dir: str | None = None) -> list[dict]:
     rate = bf16_matmul_rate()
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
@@ -34,11 +34,12 @@ def run(model: str = "qwen3-1.7b", sequences: int = 24, min_len: int = 512, max_
         folder = write_model_folder(lm, Path(tmp) / model)
         del lm
         torch.cuda.empty_cache()
-        fig = _measure(folder, sequences, min_len, max_len, steps, warmup, micro_batch_tokens, activation_checkpointing)
+        fig = _measure(folder, sequences, min_len, max_len, steps, warmup, micro_batch_tokens, activation_checkpointing,
+                       compile)
     tokens_per_s = fig["tokens"] * steps / fig["seconds"]
     mfu = tokens_per_s * fig["flops_per_token"] / rate
     row = {"case": f"{model} random bf16-autocast fp32-master rl-step seqs={sequences} len={min_len}-{max_len} "
-                   f"micro_batch_tokens={micro_batch_tokens} checkpointing={activation_checkpointing}",
+                   f"micro_batch_tokens={micro_batch_tokens} checkpointing={activation_checkpointing} compile={compile}",
            "metric": "tokens_per_s", "noria": round(tokens_per_s, 1), "peers": {},
            "bound": round(rate / fig["flops_per_token"], 1), "mfu": round(mfu, 4),
            "matmul_tflops": round(rate / 1e12, 1), "step_s": round(fig["seconds"] / steps, 3),
@@ -50,7 +51,7 @@ def run(model: str = "qwen3-1.7b", sequences: int = 24, min_len: int = 512, max_
     return [row]
 
 
-def _measure(folder, sequences, min_len, max_len, steps, warmup, micro_batch_tokens, checkpointing) -> dict:
+def _measure(folder, sequences, min_len, max_len, steps, warmup, micro_batch_tokens, checkpointing, compile=False) -> dict:
     from noria.config import TrainConfig
     from noria.models.config import ModelArgs
     from noria.train.fsdp import FSDPBackend
@@ -58,7 +59,7 @@ def _measure(folder, sequences, min_len, max_len, steps, warmup, micro_batch_tok
     from noria.types import Sample
 
     cfg = TrainConfig(algorithm="rl", backend="single", device="cuda", param_dtype="bfloat16",
-                      micro_batch_tokens=micro_batch_tokens, activation_checkpointing=checkpointing)
+                      micro_batch_tokens=micro_batch_tokens, activation_checkpointing=checkpointing, compile=compile)
     cfg.loss.policy_loss, cfg.loss.aggregation = "ppo_clip", "token_mean"
     backend = FSDPBackend(cfg)
     backend.init(str(folder))

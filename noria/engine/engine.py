@@ -431,6 +431,8 @@ class Engine:
 
     def _loop(self) -> None:
         try:
+            if self.device.type == "cuda":  # Triton and graph capture launch on the current device
+                torch.cuda.set_device(self.device)
             while not self._stop:
                 self._drain(block=not self.scheduler.has_work)
                 chunks = [] if self._stop else self.scheduler.schedule()

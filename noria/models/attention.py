@@ -178,6 +178,7 @@ class PackedContext:
         pos = torch.cat([torch.arange(n, device=device) for n in self.seq_lens])
         return pos.unsqueeze(0)
 
+    @torch.compiler.disable  # a compiled layer (train.compile) must not specialise on the packing
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:

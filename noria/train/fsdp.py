@@ -194,6 +194,18 @@ def checkpoint_layer(layer: nn.Module) -> None:
     layer.forward = forward
 
 
+def compile_layer(layer: nn.Module) -> None:
+    """``torch.compile`` the layer's forward in place (names and FSDP hooks stay as they are).
+    Inductor fuses the elementwise work around the matmuls; the attention contexts' ``attend`` is
+    not traced (``torch.compiler.disable``: it loops over the packed sequences), so a new packing
+    costs no recompile, only a new total length (dynamic after the second)."""
+    import torch._dynamo
+
+    # One graph per (layer code, shape kind): raise the limit so 100+ layers never fall back to eager.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    layer.forward = torch.compile(layer.forward)
+
+
 def tied_duplicates(model: nn.Module) -> set[str]:
     """State-dict names that repeat an earlier parameter (a tied head): HF files omit them."""
     seen, dup = set(), set()
@@ -294,6 +306,9 @@ class FSDPBackend:
             lm.set_exact_numerics(self.compute_dtype)  # frozen models too: ref_kl is 0 at step 0
         elif self.deterministic and train:
             raise TrainError(f"deterministic mode runs the native models (llama, qwen2, qwen3), not {type(lm).__name__}")
+        if train and self.cfg.compile and not self.deterministic:
+            for layer in decoder_layers(lm):
+                compile_layer(layer)
         if train and self.cfg.activation_checkpointing:
             for layer in decoder_layers(lm):
                 checkpoint_layer(layer)
