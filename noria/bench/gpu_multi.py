@@ -183,18 +183,9 @@ def write_random_model(config: dict[str, Any], folder: Path, device: str, seed: 
     bf16; returns (folder, parameter count)."""
     import torch
 
-    from noria.bench.gpu_common import write_model_folder
-    from noria.models.config import ModelArgs
-    from noria.models.decoder import DecoderLM
+    from noria.bench.gpu_common import random_model, write_model_folder
 
-    with torch.device("meta"):
-        lm = DecoderLM(ModelArgs.from_hf_config(config), hf_config=config)
-    lm = lm.to_empty(device=device).to(torch.bfloat16)
-    lm.tie_weights()
-    gen = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for n, p in lm.named_parameters():
-            p.fill_(1.0) if n.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
+    lm = random_model(config, device, seed=seed)
     params = sum(p.numel() for p in lm.parameters())
     write_model_folder(lm, folder)
     del lm

@@ -151,11 +151,11 @@ def digit_share(response: str, label: Any, metadata: dict[str, Any]) -> float:
 
 def build_model_folder(folder: Path, shape: str, vocab: int, device: str) -> Path:
     """Tokenizer (BPE + fillers up to ``vocab``) and a random-init Qwen3 model of ``shape`` in ``folder``."""
-    from noria.bench.gpu_common import write_model_folder
+    from noria.bench.gpu_common import random_model, write_model_folder
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(folder, vocab)
-    lm = random_lm(model_config(shape, vocab, tok), device)
+    lm = random_model(model_config(shape, vocab, tok), device)
     write_model_folder(lm, folder)
     del lm
     _empty_cache(device)
@@ -172,28 +172,6 @@ def model_config(shape: str, vocab: int, tokenizer) -> dict[str, Any]:
     config.update(vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id)
     return config
-
-
-def random_lm(config: dict[str, Any], device: str, seed: int = 0):
-    """A native DecoderLM of ``config``, N(0, 0.02) weights (norm weights 1), bf16, on ``device``
-    (``noria.bench.gpu_common.random_model`` for a config of our own)."""
-    import torch
-
-    from noria.models.config import ModelArgs
-    from noria.models.decoder import DecoderLM
-
-    with torch.device("meta"):
-        lm = DecoderLM(ModelArgs.from_hf_config(config), hf_config=config)
-    lm = lm.to_empty(device=device).to(torch.bfloat16)
-    lm.tie_weights()
-    gen = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    return lm.eval()
 
 
 def build_tokenizer(folder: Path, vocab_size: int):
