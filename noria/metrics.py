@@ -119,8 +119,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("critic/*", "varies", "The critic's optimizer-step figures (loss, grad_norm, lr, skipped, ...): same meaning as the policy's names."),
     ])
     + _table("time", [
-        ("time/rollout_s", "s", "Generation plus reward scoring of the step's groups."),
-        ("time/reward_s", "s", "Reward scoring alone."),
+        ("time/reward_s", "s", "Reward scoring of the groups finished since the last step (each group is scored when "
+         "its samples finish, while others still generate: it overlaps the rollout stage, not adds to it)."),
         ("time/trainer_wait_s", "s", "Time the trainer waited for the step's batch of groups (the whole rollout when synchronous)."),
         ("time/train_s", "s", "Trainer: logprobs, loss, backward, optimizer step(s)."),
     ])
@@ -331,7 +331,6 @@ def short(row: dict[str, Any], accuracy: float | None, show_buffer: bool = False
         ("rollout_logprob_abs_diff_max", "|dlp|max", "{:.2g}"),
         ("rollout/tokens_per_s", "gen tok/s", "{:.0f}"),
         ("train_tokens_per_s", "train tok/s", "{:.0f}"),
-        ("time/rollout_s", "rollout", "{:.1f}s"),
         ("time/trainer_wait_s", "wait", "{:.1f}s"),
         ("time/train_s", "train", "{:.1f}s"),
         ("sync/seconds", "sync", "{:.2f}s"),

@@ -48,13 +48,14 @@ def test_bench_runs_the_main_job_and_splits_its_steps(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "run-2x4x8" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and head["measured_steps"] == 1 and head["steps_s"] == pytest.approx([r["seconds"] for r in rows], abs=1e-4)
     assert head["metric"] == "step_s" and head["noria"] == pytest.approx(rows[1]["seconds"], abs=1e-4)  # warm-up left out
-    # Stages: the job's own timers, disjoint parts of the step; reward is not timed apart by the job today.
+    # Stages: the job's own timers, disjoint parts of the step; reward scoring is timed inside the rollout.
     stages, shares = head["stages_s"], head["shares"]
     assert stages["train"] == pytest.approx(rows[1]["time/train_s"], abs=1e-4)
     assert stages["sync"] == pytest.approx(rows[1]["sync/seconds"], abs=1e-4)
     assert all(v is None or v >= 0 for v in stages.values())
     assert sum(v for v in shares.values() if v is not None) == pytest.approx(1.0, abs=1e-3)
     assert shares["rollout"] > 0 and shares["train"] > 0 and shares["sync"] > 0
+    assert head["reward_scoring_s"] == pytest.approx(rows[1]["time/reward_s"], abs=1e-4) and head["reward_scoring_s"] > 0
     # The trainer really trained every step: the reward varies within groups, no group was dropped.
     assert head["optimizer_steps"] == 2 and head["skipped_steps"] == 0 and head["groups_trained"] == 2
     assert all(r["train/samples"] == 8 and r["loss_tokens"] > 0 and r["rollout/groups_zero_variance_frac"] == 0 for r in rows)

@@ -81,13 +81,13 @@ def test_plain_progress_lines_show_stage_times_staleness_and_eta(tmp_path):
         log = RunLog(tmp_path, total_steps=4, start_step=0, progress=False, config=config)
         log.write_eval({"step": 0, "version": 0, "accuracy": 0.25, "n_prompts": 8, "seconds": 1.0})
         log.write_step({"step": 1, "version": 1, "rollout/reward_mean": 0.5, "rollout/tokens_per_s": 120.0,
-                        "time/rollout_s": 2.0, "time/train_s": 4.0, "tokens": 800.0, "sync/seconds": 0.25,
+                        "time/trainer_wait_s": 2.0, "time/train_s": 4.0, "tokens": 800.0, "sync/seconds": 0.25,
                         "buffer/size": 3.0, "buffer/staleness_mean": 0.5, "buffer/staleness_max": 1.0})
         log.close()
     lines = err.getvalue().splitlines()
     assert lines[0] == "eval at step 0: accuracy 25.0% on 8 prompts (1 s)"
     assert lines[1].startswith("step 1/4 reward 0.500 acc 25.0% stale 0.5/1 buf 3 ")
-    for part in ("gen tok/s 120", "train tok/s 200", "rollout 2.0s", "train 4.0s", "sync 0.25s", "eta 0m"):
+    for part in ("gen tok/s 120", "train tok/s 200", "wait 2.0s", "train 4.0s", "sync 0.25s", "eta 0m"):
         assert part in lines[1], lines[1]
     assert "\r" not in err.getvalue()
 

@@ -38,9 +38,7 @@ reward, not a task.
 Figures, from the job's own ``RUN_DIR/metrics.jsonl``, means over the steps after the first (the
 first builds kernels and caches): ``seconds`` per step and its stages: ``rollout`` =
 ``time/trainer_wait_s`` (synchronous and colocated, the trainer waits for the whole rollout:
-generation and reward scoring of the step's groups; ``time/rollout_s`` instead when the job logs
-it), ``reward`` = ``time/reward_s`` when the job logs it (today it does not: it is inside
-rollout), ``train`` = ``time/train_s``, ``sync`` = ``sync/seconds``, ``other`` = the rest (engine
+generation and reward scoring of the step's groups), ``train`` = ``time/train_s``, ``sync`` = ``sync/seconds``, ``other`` = the rest (engine
 pause and KV release / re-acquire, step bookkeeping). Tokens per step: ``rollout/tokens``
 (generated), ``rollout/trained_tokens`` (response tokens trained), ``tokens`` (prompt + response
 through the trainer).
@@ -71,7 +69,7 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-STAGES = ("rollout", "reward", "train", "sync", "other")
+STAGES = ("rollout", "train", "sync", "other")
 
 
 def add_arguments(parser) -> None:
@@ -257,12 +255,10 @@ def run_job(overrides: list[str], run_dir: Path) -> tuple[list[dict[str, Any]], 
 
 
 def stage_seconds(row: dict[str, Any]) -> dict[str, float | None]:
-    """One metrics row split into STAGES (seconds; reward None when the job does not time it apart)."""
-    rollout = row["time/rollout_s"] if "time/rollout_s" in row else row["time/trainer_wait_s"]
-    reward = row.get("time/reward_s")
+    """One metrics row split into STAGES (seconds, disjoint: they sum to the step's)."""
+    rollout = row["time/trainer_wait_s"]
     train, sync = row.get("time/train_s", 0.0), row.get("sync/seconds", 0.0)
-    return {"rollout": rollout - (reward or 0.0), "reward": reward, "train": train, "sync": sync,
-            "other": row["seconds"] - rollout - train - sync}
+    return {"rollout": rollout, "train": train, "sync": sync, "other": row["seconds"] - rollout - train - sync}
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -277,10 +273,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     stages = [stage_seconds(r) for r in measured]
     seconds = avg(r["seconds"] for r in measured)
-    stage_s = {k: (avg(s[k] for s in stages) if stages[0][k] is not None else None) for k in STAGES}
+    stage_s = {k: avg(s[k] for s in stages) for k in STAGES}
     return {
         "step_s": seconds, "steps_s": [r["seconds"] for r in rows], "warmup_step_s": rows[0]["seconds"],
-        "stage_s": stage_s, "share": {k: (v / seconds if v is not None else None) for k, v in stage_s.items()},
+        "stage_s": stage_s, "share": {k: v / seconds for k, v in stage_s.items()},
+        "reward_s": avg(r.get("time/reward_s", 0.0) for r in measured),
         "generated_tokens": avg(r.get("rollout/tokens", 0.0) for r in measured),
         "trained_response_tokens": avg(r.get("rollout/trained_tokens", 0.0) for r in measured),
         "trainer_tokens": avg(r.get("tokens", 0.0) for r in measured),
@@ -315,6 +312,7 @@ def build_results(model: str, vocab: int, device: str, prompts: int, samples: in
     results[0].update({
         "stages_s": {k: _round(v) for k, v in f["stage_s"].items()},
         "shares": {k: _round(v) for k, v in f["share"].items()},
+        "reward_scoring_s": _round(f["reward_s"]),
         "steps_s": [round(s, 4) for s in f["steps_s"]], "warmup_step_s": round(f["warmup_step_s"], 4),
         "measured_steps": f["steps"] - 1, "run_s": round(run_s, 2),
         "trained_response_tokens_per_step": f["trained_response_tokens"], "groups_trained": f["groups_trained"],
@@ -338,12 +336,11 @@ def print_results(results: list[dict]) -> None:
     by_case = {r["case"]: {x["metric"]: x["noria"] for x in results if x["case"] == r["case"]} for r in heads}
     lines = []
     for h in heads:
-        stages = [f"{h['stages_s'][k]:.3f} s {h['shares'][k]:.0%}" if h["shares"][k] is not None else "-" for k in STAGES]
+        stages = [f"{h['stages_s'][k]:.3f} s {h['shares'][k]:.0%}" for k in STAGES]
         fig = by_case[h["case"]]
-        lines.append([h["setting"], h["noria"], *stages, fig["generated_tokens_per_step"], fig["trained_tokens_per_step"],
+        lines.append([h["setting"], h["noria"], *stages, h["reward_scoring_s"], fig["generated_tokens_per_step"], fig["trained_tokens_per_step"],
                       fig["rollout_tokens_per_s"], fig["trainer_tokens_per_s"], h["optimizer_steps"], h["run_s"]])
     print_table(f"{heads[0]['case'].split(' prompts=')[0]}: the main job's loop, mean of the steps after a warm-up "
-                f"step ({heads[0]['device']}; reward '-': "
-                "not timed apart by the job, it is inside rollout)",
-                ["prompts x n x new", "step s", *STAGES, "gen tok/step", "train tok/step", "gen tok/s", "train tok/s", "opt steps", "run s"],
+                f"step ({heads[0]['device']}; reward scoring runs inside the rollout stage)",
+                ["prompts x n x new", "step s", *STAGES, "reward s (in rollout)", "gen tok/step", "train tok/step", "gen tok/s", "train tok/s", "opt steps", "run s"],
                 lines)

@@ -24,6 +24,7 @@ import inspect
 import math
 import numbers
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ class ScoreCounts:
     """Samples not scored because they had already failed or been aborted."""
     failed: Counter = field(default_factory=Counter)
     """Samples whose reward failed, by kind: ``raised``, ``timeout``, ``not_a_number``, ``non_finite``."""
+    seconds: float = 0.0
+    """Wall seconds of the scoring call (the rollout scheduler logs their sum as ``time/reward_s``)."""
 
     @property
     def n_failed(self) -> int:
@@ -88,6 +91,7 @@ async def score_async(
     fn = get_reward(reward_cfg.name)
     limit = asyncio.Semaphore(max_concurrency)
     counts = ScoreCounts()
+    start = time.perf_counter()
     jobs = []
     for i, sample in enumerate(samples):
         if sample.status in SKIPPED_STATUSES:
@@ -100,6 +104,7 @@ async def score_async(
             counts.scored += 1
         else:
             counts.failed[kind] += 1
+    counts.seconds = time.perf_counter() - start
     return counts
 
 

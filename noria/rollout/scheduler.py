@@ -269,6 +269,7 @@ class _Interval:
         self.groups += 1
         self.counts.scored += counts.scored
         self.counts.skipped += counts.skipped
+        self.counts.seconds += counts.seconds
         self.counts.failed.update(counts.failed)
 
     def collect(self, in_flight: int, pending_groups: int, now: float) -> dict[str, float]:
@@ -281,6 +282,7 @@ class _Interval:
             "rollout/tokens": float(self.tokens),
             "rollout/tokens_per_s": self.tokens / seconds,
             "engine/busy_frac": min(busy / seconds, 1.0),
+            "time/reward_s": self.counts.seconds,
         }
         out.update({k: float(v) for k, v in self.counts.as_metrics().items()})
         return out

@@ -205,14 +205,13 @@ def _throughput(run: RunData, fig: Any) -> None:
 
 
 def _rollout_part(r: dict[str, Any]) -> float:
-    """The step's time spent on the rollout: the rollout stage, or the trainer's wait for its batch
-    (when generation overlaps training, only the wait adds to the step's time)."""
-    return _get(r, "time/rollout_s") if "time/rollout_s" in r else _get(r, "time/trainer_wait_s")
+    """The step's time spent on the rollout: the trainer's wait for its batch (generation and reward
+    scoring; when generation overlaps training, only the wait adds to the step's time)."""
+    return _get(r, "time/trainer_wait_s")
 
 
 STAGES = (
-    ("rollout (or trainer wait)", lambda r: _rollout_part(r) - _get(r, "time/reward_s")),
-    ("reward", lambda r: _get(r, "time/reward_s")),
+    ("rollout: generation and reward (trainer wait)", _rollout_part),
     ("train", lambda r: _get(r, "time/train_s")),
     ("weight sync", lambda r: _get(r, "sync/seconds")),
     ("other", lambda r: _get(r, "seconds") - _rollout_part(r) - _get(r, "time/train_s") - _get(r, "sync/seconds")),
@@ -224,9 +223,9 @@ def _get(row: dict[str, Any], key: str) -> float:
     return float(value) if _finite(value) else 0.0
 
 
-@figure("stage_times", "Time per stage", "Wall time of each step split by stage (stacked): generation (or, when it "
-        "overlaps training, the trainer's wait for its batch), reward scoring, trainer, weight sync, and the rest.",
-        ("time/rollout_s", "time/trainer_wait_s", "time/reward_s", "time/train_s", "sync/seconds", "seconds"))  # fmt: skip
+@figure("stage_times", "Time per stage", "Wall time of each step split by stage (stacked): the trainer's wait for its "
+        "batch (generation and reward scoring), trainer, weight sync, and the rest.",
+        ("time/trainer_wait_s", "time/train_s", "sync/seconds", "seconds"))  # fmt: skip
 def _stage_times(run: RunData, fig: Any) -> None:
     ax = fig.add_subplot()
     rows = [r for r in run.steps if _finite(r.get("seconds"))]
