@@ -32,24 +32,20 @@ program's tile).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from noria.models.decoder import DecoderLM, rope_inv_freq, rope_tables
 
-_KERNELS = None
 SAMPLE_BLOCK = 4096
 """Vocabulary entries per iteration of the sampling kernel."""
 
 
+@functools.cache
 def _kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _build()
-    return _KERNELS
-
-
-def _build():
+    """The Triton kernels, built on first use (Triton is imported only then)."""
     import triton
     import triton.language as tl
 
