@@ -292,6 +292,10 @@ class EngineConfig:
     attention: Literal["auto", "torch", "cpu_kernel"] = option(
         "auto", "Decode attention: the C++ paged kernel on CPU (auto), or gather + torch SDPA."
     )
+    quantization: Literal["none", "fp8"] = option(
+        "none", "Rollout weights: none (the model dtype) or fp8 (e4m3 decoder-block linears, per-channel weight and "
+        "per-row activation scales; bf16 models; pair with train.loss.off_policy: tis)."
+    )
 
     def validate(self) -> None:
         for key in ("max_running_requests", "max_batch_tokens", "chunked_prefill_size", "block_size"):
@@ -303,6 +307,11 @@ class EngineConfig:
             raise ConfigError(f"engine.kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if self.chunked_prefill_size > self.max_batch_tokens:
             raise ConfigError("engine.chunked_prefill_size must not exceed engine.max_batch_tokens")
+        if self.quantization == "fp8" and self.deterministic:
+            raise ConfigError(
+                "engine.quantization=fp8 cannot be combined with engine.deterministic (deterministic mode runs the "
+                "trainer's own bf16 numerics)"
+            )
 
 
 @dataclass

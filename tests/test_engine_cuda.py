@@ -307,3 +307,38 @@ def test_decode_steps_sample_inside_the_graph(tiny_model_dir):
         assert calls["graph"] == before and calls["logits"] >= 8
     finally:
         engine.shutdown(1.0)
+
+
+def test_fp8_engine_on_cuda(tiny_model_dir):
+    """engine.quantization=fp8 on the GPU: the Triton row quantizer gives the torch recipe's bits;
+    graph decode steps (fused decoder, FP8 GEMMs) give the FP8 model's own logprobs, close to bf16."""
+    _need_triton()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 matmuls need compute capability 8.9+")
+    from noria.engine import fp8
+
+    x = torch.randn(37, 1000, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, 37, device="cuda")[:, None]
+    q, s = fp8.quantize_rows(x)
+    xf = x.float()
+    s_ref = (xf.abs().amax(1, keepdim=True) / fp8.FP8_MAX).clamp(min=fp8.MIN_SCALE)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), (xf / s_ref).to(fp8.DTYPE).view(torch.uint8))
+
+    bf16 = _engine(tiny_model_dir, torch.bfloat16)
+    eng = _engine(tiny_model_dir, torch.bfloat16, quantization="fp8")
+    try:
+        a = _generate(bf16, PROMPTS, 16, temperature=0.0)
+        b = _generate(eng, PROMPTS, 16, temperature=0.0)
+        assert eng.runner.graphs._graphs and eng.runner.fused is not None
+        first = [abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b)]
+        assert 0 < max(first) < 0.5
+        lm = eng.model
+        for prompt, o in zip(PROMPTS, b):  # teacher-forced through the same FP8 layers, eagerly
+            ids = torch.tensor([prompt + o.output_ids], device="cuda")
+            with torch.no_grad():
+                logp = torch.log_softmax(lm.lm_head(lm.hidden_states(ids)).float(), -1)[0]
+            forced = logp[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+            assert torch.allclose(forced.cpu(), torch.tensor(o.logprobs), atol=3e-2)
+    finally:
+        bf16.shutdown(1.0)
+        eng.shutdown(1.0)

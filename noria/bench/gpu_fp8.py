@@ -1,11 +1,12 @@
 """``noria bench gpu-fp8``: FP8 (e4m3) rollout against bf16 rollout on one Hopper GPU: decode
 speed, and the rollout-vs-trainer logprob mismatch with its truncated-importance-sampling weights.
 
-FP8 serving here (:func:`quantize_fp8`): every linear layer of the decoder blocks keeps an e4m3
-copy of its weight with one fp32 scale per output channel (amax / 448); activations are quantized
-per row on the fly (dynamic, amax / 448), and ``torch._scaled_mm`` multiplies with both scale
-vectors (row-wise scaling, Hopper's FP8 tensor cores) into bf16. Embedding, norms, attention,
-the KV cache and the head stay bf16. The engine runs the patched model unchanged (graphs too).
+FP8 serving is the engine's option ``engine.quantization: fp8`` (``noria.engine.fp8``): every linear
+layer of the decoder blocks keeps an e4m3 copy of its weight with one fp32 scale per output channel
+(amax / 448); activations are quantized per row on the fly (a Triton kernel), and
+``torch._scaled_mm`` multiplies with both scale vectors (row-wise scaling, Hopper's FP8 tensor
+cores) into bf16. Embedding, norms, attention, the KV cache and the head stay bf16. Decode steps
+run the fused decoder in CUDA graphs, as in bf16.
 
 Mismatch: the engine samples (T = 1) ``new_tokens`` per prompt and reports each token's logprob;
 the trainer's bf16 forward (the policy it trains) recomputes them. Reported per rollout precision:
@@ -18,46 +19,13 @@ mismatch is smaller than a trained model's would be; the fp8-vs-bf16 ratio is th
 from __future__ import annotations
 
 import time
-import types
 
 import torch
 
 from noria.bench import print_table, write_json
 from noria.bench.gpu_common import device_name, random_model
 
-FP8_MAX = 448.0
 TIS_CAP = 2.0
-
-
-def quantize_fp8(lm) -> int:
-    """Patch every linear layer of the decoder blocks to FP8 (see the module docstring); returns
-    the number patched. Irreversible for this model object (the bf16 weights stay as parameters)."""
-    n = 0
-    for layer in lm.model.layers:
-        for module in layer.modules():
-            if isinstance(module, torch.nn.Linear):
-                _patch(module)
-                n += 1
-    return n
-
-
-def _patch(module: torch.nn.Linear) -> None:
-    w = module.weight.detach()
-    scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    module.fp8_weight = (w.float() / scale).to(torch.float8_e4m3fn)  # [N, K]
-    module.fp8_scale = scale.t().contiguous()  # [1, N]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        sx = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-        xq = (x2.float() / sx).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, self.fp8_weight.t(), scale_a=sx, scale_b=self.fp8_scale, out_dtype=x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], y.shape[-1])
-
-    module.forward = types.MethodType(forward, module)
 
 
 def run(model: str = "qwen3-1.7b", batch: int = 256, prompt_len: int = 512, new_tokens: int = 256,
@@ -68,8 +36,9 @@ def run(model: str = "qwen3-1.7b", batch: int = 256, prompt_len: int = 512, new_
     prompts = _prompts(bf16.args.vocab_size, batch, prompt_len)
     figures = {}
     for precision in ("bf16", "fp8"):
-        lm = bf16 if precision == "bf16" else _fp8_copy(model)
-        engine = _engine(lm, batch, prompt_len + new_tokens)
+        # The FP8 engine quantizes its own model object: a second one with the same seed (same weights).
+        lm = bf16 if precision == "bf16" else random_model(model)
+        engine = _engine(lm, batch, prompt_len + new_tokens, quantization=precision.replace("bf16", "none"))
         try:
             _sampled(engine, prompts[:8], 8)
             t1, _ = _sampled(engine, prompts, 1)
@@ -95,12 +64,6 @@ def run(model: str = "qwen3-1.7b", batch: int = 256, prompt_len: int = 512, new_
     if json_path:
         write_json(json_path, "gpu-fp8", rows)
     return rows
-
-
-def _fp8_copy(model: str):
-    lm = random_model(model)  # the same seed: the same bf16 weights
-    quantize_fp8(lm)
-    return lm
 
 
 def _sampled(engine, prompts, n: int):

@@ -100,7 +100,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv, self.radix, StopChecker(eos, tokenizer))
         self.runner = ModelRunner(
             model, self.kv, self.device, config.attention, config.deterministic, max_batch=config.max_running_requests,
-            max_positions=self.max_context,
+            max_positions=self.max_context, quantization=config.quantization,
         )
         self._generator = torch.Generator(self.device).manual_seed(seed)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

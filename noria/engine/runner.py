@@ -23,6 +23,10 @@ On CUDA (``noria.engine.cuda``): decode attention is the Triton paged kernel whe
 the whole forward (``DecodeGraphs``; outside deterministic mode). Prefill chunks run eagerly,
 through SDPA per sequence.
 
+``engine.quantization: fp8``: the model's decoder-block linears carry FP8 copies of their weights
+(``noria.engine.fp8``; re-made by ``refresh_weights``) and every path (eager, graphs, the fused
+decoder) multiplies with them; the CPU packed path is off.
+
 Deterministic mode: the model runs its own modules in exact numerics
 (``DecoderLM.set_exact_numerics``, switched on for the engine's model here: linear layers as 2-D
 matmuls of at most ``DETERMINISTIC_ROWS`` rows), and all attention (decode and prefill) goes
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from noria.engine import attention_ref, inference
+from noria.engine import attention_ref, fp8, inference
 from noria.engine.kv_cache import KVCache
 from noria.engine.scheduler import Chunk
 from noria.models.attention import attention_scale, exact_attention
@@ -165,6 +169,7 @@ class ModelRunner:
         max_batch: int = 256,
         cuda_graphs: bool = True,
         max_positions: int | None = None,
+        quantization: str = "none",
     ) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(f"the engine runs the native DecoderLM, got {type(model).__name__}")
@@ -174,8 +179,18 @@ class ModelRunner:
         self.deterministic = deterministic
         self.decode_fn = pick_decode_fn(attention, self.device)
         self.scale = attention_scale(model.args.head_dim)
-        # Deterministic mode runs exactly the trainer's modules; elsewhere packed weights on CPU.
-        self.fast = None if deterministic or not inference.supported(model) else inference.FastDecoder(model)
+        self.fp8 = quantization == "fp8"
+        """FP8 rollout weights (``noria.engine.fp8``), re-made by :meth:`refresh_weights`."""
+        if self.fp8:
+            if deterministic:
+                raise ValueError("engine.quantization=fp8 cannot be combined with engine.deterministic")
+            fp8.quantize_model(model)
+        elif quantization != "none":
+            raise ValueError(f"engine.quantization must be none or fp8, got {quantization!r}")
+        # Deterministic mode runs exactly the trainer's modules; elsewhere packed weights on CPU
+        # (not with FP8: the model's layers then carry the FP8 matmuls).
+        use_fast = not deterministic and not self.fp8 and inference.supported(model)
+        self.fast = inference.FastDecoder(model) if use_fast else None
         if deterministic:
             model.set_exact_numerics(next(model.parameters()).dtype)
         self.graphs = None
@@ -194,6 +209,8 @@ class ModelRunner:
         """Rebuild the engine-only weight copies from the model (call after every weight update)."""
         if self.fast is not None:
             self.fast.refresh()
+        if self.fp8:
+            fp8.quantize_model(self.model)
         if self.graphs is not None:  # captured graphs hold the old parameters' addresses
             self.graphs.clear()
 

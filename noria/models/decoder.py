@@ -92,8 +92,13 @@ class Linear(nn.Linear):
     """``nn.Linear``; in exact mode (``exact_dtype`` set) :func:`row_chunked_linear` in that dtype."""
 
     exact_dtype: torch.dtype | None = None
+    fp8 = None
+    """Set by the engine (``noria.engine.fp8``) on its own model: the FP8 matmul that replaces this
+    layer's, called as ``fp8(x, bias)``. Never set on a model that trains."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8(x, self.bias)
         if self.exact_dtype is None:
             return super().forward(x)
         return row_chunked_linear(x, _cast(self.weight, self.exact_dtype), _cast(self.bias, self.exact_dtype))

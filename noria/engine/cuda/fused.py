@@ -35,8 +35,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
+from noria.engine import fp8
 from noria.models.decoder import DecoderLM, rope_inv_freq, rope_tables
 
 SAMPLE_BLOCK = 4096
@@ -255,18 +255,15 @@ class FusedDecoder:
                 h = add_rmsnorm(x, layer.input_layernorm.weight, eps)
             else:
                 h = add_rmsnorm(pending, layer.input_layernorm.weight, eps, residual)
-            q = F.linear(h, a.q_proj.weight, a.q_proj.bias)
-            k = F.linear(h, a.k_proj.weight, a.k_proj.bias)
-            v = F.linear(h, a.v_proj.weight, a.v_proj.bias)
+            q, k, v = fp8.shared_input(h, (a.q_proj, a.k_proj, a.v_proj))
             k_pool, v_pool = kv.k_pools[i], kv.v_pools[i]
             qk_norm_rope_store(q, k, v, a.q_norm.weight if a.q_norm is not None else None,
                                a.k_norm.weight if a.k_norm is not None else None, self.cos, self.sin,
                                positions, slots, k_pool, v_pool, eps)
             out = attend(i, q.view(q.shape[0], -1, a.head_dim), k_pool, v_pool)
-            attn = F.linear(out.reshape(q.shape[0], -1), a.o_proj.weight, a.o_proj.bias)
+            attn = a.o_proj(out.reshape(q.shape[0], -1))
             h = add_rmsnorm(attn, layer.post_attention_layernorm.weight, eps, residual)
             mlp = layer.mlp
-            g = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            u = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-            pending = F.linear(silu_mul(g, u), mlp.down_proj.weight, mlp.down_proj.bias)
+            g, u = fp8.shared_input(h, (mlp.gate_proj, mlp.up_proj))
+            pending = mlp.down_proj(silu_mul(g, u))
         return add_rmsnorm(pending, m.norm.weight, eps, residual)

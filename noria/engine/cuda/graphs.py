@@ -91,19 +91,25 @@ class DecodeGraphs:
         bs = self.kv.block_size
         n = len(chunks)
         host = g["host_meta"].numpy()
-        tab = g["host_tables"].numpy()
-        tab[:] = 0
-        for i, c in enumerate(chunks):
-            p = c.start
-            table = c.block_table
-            host[0, i] = c.req.all_ids[p]
-            host[1, i] = p
-            host[2, i] = table[p // bs] * bs + p % bs
-            host[3, i] = p + 1
-            tab[i, : len(table)] = table
+        starts = [c.start for c in chunks]
+        tables = [c.block_table for c in chunks]
+        host[0, :n] = [c.req.all_ids[p] for c, p in zip(chunks, starts)]
+        host[1, :n] = starts
+        host[2, :n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
+        host[3, :n] = host[1, :n] + 1
         host[0:2, n:size] = 0
         host[2, n:size] = self.kv.scratch_slot
         host[3, n:size] = 1
+        # A table row is rewritten only when its row holds another list or the list grew (tables
+        # only grow, or are replaced by a new list): entries past a row's context length are never
+        # read, and padded rows attend over one token of whatever page their row names.
+        tab = g["host_tables"].numpy()
+        held = g["held_tables"]
+        for i, t in enumerate(tables):
+            old = held[i]
+            if old[0] is not t or old[1] != len(t):
+                tab[i, : len(t)] = t
+                held[i] = (t, len(t))
         g["meta"].copy_(g["host_meta"], non_blocking=True)
         g["tables"].copy_(g["host_tables"], non_blocking=True)
         host_temps = g["host_temps"].numpy()
@@ -165,4 +171,5 @@ class DecodeGraphs:
         # would be handed to other tensors while replays still use its address.
         return {"graph": graph, "meta": meta, "tables": tables, "lens": lens, "rows": rows, "temps": temps,
                 "host_temps": host_temps, "uniforms": uniforms, "sampled": sampled,
-                "host_meta": host_meta, "host_tables": host_tables, "logits": logits}
+                "host_meta": host_meta, "host_tables": host_tables, "held_tables": [(None, 0)] * size,
+                "logits": logits}

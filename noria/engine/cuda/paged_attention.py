@@ -12,7 +12,9 @@ cost of decode attention. When S * Hkv programs are too few to fill the GPU, the
 over ``splits`` programs whose partial (max, sum, output) are merged by a second small kernel.
 
 Blocking: none; the loop bound is read on the device, so the launch is CUDA-graph safe (the split
-count depends only on S, Hkv and the block-table width, all static in a captured graph).
+count depends only on S, Hkv and the block-table width, all static in a captured graph). The
+tokens per split are a runtime argument: a wider table (a longer context) compiles nothing new
+unless the split count changes.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ def _build():
     @triton.jit
     def decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr,
-        scale_log2,
+        scale_log2, split_tokens,
         stride_qs, stride_qh, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        PAGE: tl.constexpr, SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+        PAGE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):
         s = tl.program_id(0)
         h = tl.program_id(1)
@@ -58,8 +60,8 @@ def _build():
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        lo = split * SPLIT_TOKENS
-        hi = tl.minimum(length, lo + SPLIT_TOKENS)
+        lo = split * split_tokens
+        hi = tl.minimum(length, lo + split_tokens)
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             valid = pos < hi
@@ -145,10 +147,10 @@ def paged_decode_attention(
         l = torch.empty_like(m)
     decode_kernel[(num_seqs, hkv, splits)](
         q, k_pool, v_pool, block_tables, context_lens, target, m, l,
-        scale_log2,
+        scale_log2, split_tokens,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0), hq * d, d,
         GROUP=group, BLOCK_G=block_g, D=d, BLOCK_N=BLOCK_N, PAGE=block_size,
-        SPLITS=splits, SPLIT_TOKENS=split_tokens, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        SPLITS=splits, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models: no tf32 rounding
     )
     if splits > 1:
