@@ -38,6 +38,9 @@ def test_fast_forward_equals_model_bitwise(family):
     model = random_bf16(tiny_args(**family))
     assert inference.supported(model)
     fast = inference.FastDecoder(model)
+    # llama/qwen2 layers run the fused C++ norm/RoPE/SwiGLU kernels (kernels/fused.cpp); q/k-norm
+    # layers the model's modules around the packed matmuls.
+    assert (fast._fused_ops(model.model) is None) == bool(family.get("qk_norm"))
     for t in (1, 2, 7, 8, 31, 32, 64, 128, inference.MAX_ROWS, inference.MAX_ROWS + 40):
         ids = torch.randint(0, 300, (1, t), generator=torch.Generator().manual_seed(t))
         positions = torch.arange(t).unsqueeze(0)

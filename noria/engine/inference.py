@@ -9,8 +9,15 @@ oneDNN wants, and runs the same layer recipe as ``DecoderModel.forward`` with th
 - every weight is reordered once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``)
   instead of at every ``F.linear`` call, which is what bf16 ``F.linear`` does on CPU.
 
-Norms, RoPE, SiLU, residual adds and the attention context are the model's own modules and
-functions, called in the model's order, so the only numerical difference could come from the
+- the residual add and the next RMSNorm, RoPE of q and k, and SwiGLU's ``silu(gate) * up`` are
+  one C++ call each (``kernels/fused.cpp``; layers without q/k norms, i.e. Llama and Qwen2
+  families) instead of ~30 small torch ops per layer, whose dispatch cost dominated decode steps.
+  They round where the modules round; RoPE and SwiGLU give the modules' bits by construction, the
+  norm's sum of squares runs in another order than torch's reduction (equal bits in every case the
+  tests cover, not promised).
+
+Otherwise norms, RoPE, SiLU, residual adds and the attention context are the model's own modules
+and functions, called in the model's order, so the only numerical difference could come from the
 matmuls. On this CPU (torch 2.13, bf16) the packed matmuls give the same bits as ``F.linear`` for
 the row counts where they are used (``max_rows`` at most; larger steps, i.e. long prefills, run the
 model's own modules), and tests check that the fast forward equals the plain one bitwise. That is
@@ -30,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from noria.engine import kernels
 from noria.models.decoder import DecoderLM, DecoderLayer, apply_rope, rope_inv_freq, rope_tables
 
 MAX_ROWS = 160
@@ -104,10 +112,48 @@ class FastDecoder:
         inner = self.model.model
         h = inner.embed_tokens(input_ids)
         cos, sin = rope_tables(rope_inv_freq(inner.args, input_ids.device), positions, h.dtype)
-        plain = input_ids.shape[1] > self.max_rows
+        if input_ids.shape[1] > self.max_rows:
+            for layer in inner.layers:
+                h = layer(h, cos, sin, ctx)
+            return inner.norm(h)
+        ops = self._fused_ops(inner)
+        if ops is not None:
+            return self._fused_forward(ops, inner, h, cos, sin, ctx)
         for layer, packed in zip(inner.layers, self.layers):
-            h = layer(h, cos, sin, ctx) if plain else self._layer(layer, packed, h, cos, sin, ctx)
+            h = self._layer(layer, packed, h, cos, sin, ctx)
         return inner.norm(h)
+
+    @staticmethod
+    def _fused_ops(inner):
+        """The C++ module when the fused elementwise kernels apply (llama-style layers without q/k
+        norms, bf16, the extension built and not switched off), else None."""
+        if inner.layers[0].self_attn.q_norm is not None or not kernels.fused_kernels_enabled():
+            return None
+        return kernels.cpu_kernel()
+
+    def _fused_forward(self, ops, inner, h, cos, sin, ctx) -> torch.Tensor:
+        """The layers with the residual add folded into the next norm (``ops.add_rmsnorm``), RoPE
+        in one call per layer (``ops.rope``) and SwiGLU's product fused (``ops.silu_mul``)."""
+        residual = h  # the embedding output [1, T, H]: a fresh tensor, updated in place
+        cos, sin = cos[0], sin[0]  # [T, D]
+        pending = None
+        for layer, packed in zip(inner.layers, self.layers):
+            norm = layer.input_layernorm
+            if pending is None:
+                x = ops.add_rmsnorm(residual, None, norm.weight, norm.eps)
+            else:
+                x = ops.add_rmsnorm(pending, residual, norm.weight, norm.eps)
+            attn = layer.self_attn
+            heads = packed.qkv(x).unflatten(-1, (-1, attn.head_dim))  # [1, T, Hq + 2 Hkv, D]
+            q_size, kv_size, _ = packed.qkv.sizes
+            q_heads, kv_heads = q_size // attn.head_dim, kv_size // attn.head_dim
+            qk = ops.rope(heads[0], cos, sin, q_heads + kv_heads)[None]
+            out = ctx.attend(attn.layer_idx, qk[:, :, :q_heads], qk[:, :, q_heads:], heads[:, :, q_heads + kv_heads :])
+            o = packed.o(out.reshape(*x.shape[:2], -1))
+            norm = layer.post_attention_layernorm
+            x = ops.add_rmsnorm(o, residual, norm.weight, norm.eps)
+            pending = packed.down(ops.silu_mul(packed.gate_up(x)))
+        return ops.add_rmsnorm(pending, residual, inner.norm.weight, inner.norm.eps)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of hidden rows [R, H] (R <= the step's tokens, so always packed-sized)."""

@@ -1,7 +1,9 @@
-"""C++ kernels of the engine on CPU: paged decode attention and the fused sampler.
+"""C++ kernels of the engine on CPU: paged decode attention, the fused sampler, and the fused
+elementwise steps of a layer.
 
-One extension (``paged_attention.cpp`` + ``sampling.cpp``) holds both; ``sample_rows`` is used by
-``noria.engine.sampling`` (see there) and is off, like the attention kernel, under
+One extension (``paged_attention.cpp`` + ``sampling.cpp`` + ``fused.cpp``) holds them;
+``sample_rows`` is used by ``noria.engine.sampling`` (see there), ``add_rmsnorm`` / ``rope`` /
+``silu_mul`` by ``noria.engine.inference``; all are off, like the attention kernel, under
 ``NORIA_NO_CPU_KERNEL=1``.
 
 ``paged_decode_attention`` computes one query token per sequence against that sequence's cached
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp", "fused.cpp")]
 _lock = threading.Lock()
 _module = None
 _failure: str | None = None

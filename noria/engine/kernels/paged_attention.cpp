@@ -268,8 +268,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
 }  // namespace
 
 std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor uniforms);
+torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+torch::Tensor silu_mul(torch::Tensor gu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("sample_rows", &sample_rows, "fused per-row sampling and logprob (CPU)");
+  m.def("add_rmsnorm", &add_rmsnorm, "residual add + RMSNorm (CPU)", py::arg("x"), py::arg("residual"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("rope", &rope, "RoPE over the first heads of [T, H, D] (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] (CPU)");
 }
