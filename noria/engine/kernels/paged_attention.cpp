@@ -9,6 +9,12 @@
 //
 // Every (sequence, head) result depends only on that sequence's own data and a fixed reduction
 // order, so the output for a sequence is the same whatever else is in the batch (batch-invariant).
+//
+// The bf16 AVX-512 path scores 16 cached positions at a time (one transposing add tree for 16 dot
+// products) and prefetches the next 16 K rows and the V row 8 positions on (rows are scattered
+// over pages, so the hardware prefetcher does not see them coming). Measured against the previous
+// one-row-at-a-time loop (SmolLM2 shapes, 128 sequences, 30 layers' pools, this 2-core VM):
+// 0.80x the time at 50 cached tokens, 0.74x at 178, 0.73x at 400.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -102,6 +108,24 @@ inline __m512 load_bf16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (a transposing add tree: 45
+// instructions for 16 sums instead of 16 horizontal reductions).
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the lane sums of v[4k .. 4k+3]
+    const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 template <int G, int NV>
 void decode_item_bf16(const at::BFloat16* q, const at::BFloat16* k_pool, const at::BFloat16* v_pool,
                       const int32_t* table, int64_t L, int64_t Hkv, int64_t h, int64_t block_size, float scale,
@@ -114,17 +138,32 @@ void decode_item_bf16(const at::BFloat16* q, const at::BFloat16* k_pool, const a
   scores.resize(G * L);
   float maxes[G];
   for (int g = 0; g < G; ++g) maxes[g] = -INFINITY;
-  for (int64_t p = 0; p < L; ++p) {
-    const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-    const at::BFloat16* k = k_pool + (slot * Hkv + h) * D;
-    __m512 kv[NV];
-    for (int j = 0; j < NV; ++j) kv[j] = load_bf16(k + j * 16);
+  // Scores 16 positions at a time: their K rows widened once into kbuf, then per query head 16
+  // dot-product vectors summed across lanes together (sum16), instead of one horizontal sum each.
+  alignas(64) float kbuf[16 * D];
+  for (int64_t p0 = 0; p0 < L; p0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, L - p0));
+    for (int i = 0; i < 16; ++i) {
+      const int64_t p = p0 + std::min(i, n - 1);  // a short last group repeats its last row
+      const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+      const at::BFloat16* k = k_pool + (slot * Hkv + h) * D;
+      for (int j = 0; j < NV; ++j) _mm512_store_ps(kbuf + i * D + j * 16, load_bf16(k + j * 16));
+    }
+    for (int64_t p = p0 + 16; p < std::min<int64_t>(L, p0 + 32); ++p) {  // the next group's rows
+      const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+      const char* row = reinterpret_cast<const char*>(k_pool + (slot * Hkv + h) * D);
+      for (int b = 0; b < D * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
     for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
-      const float sc = _mm512_reduce_add_ps(acc);
-      scores[g * L + p] = sc;
-      maxes[g] = std::max(maxes[g], sc);
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        acc[i] = _mm512_mul_ps(qv[g][0], _mm512_load_ps(kbuf + i * D));
+        for (int j = 1; j < NV; ++j) acc[i] = _mm512_fmadd_ps(qv[g][j], _mm512_load_ps(kbuf + i * D + j * 16), acc[i]);
+      }
+      const __m512 sc = sum16(acc);
+      _mm512_mask_storeu_ps(&scores[g * L + p0], valid, sc);
+      maxes[g] = std::max(maxes[g], _mm512_mask_reduce_max_ps(valid, sc));
     }
   }
   float inv[G];
@@ -135,6 +174,11 @@ void decode_item_bf16(const at::BFloat16* q, const at::BFloat16* k_pool, const a
   for (int64_t p = 0; p < L; ++p) {
     const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
     const at::BFloat16* v = v_pool + (slot * Hkv + h) * D;
+    if (p + 8 < L) {
+      const int64_t ahead = static_cast<int64_t>(table[(p + 8) / block_size]) * block_size + (p + 8) % block_size;
+      const char* row = reinterpret_cast<const char*>(v_pool + (ahead * Hkv + h) * D);
+      for (int b = 0; b < D * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
     __m512 vv[NV];
     for (int j = 0; j < NV; ++j) vv[j] = load_bf16(v + j * 16);
     for (int g = 0; g < G; ++g) {
