@@ -108,3 +108,35 @@ def test_fused_sampler_draws_from_the_distribution(kernel):
     ids, _ = kernel.sample_rows(probs.log().repeat(n, 1), torch.ones(n), torch.rand(n, generator=torch.Generator().manual_seed(1)))
     freq = torch.bincount(ids, minlength=4).float() / n
     assert (freq - probs).abs().max().item() < 0.015
+
+
+def test_prefill_through_the_kernel_matches_sdpa_and_ignores_chunking(kernel, tiny_model_dir):
+    """CPU engines attend prefill tokens with the paged kernel (``ModelRunner.kernel_prefill``): the
+    same greedy tokens as the gather + SDPA prefill and close logprobs, chunked or not, with a
+    prefix-cache hit or not."""
+    from noria.config import EngineConfig
+    from noria.engine import Engine, GenerateRequest, SamplingParams
+    from noria.models import load_model
+
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    shared = [3 + (7 * i) % 400 for i in range(37)]
+    reqs = [GenerateRequest(input_ids=shared + tail, sampling=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+            for tail in ([5, 6], [9], list(range(40, 70)))]
+
+    def run(**kw):
+        settings = dict(kv_cache_tokens=2048, block_size=4, max_batch_tokens=64, **kw)
+        engine = Engine(model, None, EngineConfig(**settings))
+        try:
+            return engine.runner.kernel_prefill, [engine.generate_batch([r])[0] for r in reqs]
+        finally:
+            engine.shutdown(1)
+
+    on, chunked = run(chunked_prefill_size=8)
+    _, whole = run(chunked_prefill_size=64, prefix_cache=False)
+    off, sdpa = run(chunked_prefill_size=8, attention="torch")
+    assert on and not off
+    assert chunked[1].cached_tokens > 0 and whole[1].cached_tokens == 0
+    for a, b, c in zip(chunked, whole, sdpa):
+        assert a.output_ids == b.output_ids == c.output_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5  # matmul row counts differ
+        assert max(abs(x - y) for x, y in zip(a.logprobs, c.logprobs)) < 1e-4

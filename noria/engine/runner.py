@@ -7,7 +7,10 @@ pools at their slots and (2) attends:
 - chunks of one token (decode) together, through ``paged_decode_attention`` over the block tables
   (the C++ kernel of ``noria.engine.kernels`` or the torch reference in ``attention_ref``);
 - longer chunks (prefill, possibly after a cached prefix) one sequence at a time: gather that
-  sequence's slots and run SDPA with a bottom-right-aligned causal mask.
+  sequence's slots and run SDPA with a bottom-right-aligned causal mask; except on CPU with the C++
+  kernel, where every token of the step is a query of the paged kernel (a prefill token at
+  position p over its sequence's first p + 1 slots: causal attention, one call per layer, and a
+  token's attention does not depend on how its prompt was chunked).
 
 Only the last position of each sampling chunk goes through ``lm_head``. On CPU in bf16 (outside
 deterministic mode) the layers run through ``inference.FastDecoder`` (fused, prepacked matmuls,
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from noria.engine import attention_ref, fp8, inference
+from noria.engine import attention_ref, fp8, inference, kernels
 from noria.engine.kv_cache import KVCache
 from noria.engine.scheduler import Chunk
 from noria.models.attention import attention_scale, exact_attention
@@ -191,6 +194,11 @@ class ModelRunner:
         # (not with FP8: the model's layers then carry the FP8 matmuls).
         use_fast = not deterministic and not self.fp8 and inference.supported(model)
         self.fast = inference.FastDecoder(model) if use_fast else None
+        self.kernel_prefill = (
+            self.device.type == "cpu" and not deterministic and self.decode_fn is kernels.paged_decode_attention
+            and kernels.fused_kernels_enabled() and kernels.cpu_kernel() is not None
+        )
+        """CPU: prefill tokens attend through the C++ paged kernel too (see :meth:`_all_rows_meta`)."""
         if deterministic:
             model.set_exact_numerics(next(model.parameters()).dtype)
         self.graphs = None
@@ -274,11 +282,15 @@ class ModelRunner:
             row += c.n
         to_dev = self._to_device
         positions_t = to_dev(positions, torch.long).unsqueeze(0)
+        if prefills and self.kernel_prefill:
+            meta, prefills = self._all_rows_meta(chunks, positions_t[0]), []
+        else:
+            meta = self._decode_meta(decode_rows, decode_chunks)
         ctx = PagedAttentionContext(
             self.kv,
             positions_t,
             to_dev(new_slots, torch.long),
-            self._decode_meta(decode_rows, decode_chunks),
+            meta,
             prefills,
             self.decode_fn,
             self.scale,
@@ -299,6 +311,20 @@ class ModelRunner:
             block_tables=tables,
             context_lens=self._to_device([c.start + 1 for c in chunks], torch.int32),
             slots=slots,
+        )
+
+    def _all_rows_meta(self, chunks: list[Chunk], positions: torch.Tensor) -> _DecodeMeta:
+        """Every token of the step as a query of the paged kernel: a prefill token at position p
+        attends to its sequence's first p + 1 cached tokens (its own K/V are written first), which
+        is causal attention; one kernel call per layer instead of a gather + SDPA per sequence."""
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.int32)
+        owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor([c.n for c in chunks]))
+        return _DecodeMeta(
+            token_idx=torch.arange(len(owner)),
+            block_tables=tables.index_select(0, owner),
+            context_lens=(positions + 1).to(torch.int32),
+            slots=None,
         )
 
     def _context_slots(self, c: Chunk) -> torch.Tensor:
