@@ -13,7 +13,9 @@ Recipe (the one DeepSeek-V3 and SGLang's ``fp8`` use per channel):
   (one program per row: amax, scale, cast), torch ops elsewhere; q/k/v share one quantization of
   their input, as do gate/up;
 - the product: ``torch._scaled_mm`` with both scale vectors (row-wise scaling; FP8 tensor cores on
-  Hopper and later; oneDNN on CPU), out in the model dtype, bias added after.
+  Hopper and later), out in the model dtype, bias added after; on CPU the same product of the
+  e4m3 values in fp32 (oneDNN's ``_scaled_mm`` takes per-tensor scales only in some torch versions),
+  which serves the tests and CPU runs, not speed.
 
 The bf16 parameters stay: weight updates land in them and are re-quantized (so the FP8 copy costs
 half the linear weights' bytes on top, it does not save memory). The engine's tokens therefore
@@ -84,7 +86,10 @@ class Fp8Weight:
 
     def matmul(self, xq: torch.Tensor, sx: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
         """The product of already-quantized rows (shared by layers that read the same input)."""
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=sx, scale_b=self.scale, out_dtype=out_dtype)
+        if xq.is_cuda:
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=sx, scale_b=self.scale, out_dtype=out_dtype)
+        else:  # CPU: oneDNN's _scaled_mm takes per-tensor scales only (torch 2.11): the same product in fp32
+            y = (torch.mm(xq.float(), self.weight.float().t()) * sx * self.scale).to(out_dtype)
         return y if bias is None else y + bias
 
 
