@@ -283,6 +283,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "trainer_tokens": avg(r.get("tokens", 0.0) for r in measured),
         "reward_mean": avg(r["rollout/reward_mean"] for r in measured),
         "grad_norm": avg(r.get("grad_norm", 0.0) for r in measured),
+        "logprob_abs_diff": avg(r.get("rollout_logprob_abs_diff", 0.0) for r in measured),
+        "rollout_kl": avg(r.get("rollout_kl", 0.0) for r in measured),
         "groups_trained": avg(r["groups/trained"] for r in measured),
         "optimizer_steps": int(max(r.get("optimizer_step", 0.0) for r in rows)),
         "skipped_steps": sum(int(r.get("train/skipped_no_samples", 0)) + int(r.get("skipped", 0)) for r in rows),
@@ -319,6 +321,7 @@ def build_results(model: str, vocab: int, device: str, prompts: int, samples: in
         "optimizer_steps": f["optimizer_steps"], "skipped_steps": f["skipped_steps"],
         "engine_retractions": f["retractions"], "reward_mean": round(f["reward_mean"], 4),
         "grad_norm_mean": round(f["grad_norm"], 6),
+        "rollout_logprob_abs_diff": round(f["logprob_abs_diff"], 6), "rollout_kl": round(f["rollout_kl"], 6),
         "setting": f"{prompts}x{samples}x{new_tokens}", "overrides": overrides, "device": machine_name(),
     })  # fmt: skip
     return results
@@ -339,8 +342,9 @@ def print_results(results: list[dict]) -> None:
         stages = [f"{h['stages_s'][k]:.3f} s {h['shares'][k]:.0%}" for k in STAGES]
         fig = by_case[h["case"]]
         lines.append([h["setting"], h["noria"], *stages, h["reward_scoring_s"], fig["generated_tokens_per_step"], fig["trained_tokens_per_step"],
-                      fig["rollout_tokens_per_s"], fig["trainer_tokens_per_s"], h["optimizer_steps"], h["run_s"]])
+                      fig["rollout_tokens_per_s"], fig["trainer_tokens_per_s"], h["rollout_logprob_abs_diff"],
+                      h["optimizer_steps"], h["run_s"]])
     print_table(f"{heads[0]['case'].split(' prompts=')[0]}: the main job's loop, mean of the steps after a warm-up "
                 f"step ({heads[0]['device']}; reward scoring runs inside the rollout stage)",
-                ["prompts x n x new", "step s", *STAGES, "reward s (in rollout)", "gen tok/step", "train tok/step", "gen tok/s", "train tok/s", "opt steps", "run s"],
+                ["prompts x n x new", "step s", *STAGES, "reward s (in rollout)", "gen tok/step", "train tok/step", "gen tok/s", "train tok/s", "|dlogprob| rollout-trainer", "opt steps", "run s"],
                 lines)
