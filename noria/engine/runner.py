@@ -267,7 +267,7 @@ class ModelRunner:
     def _prepare(self, chunks: list[Chunk]):
         bs = self.kv.block_size
         ids, positions, new_slots = [], [], []
-        decode_rows, decode_chunks, prefills = [], [], []
+        decode_rows, decode_chunks, prefill_rows = [], [], []
         row = 0
         for c in chunks:
             pos = range(c.start, c.start + c.n)
@@ -278,14 +278,15 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_chunks.append(c)
             else:
-                prefills.append(_PrefillMeta(row, c.n, self._context_slots(c)))
+                prefill_rows.append((row, c))
             row += c.n
         to_dev = self._to_device
         positions_t = to_dev(positions, torch.long).unsqueeze(0)
-        if prefills and self.kernel_prefill:
+        if prefill_rows and self.kernel_prefill:
             meta, prefills = self._all_rows_meta(chunks, positions_t[0]), []
         else:
             meta = self._decode_meta(decode_rows, decode_chunks)
+            prefills = [_PrefillMeta(r, c.n, self._context_slots(c)) for r, c in prefill_rows]
         ctx = PagedAttentionContext(
             self.kv,
             positions_t,
