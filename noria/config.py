@@ -292,6 +292,10 @@ class EngineConfig:
     attention: Literal["auto", "torch", "cpu_kernel"] = option(
         "auto", "Decode attention: the C++ paged kernel on CPU (auto), or gather + torch SDPA."
     )
+    overlap: Literal["auto", "on", "off"] = option(
+        "auto", "Launch the next decode step before the current one's tokens reach the host (they are fed on the "
+        "device), hiding the host's per-step work; auto: on where decode steps run as CUDA graphs."
+    )
     quantization: Literal["none", "fp8"] = option(
         "none", "Rollout weights: none (the model dtype) or fp8 (e4m3 decoder-block linears, per-channel weight and "
         "per-row activation scales; bf16 models; pair with train.loss.off_policy: tis)."

@@ -53,6 +53,25 @@ def test_triton_decode_split_context_equals_reference():
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (8, 8)])
+@pytest.mark.parametrize("n,length", [(300, 300), (40, 300), (1, 77)])
+def test_prefill_attention_on_cuda_matches_the_math_reference(hq, hkv, n, length):
+    """The CUDA prefill (4-D SDPA, lower-right causal bias: flash/efficient kernels) against the
+    same attention in fp64, over a shuffled slot list."""
+    g = torch.Generator(device="cuda").manual_seed(n + hq)
+    k_pool = torch.randn(1000, hkv, 128, generator=g, device="cuda").bfloat16()
+    v_pool = torch.randn(1000, hkv, 128, generator=g, device="cuda").bfloat16()
+    q = torch.randn(n, hq, 128, generator=g, device="cuda").bfloat16()
+    slots = torch.randperm(1000, generator=g, device="cuda")[:length]
+    out = attention_ref.paged_prefill_attention(q, k_pool, v_pool, slots, 0.088)
+    k, v = k_pool[slots].double().repeat_interleave(hq // hkv, 1), v_pool[slots].double().repeat_interleave(hq // hkv, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * 0.088
+    visible = torch.arange(length, device="cuda")[None] <= torch.arange(length - n, length, device="cuda")[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    assert out.shape == (n, hq, 128)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def _engine(model_dir, dtype, **kw):
     from noria.config import EngineConfig
     from noria.engine import Engine
@@ -284,7 +303,7 @@ def test_decode_steps_sample_inside_the_graph(tiny_model_dir):
     top-p rows fall back to the logits path; both give the engine's usual outputs."""
     engine = _engine(tiny_model_dir, torch.bfloat16)
     calls = {"graph": 0, "logits": 0}
-    graph_step, logits_step = engine.runner.forward_sampled, engine._sample
+    graph_step, logits_step = engine.runner.launch_sampled, engine._sample
 
     def counted_graph(*a):
         calls["graph"] += 1
@@ -294,7 +313,7 @@ def test_decode_steps_sample_inside_the_graph(tiny_model_dir):
         calls["logits"] += 1
         return logits_step(*a)
 
-    engine.runner.forward_sampled, engine._sample = counted_graph, counted_logits
+    engine.runner.launch_sampled, engine._sample = counted_graph, counted_logits
     try:
         assert engine.runner.fused is not None
         out = _generate(engine, PROMPTS, 16, temperature=0.8, seed=5)
@@ -307,6 +326,36 @@ def test_decode_steps_sample_inside_the_graph(tiny_model_dir):
         assert calls["graph"] == before and calls["logits"] >= 8
     finally:
         engine.shutdown(1.0)
+
+
+def test_overlapped_decode_feeds_tokens_on_the_device(tiny_model_dir):
+    """engine.overlap (auto: on with graphs): each decode step is launched with the previous
+    step's samples copied on the device. Same tokens and logprobs as without overlap, with
+    requests ending on different steps by length and one by a stop token (its extra step dropped),
+    and every block back at the end."""
+    from noria.engine.protocol import GenerateRequest, SamplingParams
+
+    def params(n, **kw):
+        return SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=1.0, seed=11, **kw)
+
+    off = _engine(tiny_model_dir, torch.bfloat16, overlap="off", prefix_cache=False)
+    on = _engine(tiny_model_dir, torch.bfloat16, prefix_cache=False)
+    try:
+        assert on._overlap and not off._overlap
+        free = off.generate_batch([GenerateRequest(input_ids=PROMPTS[0], sampling=params(24))])[0].output_ids
+        cut = next(i for i in range(6, 24) if free[i] not in free[:i])
+        reqs = [GenerateRequest(input_ids=p, sampling=params(n)) for p, n in zip(PROMPTS[1:], (5, 13, 20, 31))]
+        reqs.append(GenerateRequest(input_ids=PROMPTS[0], sampling=params(24, stop_token_ids=[free[cut]])))
+        a, b = off.generate_batch(reqs), on.generate_batch(reqs)
+        assert on.metrics()["overlapped_steps"] > 10 and off.metrics()["overlapped_steps"] == 0
+        for x, y in zip(a, b):
+            assert x.output_ids == y.output_ids and x.finish_reason == y.finish_reason
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-2
+        assert b[-1].output_ids == free[: cut + 1]
+        assert on.kv.allocator.num_free_blocks == on.kv.num_blocks
+    finally:
+        off.shutdown(1.0)
+        on.shutdown(1.0)
 
 
 def test_fp8_engine_on_cuda(tiny_model_dir):

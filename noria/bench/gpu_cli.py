@@ -70,7 +70,7 @@ def add_parsers(bsub) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--hf-new-tokens", type=int, default=128, help="new tokens of the HF generate peer")
-    p.add_argument("--peers", default="hf_generate", help="hf_generate or empty")
+    p.add_argument("--peers", default="hf_generate", help="comma list: hf_generate, noria_no_overlap (the engine with engine.overlap off), or empty")
     p.add_argument("--no-deterministic", action="store_true", help="skip the deterministic-mode row")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_engine, takes_overrides=False)

@@ -10,6 +10,8 @@ greedy, ``ignore_eos``, exactly ``new_tokens`` new tokens each, all B submitted 
 - ``hf_generate``: ``AutoModelForCausalLM.generate`` (sdpa attention, dynamic cache) on a batch of
   the same prompts, the same weights, with ``hf_new_tokens`` new tokens (fewer than Noria's when
   asked, to save time: shorter contexts only favour it); decode tokens/s by the same difference.
+- ``noria_no_overlap`` (peer, on request): the engine with ``engine.overlap: off`` (each decode
+  step waits for the previous one's tokens on the host), to measure what the overlap hides.
 - ``bound``: decode tokens/s if every step only read the weights once and every sequence's K/V
   once, at the device-to-device copy bandwidth measured in this run: B * (N - 1) over
   sum over steps of (weight bytes + B * context * KV bytes per token) / bandwidth.
@@ -42,6 +44,8 @@ def run(
         prompts = _prompts(lm.args.vocab_size, max(batches), prompt_len)
         for batch in batches:
             row = _noria(lm, prompts[:batch], new_tokens)
+            if "noria_no_overlap" in peers:
+                row["noria_no_overlap"] = _noria(lm, prompts[:batch], new_tokens, overlap="off")["noria"]
             if "hf_generate" in peers:
                 row["hf_generate"] = _hf(lm, prompts[:batch], hf_new_tokens)
             row["bound"] = _bound(lm, batch, prompt_len, new_tokens, bandwidth)
@@ -168,7 +172,8 @@ def _result(r: dict[str, Any]) -> dict[str, Any]:
     return {"case": f"{r['model']} bf16 random batch={r['batch']} prompt={r['prompt_len']} new={r['new_tokens']} "
                     f"(hf new={r['hf_new_tokens']})",
             "metric": "decode_tokens_per_s", "noria": round(r["noria"], 1),
-            "peers": {k: round(r[k], 1) for k in ("hf_generate",) if k in r}, "bound": round(r["bound"], 1),
+            "peers": {k: round(r[k], 1) for k in ("hf_generate", "noria_no_overlap") if k in r},
+            "bound": round(r["bound"], 1),
             "noria_end_to_end_tokens_per_s": round(r["noria_end_to_end"], 1), "prefill_s": round(r["noria_prefill_s"], 3),
             "copy_gbps": round(r["copy_gbps"], 1), "graphs": r["graphs"], "device": device_name()}
 
@@ -182,6 +187,6 @@ def _print(rows: list[dict]) -> None:
     for r in rows:
         hf = r["peers"].get("hf_generate") or r["peers"].get("default_mode")
         table.append([r["case"], r["noria"], hf, r["noria"] / hf if hf else None, r["bound"],
-                      r["noria"] / r["bound"] if r["bound"] else None])
+                      r["noria"] / r["bound"] if r["bound"] else None, r["peers"].get("noria_no_overlap")])
     print_table(f"decode tokens/s on {device_name()} (higher is better; peer = hf_generate, or default mode)",
-                ["case", "noria", "peer", "noria/peer", "bound", "noria/bound"], table)
+                ["case", "noria", "peer", "noria/peer", "bound", "noria/bound", "noria overlap=off"], table)

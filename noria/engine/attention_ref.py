@@ -76,6 +76,8 @@ def paged_prefill_attention(
     n, length = q.shape[0], slots.shape[0]
     k = k_pool.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
     v = v_pool.index_select(0, slots).transpose(0, 1)
+    if q.is_cuda and n > 1:
+        return _prefill_sdpa_4d(q, k, v, scale)
     mask = None
     if 1 < n < length:
         rows = torch.arange(n, device=q.device).unsqueeze(1) + (length - n)
@@ -90,3 +92,21 @@ def paged_prefill_attention(
         enable_gqa=q.shape[1] != k.shape[0],
     )
     return out.transpose(0, 1)
+
+
+def _prefill_sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """CUDA: the same attention with a batch dimension and the causal mask as a
+    ``causal_lower_right`` bias, so that SDPA can run the flash (or memory-efficient) kernel; 3-D
+    inputs and a boolean mask send it to the math kernel (fp32 score matrices per sequence)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, length = q.shape[0], k.shape[1]
+    q4, k4, v4 = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if n == length:
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=q4.shape[1] != k4.shape[1])
+    else:  # after a cached prefix; the lower-right bias has no GQA argument: heads repeated
+        groups = q4.shape[1] // k4.shape[1]
+        if groups > 1:
+            k4, v4 = k4.repeat_interleave(groups, dim=1), v4.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_lower_right(n, length), scale=scale)
+    return out[0].transpose(0, 1)

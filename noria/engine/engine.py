@@ -57,7 +57,7 @@ from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
 from noria.engine.runner import ModelRunner
 from noria.engine.sampling import device_sampleable, draw_uniforms, sample
-from noria.engine.scheduler import Chunk, Req, Scheduler, StopChecker
+from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler, StopChecker
 from noria.models import DecoderLM, load_model, load_tokenizer, model_path
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,11 @@ class Engine:
         self._stop = False
         self._error: BaseException | None = None
         self._stats = _Stats()
+        graphs = self.runner.graphs
+        self._overlap = config.overlap == "on" or (
+            config.overlap == "auto" and graphs is not None and graphs.device_sampling
+        )
+        """Launch each decode step before the previous one's tokens are on the host (``_follow``)."""
         self._thread = threading.Thread(target=self._loop, name="noria-engine", daemon=True)
         self._thread.start()
 
@@ -420,6 +425,7 @@ class Engine:
             "tokens_per_s": self._stats.tokens_per_s(),
             "generated_tokens": self._stats.generated,
             "steps": self._stats.steps,
+            "overlapped_steps": self._stats.overlapped,
             "prefix_hit_rate": self.radix.hit_rate,
             "cached_blocks": self.radix.num_cached_blocks,
             "evictions": self.radix.evictions,
@@ -433,13 +439,21 @@ class Engine:
         try:
             if self.device.type == "cuda":  # Triton and graph capture launch on the current device
                 torch.cuda.set_device(self.device)
-            while not self._stop:
-                self._drain(block=not self.scheduler.has_work)
-                chunks = [] if self._stop else self.scheduler.schedule()
-                if chunks:
-                    self._step(chunks)
-                elif self.scheduler.has_work:
-                    self._drain(block=True, timeout=0.005)  # nothing fits now; wait for a command
+            step: _Step | None = None
+            while True:
+                if step is None:
+                    if self._stop:
+                        break
+                    self._drain(block=not self.scheduler.has_work)
+                    chunks = [] if self._stop else self.scheduler.schedule()
+                    if not chunks:
+                        if self.scheduler.has_work and not self._stop:
+                            self._drain(block=True, timeout=0.005)  # nothing fits now; wait for a command
+                        continue
+                    step = self._launch(chunks)
+                following = self._follow(step)  # queued behind ``step`` before the host waits for it
+                self._finish(step)
+                step = following
         except BaseException as e:  # the loop is dead: fail every request instead of hanging callers
             self._die(e)
 
@@ -456,27 +470,51 @@ class Engine:
                 return
             command()
 
-    def _step(self, chunks: list[Chunk]) -> None:
+    def _launch(self, chunks: list[Chunk], feed: torch.Tensor | None = None) -> _Step:
+        """Start a step: a decode step sampled in its CUDA graph is only queued on the device (its
+        tokens come back in :meth:`_finish`); any other step runs and samples here."""
         reqs = [c.req for c in chunks if c.sample]
-        done = self._sample_in_graph(chunks, reqs)
-        if done is not None:
-            (ids, logprobs), top = done, None
-        else:
-            ids, logprobs, top = self._sample(self.runner.forward(chunks), reqs)
-        notify = self.scheduler.process(chunks, ids, logprobs, top, self.weight_version)
-        self._stats.record(len(ids))
-        self._notify(notify)
+        if self.runner.samples_in_graph(chunks):
+            params = [r.request.sampling for r in reqs]
+            if device_sampleable(params, max((r.request.top_logprobs_num for r in reqs), default=0)):
+                temps = [0.0 if p.greedy else float(p.temperature) for p in params]
+                uniforms = draw_uniforms(params, [r.generator for r in reqs], self._generator)
+                launched = self.runner.launch_sampled(chunks, temps, uniforms, feed)
+                return _Step(chunks, launched=launched)
+        if feed is not None:
+            raise RuntimeError("a step fed on the device must run from a CUDA graph")
+        return _Step(chunks, done=self._sample(self.runner.forward(chunks), reqs))
 
-    def _sample_in_graph(self, chunks: list[Chunk], reqs: list[Req]):
-        """(ids, logprobs) of a decode step sampled inside its CUDA graph, or None (another path)."""
-        if not self.runner.samples_in_graph(chunks):
+    def _follow(self, step: _Step) -> _Step | None:
+        """Overlap (``engine.overlap``): launch the decode step after ``step`` before waiting for
+        ``step``'s tokens (``Scheduler.follow`` says which requests continue; their input ids are
+        ``step``'s samples, copied on the device). Only when no command waits: commands (new
+        requests, aborts, updates, pauses) run between steps with nothing in flight."""
+        if not self._overlap or self._stop or not self._inbox.empty():
             return None
-        params = [r.request.sampling for r in reqs]
-        if not device_sampleable(params, max((r.request.top_logprobs_num for r in reqs), default=0)):
+        follow = self.scheduler.follow(step.chunks)
+        if follow is None:
             return None
-        temps = [0.0 if p.greedy else float(p.temperature) for p in params]
-        uniforms = draw_uniforms(params, [r.generator for r in reqs], self._generator)
-        return self.runner.forward_sampled(chunks, temps, uniforms)
+        rows = [row for row, _ in follow]
+        chunks = [c for _, c in follow]
+        if step.launched is None:  # the step ran on the host: its tokens are known
+            ids = step.result()[0]
+            for row, c in follow:
+                c.token = ids[row]
+            self._stats.overlapped += 1
+            return self._launch(chunks)
+        feed = step.launched.ids
+        if len(rows) != len(step.chunks):
+            feed = feed.index_select(0, torch.tensor(rows, device=feed.device))
+        self._stats.overlapped += 1
+        return self._launch(chunks, feed)
+
+    def _finish(self, step: _Step) -> None:
+        ids, logprobs, top = step.result()
+        dropped = sum(1 for c in step.chunks if c.pending and c.req.state is not ReqState.RUNNING)
+        notify = self.scheduler.process(step.chunks, ids, logprobs, top, self.weight_version)
+        self._stats.record(len(ids) - dropped)
+        self._notify(notify)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]):
         if not reqs:
@@ -589,6 +627,8 @@ class _Stats:
     def __init__(self) -> None:
         self.generated = 0
         self.steps = 0
+        self.overlapped = 0
+        """Steps launched before the previous step's tokens were on the host (``engine.overlap``)."""
         self._window: collections.deque[tuple[float, int]] = collections.deque()
 
     def record(self, tokens: int) -> None:
@@ -605,6 +645,23 @@ class _Stats:
             return 0.0
         span = window[-1][0] - window[0][0]
         return sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+
+
+class _Step:
+    """A launched step: its chunks and, when sampled on the device and not yet waited for, the
+    launch handle; else its host results."""
+
+    def __init__(self, chunks: list[Chunk], launched=None, done=None) -> None:
+        self.chunks = chunks
+        self.launched = launched
+        self._done = done
+
+    def result(self) -> tuple[list[int], list[float], list | None]:
+        """(ids, logprobs, top logprobs) of the sampling chunks; blocks until the step ends."""
+        if self._done is None:
+            ids, logprobs = self.launched.result()
+            self._done = (ids, logprobs, None)
+        return self._done
 
 
 def _check_version(version: Any) -> None:

@@ -159,6 +159,25 @@ def pick_decode_fn(attention: str, device: torch.device) -> DecodeFn:
     return kernels.paged_decode_attention
 
 
+class LaunchedStep:
+    """A decode step replayed from a CUDA graph and not waited for (``ModelRunner.launch_sampled``)."""
+
+    def __init__(self, ids: torch.Tensor, host: torch.Tensor, event: torch.cuda.Event, n: int) -> None:
+        self.ids = ids
+        """Device [S]: the sampled ids (fp64), for the next step's ``feed``; valid until the graph
+        replays again."""
+        self._host, self._event, self._n = host, event, n
+        self._result: tuple[list[int], list[float]] | None = None
+
+    def result(self) -> tuple[list[int], list[float]]:
+        """(ids, logprobs) of every row. Blocking: until the step and its device->host copy end."""
+        if self._result is None:
+            self._event.synchronize()
+            values = self._host[:, : self._n]
+            self._result = values[0].long().tolist(), values[1].tolist()
+        return self._result
+
+
 class ModelRunner:
     """Runs the native model over a step's chunks and returns the sampling rows' logits."""
 
@@ -237,9 +256,17 @@ class ModelRunner:
         """A decode step sampled inside its CUDA graph (plain temperature or greedy rows: see
         ``sampling.device_sampleable``; only when :meth:`samples_in_graph`): every chunk's token id
         and logprob. Blocking: one device->host read of 2 x S numbers, which waits for the step."""
-        _, sampled = self.graphs.forward(chunks, temps, uniforms)
-        host = sampled.cpu()
-        return host[0].long().tolist(), host[1].tolist()
+        return self.launch_sampled(chunks, temps, uniforms).result()
+
+    @torch.no_grad()
+    def launch_sampled(
+        self, chunks: list[Chunk], temps: list[float], uniforms: torch.Tensor, feed: torch.Tensor | None = None
+    ) -> LaunchedStep:
+        """:meth:`forward_sampled` without waiting: the step is queued on the device and its
+        samples come back by ``result()``. ``feed`` (device [S]): the chunks' input ids, when they
+        are pending (the samples of the step launched just before, see ``Scheduler.follow``)."""
+        ids, host, event = self.graphs.launch(chunks, temps, uniforms, feed)
+        return LaunchedStep(ids, host, event, len(chunks))
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:

@@ -111,18 +111,28 @@ class Req:
 
 @dataclass
 class Chunk:
-    """Compute ``n`` tokens of ``req`` starting at position ``start``; sample after it if ``sample``."""
+    """Compute ``n`` tokens of ``req`` starting at position ``start``; sample after it if ``sample``.
+
+    A ``pending`` chunk (:meth:`Scheduler.follow`) decodes the token the step before it samples,
+    scheduled before that token reached the host: its id is fed on the device, or set as ``token``
+    by the engine when the previous step's result is on the host already."""
 
     req: Req
     start: int
     n: int
+    pending: bool = False
+    token: int | None = None
 
     @property
     def sample(self) -> bool:
-        return self.start + self.n == len(self.req.all_ids)
+        return self.pending or self.start + self.n == len(self.req.all_ids)
 
     @property
     def token_ids(self) -> list[int]:
+        if self.pending:
+            if self.token is None:
+                raise RuntimeError(f"pending chunk of {self.req.rid} read on the host before its token was set")
+            return [self.token]
         return self.req.all_ids[self.start : self.start + self.n]
 
     @property
@@ -282,6 +292,31 @@ class Scheduler:
         req.epoch = self.radix.epoch
         self.running.append(req)
 
+    def follow(self, chunks: list[Chunk]) -> list[tuple[int, Chunk]] | None:
+        """The next decode step, scheduled while ``chunks`` (a step of decode chunks of every running
+        request) still runs: (row in ``chunks``, pending chunk) for each request that continues
+        unless the token being sampled stops it, with its block for that token allocated. A request
+        that the step's token finishes by length is left out; one that a stop token finishes is
+        decoded once more and its result dropped (:meth:`process`). This is what :meth:`schedule`
+        would return once the step is processed, provided nothing waits or is paused (the caller
+        checks); None when that does not hold or blocks are short (no retraction here)."""
+        # Pending chunks of requests finished since (their dropped results) are not continued.
+        live = [(row, c) for row, c in enumerate(chunks) if not (c.pending and c.req.state is not ReqState.RUNNING)]
+        if self.paused is not None or self.waiting or len(live) != len(self.running):
+            return None
+        follow = []
+        for row, c in live:
+            req = c.req
+            if c.n != 1 or not c.sample or req.state is not ReqState.RUNNING:
+                return None
+            if len(req.output_ids) + 1 >= req.request.sampling.max_new_tokens or len(req.all_ids) + 1 >= req.max_total_tokens:
+                continue
+            need = -(-(c.start + 2) // self.kv.block_size) - len(req.block_table)
+            if not self._allocate_into(req, need):
+                return None
+            follow.append((row, Chunk(req, c.start + 1, 1, pending=True)))
+        return follow or None
+
     # ------------------------------------------------------------------------------ blocks
 
     def _blocks_needed(self, req: Req, n: int) -> int:
@@ -330,6 +365,9 @@ class Scheduler:
         notify, row = [], 0
         for chunk in chunks:
             req = chunk.req
+            if chunk.pending and req.state is not ReqState.RUNNING:
+                row += 1  # the step before this one finished it (a stop token): drop this result
+                continue
             req.num_computed += chunk.n
             if not chunk.sample:
                 continue

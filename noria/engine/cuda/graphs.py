@@ -64,11 +64,33 @@ class DecodeGraphs:
         """Block-table width of a graph: the next power of two (at least 16 blocks)."""
         return max(16, 1 << (blocks - 1).bit_length())
 
-    def forward(self, chunks, temps: list[float] | None = None, uniforms: torch.Tensor | None = None):
+    def forward(
+        self, chunks, temps: list[float] | None = None, uniforms: torch.Tensor | None = None,
+        feed: torch.Tensor | None = None,
+    ):
         """Replay the step's graph; returns (logits [S, V], sampled fp64 [2, S]) as views of the
         graph's buffers, valid until the next replay. ``sampled`` holds the ids and logprobs drawn
         inside the graph (``fused.sample_rows``) at ``temps`` and ``uniforms``; without them the
-        rows are greedy and the caller samples from the logits."""
+        rows are greedy and the caller samples from the logits. ``feed`` (device [S]): the input
+        token ids, read on the device (the chunks are pending: the previous step's samples)."""
+        g, n = self._launch(chunks, temps, uniforms, feed)
+        return g["logits"][:n], g["sampled"][:, :n]
+
+    def launch(
+        self, chunks, temps: list[float], uniforms: torch.Tensor, feed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        """Replay without waiting: (sampled ids on the device [S] (fp64; valid until this graph's
+        next replay), pinned host copy [2, bucket] of ids and logprobs, event recorded after that
+        copy). The host copy alternates between two buffers per graph: it holds this step's values
+        until the graph's second replay after this one."""
+        g, n = self._launch(chunks, temps, uniforms, feed)
+        host = g["host_sampled"][g["turn"]]
+        host.copy_(g["sampled"], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return g["sampled"][0, :n], host, event
+
+    def _launch(self, chunks, temps, uniforms, feed):
         ptr = self.kv.k_pools[0].data_ptr()
         if ptr != self._pools_ptr:
             self.clear()
@@ -78,22 +100,29 @@ class DecodeGraphs:
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         g = self._graphs[key]
+        g["turn"] ^= 1
         self._fill(g, chunks, key[0], temps)
+        if feed is not None:
+            g["meta"][0, :n].copy_(feed)
         if uniforms is not None:
             g["uniforms"][:n].copy_(uniforms)
         g["graph"].replay()
-        return g["logits"][:n], g["sampled"][:, :n]
+        return g, n
 
     def _fill(self, g: dict, chunks, size: int, temps: list[float] | None) -> None:
         # The host buffers are pinned and contiguous, exactly the device buffers' shapes: a
         # non-blocking copy of a strided slice would go through a pageable temporary that can be
-        # freed before the copy runs.
+        # freed before the copy runs. Each graph has two sets and alternates (``turn``): with
+        # overlapped steps, the host rewrites one set while the previous replay's copy from the
+        # other may still be queued; a set's own previous copy belongs to a step already finished.
         bs = self.kv.block_size
         n = len(chunks)
-        host = g["host_meta"].numpy()
+        turn = g["turn"]
+        host = g["host_meta"][turn].numpy()
         starts = [c.start for c in chunks]
         tables = [c.block_table for c in chunks]
-        host[0, :n] = [c.req.all_ids[p] for c, p in zip(chunks, starts)]
+        # A pending chunk's id is its ``token`` when the host has it, else ``feed`` overwrites it.
+        host[0, :n] = [(c.token or 0) if c.pending else c.req.all_ids[p] for c, p in zip(chunks, starts)]
         host[1, :n] = starts
         host[2, :n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, starts)]
         host[3, :n] = host[1, :n] + 1
@@ -103,20 +132,20 @@ class DecodeGraphs:
         # A table row is rewritten only when its row holds another list or the list grew (tables
         # only grow, or are replaced by a new list): entries past a row's context length are never
         # read, and padded rows attend over one token of whatever page their row names.
-        tab = g["host_tables"].numpy()
-        held = g["held_tables"]
+        tab = g["host_tables"][turn].numpy()
+        held = g["held_tables"][turn]
         for i, t in enumerate(tables):
             old = held[i]
             if old[0] is not t or old[1] != len(t):
                 tab[i, : len(t)] = t
                 held[i] = (t, len(t))
-        g["meta"].copy_(g["host_meta"], non_blocking=True)
-        g["tables"].copy_(g["host_tables"], non_blocking=True)
-        host_temps = g["host_temps"].numpy()
+        g["meta"].copy_(g["host_meta"][turn], non_blocking=True)
+        g["tables"].copy_(g["host_tables"][turn], non_blocking=True)
+        host_temps = g["host_temps"][turn].numpy()
         host_temps[:] = 0.0
         if temps is not None:
             host_temps[:n] = temps
-        g["temps"].copy_(g["host_temps"], non_blocking=True)
+        g["temps"].copy_(g["host_temps"][turn], non_blocking=True)
 
     def _capture(self, size: int, width: int):
         from noria.engine.runner import PagedAttentionContext, _DecodeMeta
@@ -126,13 +155,14 @@ class DecodeGraphs:
         meta[2].fill_(self.kv.scratch_slot)
         meta[3].fill_(1)
         tables = torch.zeros(size, width, dtype=torch.int32, device=dev)
-        host_meta = torch.zeros(4, size, dtype=torch.long).pin_memory()
-        host_tables = torch.zeros(size, width, dtype=torch.int32).pin_memory()
+        host_meta = [torch.zeros(4, size, dtype=torch.long).pin_memory() for _ in range(2)]
+        host_tables = [torch.zeros(size, width, dtype=torch.int32).pin_memory() for _ in range(2)]
+        host_sampled = [torch.zeros(2, size, dtype=torch.float64).pin_memory() for _ in range(2)]
         ids, positions, slots = meta[0].unsqueeze(0), meta[1].unsqueeze(0), meta[2]
         lens = torch.ones(size, dtype=torch.int32, device=dev)
         rows = torch.arange(size, device=dev)
         temps = torch.zeros(size, dtype=torch.float32, device=dev)
-        host_temps = torch.zeros(size, dtype=torch.float32).pin_memory()
+        host_temps = [torch.zeros(size, dtype=torch.float32).pin_memory() for _ in range(2)]
         uniforms = torch.zeros(size, dtype=torch.float32, device=dev)
         sampled = torch.empty(2, size, dtype=torch.float64, device=dev)
         runner = self.runner
@@ -171,5 +201,5 @@ class DecodeGraphs:
         # would be handed to other tensors while replays still use its address.
         return {"graph": graph, "meta": meta, "tables": tables, "lens": lens, "rows": rows, "temps": temps,
                 "host_temps": host_temps, "uniforms": uniforms, "sampled": sampled,
-                "host_meta": host_meta, "host_tables": host_tables, "held_tables": [(None, 0)] * size,
-                "logits": logits}
+                "host_meta": host_meta, "host_tables": host_tables, "host_sampled": host_sampled,
+                "held_tables": [[(None, 0)] * size for _ in range(2)], "turn": 0, "logits": logits}
