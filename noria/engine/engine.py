@@ -4,8 +4,16 @@ Threads and data flow::
 
     callers (asyncio or threads)            engine thread (the only one touching engine state)
     submit / abort / pause / update  ──▶ inbox ──▶ drain commands between steps
-                                                   schedule ─▶ runner.forward ─▶ sample ─▶ process
+                                                   schedule ─▶ launch (forward + sample) ─▶ process
     callback(GenerateOutput)  ◀──────────────────── finished (or streamed) requests
+
+Overlap (``engine.overlap``; auto: with CUDA graphs). A decode step sampled in its CUDA graph is
+only queued on the device. Before waiting for its tokens, the loop launches the next decode step
+(``Scheduler.follow``: the same running requests, less those the step's token ends by length;
+their input ids are the step's samples, copied on the device), then processes the first step while
+the GPU runs the second. A request that a stop token ends has one extra step computed and dropped.
+Nothing is launched ahead while a command waits, a request waits for admission or the scheduler is
+paused: commands always run with no step in flight.
 
 Every mutation of scheduler, cache or weights runs as a command on the engine thread between two
 steps, so a weight update never lands in the middle of a forward and every sampled token carries

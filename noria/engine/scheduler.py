@@ -9,6 +9,10 @@ this request", in this order:
 3. admission: waiting requests join at the front of the queue first, each with a prefix-cache
    match and a first chunk, while ``max_running_requests`` and ``max_batch_tokens`` allow.
 
+With ``engine.overlap`` the engine asks ``follow`` for the next decode step before the current
+one's tokens are known; ``follow`` returns exactly what ``schedule`` would (or None), its chunks
+marked ``pending``, and ``process`` drops the result of a pending chunk whose request finished.
+
 Memory. Blocks are allocated as sequences grow. When the allocator runs dry, the prefix cache
 evicts unreferenced blocks first; if that is not enough, the most recently admitted running
 request not yet scheduled this step is RETRACTED: its KV is offered to the prefix cache, its blocks

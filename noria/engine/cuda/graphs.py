@@ -19,6 +19,11 @@ made only of decode chunks (one token per sequence) is therefore run from a grap
 - the graph's logits ``[B, V]`` and samples ``[2, B]`` are returned as views of their first S
   rows/columns: valid until the next replay (the engine reads them before the next step).
 
+``launch`` replays without waiting: the samples are copied to a pinned host buffer behind the
+replay (an event marks the copy), and the next step may take its input ids from them on the device
+(``feed``). The host staging buffers come in two sets per graph, used in turn, so that filling one
+step never rewrites a buffer whose copy an earlier, still queued replay has not made.
+
 Graphs hold the addresses of the weights and of the K/V pools: :meth:`DecodeGraphs.clear` after
 every weight update (``ModelRunner.refresh_weights``), and a replay checks the pools' address
 (released and re-allocated memory re-captures). Capture happens lazily, at a bucket's first use.
