@@ -58,14 +58,14 @@ def tiny_folder(family: str, root) -> str:
     return str(save_model(model, root / family))
 
 
-def rollout(folder, deterministic: bool, prompt_lens=PROMPT_LENS, new_tokens: int = 16) -> list[Sample]:
+def rollout(folder, deterministic: bool, prompt_lens=PROMPT_LENS, new_tokens: int = 16, device: str = "cpu") -> list[Sample]:
     """Generate from all prompts in one batch (temperature 1, seeded), then two more samples of the
     last prompt through the prefix cache; return them all as Samples."""
     config = EngineConfig(
         kv_cache_tokens=4096, block_size=4, chunked_prefill_size=24, max_batch_tokens=48,
         attention="torch", deterministic=deterministic,
     )
-    engine = Engine(load_model(folder, dtype=torch.bfloat16), None, config)
+    engine = Engine(load_model(folder, dtype=torch.bfloat16, device=device), None, config)
     vocab = engine.model.args.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in prompt_lens]
@@ -87,8 +87,8 @@ def _request(prompt: list[int], new_tokens: int, seed: int) -> GenerateRequest:
     return GenerateRequest(input_ids=prompt, sampling=params)
 
 
-def trainer(folder, deterministic: bool, **overrides) -> FSDPBackend:
-    cfg = TrainConfig(param_dtype="bfloat16", algorithm="rl", **overrides)
+def trainer(folder, deterministic: bool, device: str = "cpu", **overrides) -> FSDPBackend:
+    cfg = TrainConfig(param_dtype="bfloat16", algorithm="rl", device=device, **overrides)
     cfg.optim.lr = 1e-5
     backend = FSDPBackend(cfg, deterministic=deterministic)
     backend.init(folder)
@@ -100,10 +100,11 @@ def k3(rollout_lp: torch.Tensor, trainer_lp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def assert_exact_at_step_0(folder, micro_batch_tokens: int = 4096) -> None:
-    samples = rollout(folder, deterministic=True)
+def assert_exact_at_step_0(folder, micro_batch_tokens: int = 4096, device: str = "cpu") -> None:
+    samples = rollout(folder, deterministic=True, device=device)
     batch = pack_samples(samples, torch.linspace(-1, 1, len(samples)).tolist())
-    backend = trainer(folder, deterministic=True, micro_batch_tokens=micro_batch_tokens, logprob_chunk_tokens=50)
+    backend = trainer(folder, deterministic=True, device=device, micro_batch_tokens=micro_batch_tokens,
+                      logprob_chunk_tokens=50)
     trained = batch.loss_mask > 0
     lp = backend.compute_logprobs(batch).logprobs[trained]
     rollout_lp = batch.rollout_logprobs[trained]

@@ -260,6 +260,11 @@ def exact_attention(
     fixed inner size and width (tests: ``tests/test_exact_agreement.py``). Varying widths, inner
     sizes above ~384, one row or a transposed operand change the summation order, hence the blocks.
     """
+    if q.is_cuda:
+        from noria.models import exact_cuda
+
+        if exact_cuda.available():  # the same contract, by a fixed-order Triton kernel (other bits)
+            return exact_cuda.attention(q, k, v, scale, q_pos)
     batch, n, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv

@@ -29,6 +29,8 @@ lookups and log-softmax do that as they are (measured: any number of rows). ``F.
 :func:`row_chunked_linear`, and every module computes in one dtype from casts of its parameters
 (the trainer keeps fp32 masters; autocast would keep an fp32 residual stream the engine does not
 have). Attention is the context's: ``attention.exact_attention`` in both deterministic contexts.
+On CUDA (with Triton) linears, norms and that attention run the fixed-order kernels of
+``noria.models.exact_cuda`` instead (cuBLAS and torch's CUDA reductions are not batch-invariant).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from noria.models import exact_cuda
 from noria.models.attention import AttentionContext, CausalContext
 from noria.models.config import ModelArgs, RopeScaling
 
@@ -65,6 +68,8 @@ class _RowChunkedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         flat = x.reshape(-1, x.shape[-1])
+        if flat.is_cuda and exact_cuda.available():  # cuBLAS is not batch-invariant: fixed-tile Triton
+            return exact_cuda.linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
         out = flat.new_empty(len(flat), weight.shape[0])
         for i in range(0, len(flat), rows):  # what 2-D F.linear runs, written in place
             if bias is None:
@@ -127,6 +132,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.exact_dtype is None else _cast(self.weight, self.exact_dtype)
+        if self.exact_dtype is not None and x.is_cuda and exact_cuda.available():
+            return exact_cuda.rms_norm(x, weight, self.eps)  # torch's row reduction is not batch-invariant there
         # The variance of bf16 activations loses too much in bf16; HF also casts back to the input
         # dtype *before* the weight, and we copy that order so bf16 rounding matches.
         h = x.float()
