@@ -36,8 +36,8 @@ Callbacks run on the engine thread and must not block (``generate`` and ``stream
 the caller's event loop with ``call_soon_threadsafe``).
 
 Not guaranteed: order among requests that arrive in the same step; unseeded sampling is
-reproducible only for the same arrival order; deterministic mode holds for bf16 on CPU (DESIGN §6)
-and not across a retraction.
+reproducible only for the same arrival order; deterministic mode holds for bf16 on CPU (DESIGN §6) and
+on CUDA with Triton (``noria.models.exact_cuda``), and not across a retraction.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ LoRA (``train.lora.enabled``): peft adapters are injected before sharding; base 
 frozen inside the same FSDP units and only adapters reach AdamW (``noria.train.lora``).
 
 Deterministic mode (``FSDPBackend(deterministic=True)``; the loop passes ``engine.deterministic``):
-the forward computes what the engine's deterministic runner computes, bit for bit (bf16 on CPU,
-native models, no LoRA): the model in exact numerics (``DecoderLM.set_exact_numerics``: pure bf16
+the forward computes what the engine's deterministic runner computes, bit for bit (bf16, on CPU
+or on CUDA with Triton, native models, no LoRA): the model in exact numerics (``DecoderLM.set_exact_numerics``: pure bf16
 from casts of the fp32 masters instead of autocast, linear layers at most ``DETERMINISTIC_ROWS``
 rows per matmul) and attention through ``exact_attention`` (``PackedContext(deterministic=True)``).
 So at step 0 the recomputed logprobs equal the engine's rollout logprobs exactly (temperature 1)
