@@ -8,6 +8,8 @@
    the sampled ids, the scheduler's processing of the results and its next schedule, and the
    whole step as the engine loop sees it, averaged over the decode steps of one batch; with the
    fused decoder (``noria.engine.cuda.fused``) and, for comparison, with the model's own modules.
+   The engine runs with ``engine.overlap: off`` here, so that the host's share shows in series
+   (with the overlap it runs while the GPU works on the next step).
 """
 
 from __future__ import annotations
@@ -79,12 +81,12 @@ def _step_breakdown(model: str, batches, context: int, fused: bool = True) -> li
     rows = []
     prompt = context - 64
     for s in batches:
-        engine = _engine(lm, s, context)
+        engine = _engine(lm, s, context, overlap="off")  # each step's host work in series, to be timed
         if not fused:
             engine.runner.fused = None
         graphs = engine.runner.graphs
         stats: dict[str, list[float]] = {k: [] for k in ("fill", "launch", "sampled", "step", "process", "schedule")}
-        decode = {"now": False}
+        decode = {"now": False, "t0": 0.0}
 
         def timed(obj, attr: str, key: str, only_decode: bool = True):
             orig = getattr(obj, attr)
@@ -98,20 +100,25 @@ def _step_breakdown(model: str, batches, context: int, fused: bool = True) -> li
 
             setattr(obj, attr, wrapper)
 
-        orig_step = engine._step
+        orig_launch, orig_finish = engine._launch, engine._finish
 
-        def step(chunks):
+        def launch(chunks, feed=None):
             decode["now"] = all(c.n == 1 for c in chunks)
-            t = time.perf_counter()
-            orig_step(chunks)
+            decode["t0"] = time.perf_counter()
+            return orig_launch(chunks, feed)
+
+        def finish(step):
             if decode["now"]:
-                stats["step"].append(time.perf_counter() - t)
+                step.result()  # the wait for the device and the read-back
+                stats["sampled"].append(time.perf_counter() - decode["t0"])
+            orig_finish(step)
+            if decode["now"]:
+                stats["step"].append(time.perf_counter() - decode["t0"])
 
         timed(graphs, "_fill", "fill")
-        timed(graphs, "forward", "launch")
-        timed(engine.runner, "forward_sampled", "sampled")
+        timed(graphs, "_launch", "launch")
         timed(engine.scheduler, "process", "process")
-        engine._step = step
+        engine._launch, engine._finish = launch, finish
         prompts = _prompts(lm.args.vocab_size, s, prompt)
         try:
             _generate(engine, prompts, 8)
