@@ -7,8 +7,6 @@ CUDA graphs is tested in tests/test_engine_cuda.py.
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from noria.engine.kv_cache import KVCache
 from noria.engine.radix import RadixCache
 from noria.engine.scheduler import Chunk, Req, Scheduler, StopChecker
 from noria.models import load_model, load_tokenizer
+from test_engine_core import _submit, _wait_until
 
 
 @pytest.fixture(scope="module")
@@ -169,19 +168,3 @@ def test_follow_schedules_what_schedule_would_after_the_step():
     assert [(c.req, c.start) for c in sched.schedule()] == [(a, 4)]  # what follow returned
     sched.add(Req(GenerateRequest(input_ids=[5, 6], sampling=greedy(3)), lambda o: None, False, 5))
     assert sched.follow([Chunk(a, 5, 1)]) is None  # a request waits: the next step admits it
-
-
-def _submit(engine: Engine, req: GenerateRequest):
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-    engine.submit(req, fut.set_result)
-    return fut
-
-
-def _wait_until(cond, timeout: float = 30.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.002)

@@ -39,7 +39,7 @@ ATTN_BLOCK_N = 64
 
 @functools.cache
 def available() -> bool:
-    """Triton imports and a CUDA device is present."""
+    """Triton imports and a CUDA device is present (also the engine's ``cuda.triton_available``)."""
     if not torch.cuda.is_available():
         return False
     try:

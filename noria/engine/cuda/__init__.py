@@ -10,23 +10,12 @@ runner asks :func:`triton_available` first, so CPU CI (no Triton, no GPU) never 
   bucket; a step of only decode chunks fills static input buffers and replays.
 
 Not guaranteed: batch invariance (the kernel's reduction order depends on the context length only,
-but cuBLAS picks GEMM kernels by row count); deterministic mode does not use this path.
+but cuBLAS picks GEMM kernels by row count); deterministic mode does not use this path (its CUDA
+kernels are ``noria.models.exact_cuda``'s). :func:`triton_available` is the one check both use.
 """
 
 from __future__ import annotations
 
-import functools
+from noria.models.exact_cuda import available as triton_available
 
-
-@functools.cache
-def triton_available() -> bool:
-    """True when Triton imports and a CUDA device is present."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+__all__ = ["triton_available"]
