@@ -15,18 +15,7 @@ from noria.engine import Engine, GenerateRequest, SamplingParams
 from noria.engine.kv_cache import KVCache
 from noria.engine.radix import RadixCache
 from noria.engine.scheduler import Chunk, Req, Scheduler, StopChecker
-from noria.models import load_model, load_tokenizer
-from test_engine_core import _submit, _wait_until
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return load_model(tiny_model_dir, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
+from test_engine_core import _submit, _wait_until, greedy, model, prompt, reference, tokenizer  # noqa: F401 (fixtures)
 
 
 def engine_with(model, tokenizer, overlap: str, **overrides) -> Engine:
@@ -34,14 +23,6 @@ def engine_with(model, tokenizer, overlap: str, **overrides) -> Engine:
                     attention="torch", prefix_cache=False, overlap=overlap)
     settings.update(overrides)
     return Engine(model, tokenizer, EngineConfig(**settings))
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [3 + (7 * i + 13 * salt) % 400 for i in range(n)]
-
-
-def greedy(n_new: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_new_tokens=n_new, ignore_eos=True, **kw)
 
 
 def sampled(n_new: int, **kw) -> SamplingParams:
@@ -57,14 +38,8 @@ def mixed_requests(stop_id: int) -> list[GenerateRequest]:
     return reqs
 
 
-@torch.no_grad()
 def greedy_reference(model, ids: list[int], n_new: int) -> list[int]:
-    ids, out = list(ids), []
-    for _ in range(n_new):
-        token = int(model(torch.tensor([ids]))[0, -1].argmax())
-        ids.append(token)
-        out.append(token)
-    return out
+    return reference(model, ids, n_new)[0]
 
 
 def test_overlap_changes_no_token_logprob_or_finish(model, tokenizer):

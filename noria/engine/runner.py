@@ -248,24 +248,17 @@ class ModelRunner:
                 and self.graphs.bucket(len(chunks)) is not None)
 
     def samples_in_graph(self, chunks: list[Chunk]) -> bool:
-        """Whether :meth:`forward_sampled` runs this step (a decode step from a graph that samples)."""
+        """Whether :meth:`launch_sampled` runs this step (a decode step from a graph that samples)."""
         return self._graph_step(chunks) and self.graphs.device_sampling
-
-    @torch.no_grad()
-    def forward_sampled(
-        self, chunks: list[Chunk], temps: list[float], uniforms: torch.Tensor
-    ) -> tuple[list[int], list[float]]:
-        """A decode step sampled inside its CUDA graph (plain temperature or greedy rows: see
-        ``sampling.device_sampleable``; only when :meth:`samples_in_graph`): every chunk's token id
-        and logprob. Blocking: one device->host read of 2 x S numbers, which waits for the step."""
-        return self.launch_sampled(chunks, temps, uniforms).result()
 
     @torch.no_grad()
     def launch_sampled(
         self, chunks: list[Chunk], temps: list[float], uniforms: torch.Tensor, feed: torch.Tensor | None = None
     ) -> LaunchedStep:
-        """:meth:`forward_sampled` without waiting: the step is queued on the device and its
-        samples come back by ``result()``. ``feed`` (device [S]): the chunks' input ids, when they
+        """A decode step sampled inside its CUDA graph (plain temperature or greedy rows: see
+        ``sampling.device_sampleable``; only when :meth:`samples_in_graph`), queued on the device
+        without waiting: every chunk's token id and logprob come back by ``result()`` (one
+        device->host read of 2 x S numbers). ``feed`` (device [S]): the chunks' input ids, when they
         are pending (the samples of the step launched just before, see ``Scheduler.follow``)."""
         ids, host, event = self.graphs.launch(chunks, temps, uniforms, feed)
         return LaunchedStep(ids, host, event, len(chunks))
@@ -275,7 +268,7 @@ class ModelRunner:
         """Logits [number of sampling chunks, V] in the model's dtype, in chunk order (the sampler
         works in fp32 and widens on the fly: no fp32 copy of the logits)."""
         if self._graph_step(chunks):
-            return self.graphs.forward(chunks)[0]
+            return self.graphs.forward(chunks)
         ids, positions, slots, ctx = self._prepare(chunks)
         rows = self._to_device(self._last_rows(chunks), torch.long)
         if self.fast is not None:

@@ -69,22 +69,17 @@ class DecodeGraphs:
         """Block-table width of a graph: the next power of two (at least 16 blocks)."""
         return max(16, 1 << (blocks - 1).bit_length())
 
-    def forward(
-        self, chunks, temps: list[float] | None = None, uniforms: torch.Tensor | None = None,
-        feed: torch.Tensor | None = None,
-    ):
-        """Replay the step's graph; returns (logits [S, V], sampled fp64 [2, S]) as views of the
-        graph's buffers, valid until the next replay. ``sampled`` holds the ids and logprobs drawn
-        inside the graph (``fused.sample_rows``) at ``temps`` and ``uniforms``; without them the
-        rows are greedy and the caller samples from the logits. ``feed`` (device [S]): the input
-        token ids, read on the device (the chunks are pending: the previous step's samples)."""
-        g, n = self._launch(chunks, temps, uniforms, feed)
-        return g["logits"][:n], g["sampled"][:, :n]
+    def forward(self, chunks):
+        """Replay the step's graph (greedy rows) and return its logits [S, V], a view of the graph's
+        buffer valid until the next replay: the caller samples from them."""
+        g, n = self._launch(chunks, None, None, None)
+        return g["logits"][:n]
 
     def launch(
         self, chunks, temps: list[float], uniforms: torch.Tensor, feed: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        """Replay without waiting: (sampled ids on the device [S] (fp64; valid until this graph's
+        """Replay with the graph's sampler at ``temps`` and ``uniforms`` (``fused.sample_rows``), input
+        ids from ``feed`` (device [S]) when the chunks are pending, and without waiting: (sampled ids on the device [S] (fp64; valid until this graph's
         next replay), pinned host copy [2, bucket] of ids and logprobs, event recorded after that
         copy). The host copy alternates between two buffers per graph: it holds this step's values
         until the graph's second replay after this one."""
