@@ -6,6 +6,7 @@ CPU only, tiny random Llama (``tiny_model_dir``); each test takes about a second
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +226,23 @@ def test_transformers_wrapper_trains_like_native(tiny_model_dir):
     torch.testing.assert_close(hf.compute_logprobs(batch).logprobs, native.compute_logprobs(batch).logprobs, atol=1e-5, rtol=1e-5)
     assert hf.train_step(batch)["grad_norm"] == pytest.approx(native.train_step(batch)["grad_norm"], rel=1e-4)
     assert set(weights(hf)) == set(weights(native))  # HF names (order differs)
+
+
+class _Payload:
+    """Pickles as a call to ``pathlib.Path.touch(marker)``: code that runs when the file is unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_resume_loads_the_rng_file_as_data_never_runs_code(tiny_model_dir, tmp_path):
+    backend = make_backend(tiny_model_dir)
+    folder = backend.save(checkpoint_dir(tmp_path, 1))
+    marker = tmp_path / "code-ran"
+    torch.save({"torch": _Payload(marker)}, folder / "rng-0.pt")  # a run folder is data; this one is hostile
+    with pytest.raises(CheckpointError, match="rng-0.pt"):
+        backend.load(folder)
+    assert not marker.exists()

@@ -4,7 +4,9 @@ Layout of one checkpoint folder (``run_dir/checkpoints/step-000010``)::
 
     __0_0.distcp ... .metadata    DCP: model + optimizer state, each rank writes its own shards
     trainer_state.json            step, weight_version, extra (the loop's data cursor, ...)
-    rng-<rank>.pt                 torch / cuda / python / numpy RNG states of each rank
+    rng-<rank>.pt                 torch / cuda / python / numpy RNG states of each rank, as plain
+                                  tensors and numbers (loaded with ``weights_only=True``: a run
+                                  folder is data, never code)
     COMMITTED                     written last; a folder without it is never loaded
 
 Write order: every rank writes into a hidden sibling ``.step-000010.partial``; after a barrier
@@ -110,7 +112,7 @@ def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     rng = folder / f"rng-{_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved: keep the fresh seeds
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(_load_rng(rng))
     return json.loads((folder / STATE_FILE).read_text())
 
 
@@ -132,15 +134,27 @@ def _barrier() -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every RNG state as tensors, tuples and numbers only (what ``weights_only`` loading accepts)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
+def _load_rng(path: Path) -> dict[str, Any]:
+    """The RNG states in ``path``, unpickled as data only (no object of the file's choosing is built)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # classify: anything refused here is a bad checkpoint, named
+        raise CheckpointError(f"{path}: not a plain-data RNG state ({type(e).__name__}: {str(e)[:300]})") from e
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
