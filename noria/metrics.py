@@ -75,7 +75,7 @@ METRICS: tuple[Metric, ...] = tuple(
         ("reward/scored", "count", "Samples the reward function scored."),
         ("reward/skipped", "count", "Samples not scored (aborted or failed generation)."),
         ("reward/failed", "count", "Samples whose reward call raised, timed out or returned a non-number."),
-        ("reward/failed/*", "count", "Failed reward calls by kind (error, timeout, invalid)."),
+        ("reward/failed/*", "count", "Failed reward calls by kind; kinds: raised, timeout, not_a_number, non_finite."),
         ("engine/prefix_hit_rate", "fraction", "Share of prompt tokens served from the engine's radix prefix cache (colocated engine)."),
         ("engine/retractions", "count", "Requests retracted for lack of KV memory (colocated engine, cumulative)."),
     ])
@@ -86,7 +86,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("buffer/staleness_max", "versions", "Largest staleness among the groups trained this step."),
         ("buffer/waiting_staleness_mean", "versions", "Mean staleness of the groups still waiting."),
         ("buffer/waiting_staleness_max", "versions", "Largest staleness among the groups still waiting."),
-        ("buffer/dropped/*", "count", "Groups dropped by reason (a filter's name, too_stale, no_trainable_samples, ...), cumulative."),
+        ("buffer/dropped/*", "count", "Groups dropped by reason, cumulative; reasons: no_trainable_sample, zero_reward_variance, "
+         "over_length, stale; or a user filter's own."),
     ])
     + _table("train", [
         ("loss", "loss", "The step's total loss (policy term + KL and entropy terms), normalised over trained tokens."),

@@ -32,7 +32,7 @@ def test_registry_entries_are_unique_and_complete():
     names = [m.name for m in METRICS]
     assert len(names) == len(set(names))
     assert all(m.unit and m.meaning.endswith(".") for m in METRICS), [m.name for m in METRICS if not m.unit]
-    assert metric_doc("buffer/dropped/too_stale").name == "buffer/dropped/*"
+    assert metric_doc("buffer/dropped/stale").name == "buffer/dropped/*"
     assert metric_doc("reward/failed/timeout").name == "reward/failed/*"
     assert metric_doc("no_such_metric") is None
     assert undocumented(["loss", "made/up", "rollout/reward_mean"]) == ["made/up"]
@@ -101,3 +101,50 @@ def test_eval_progress_is_plain_lines_off_a_terminal():
     lines = err.getvalue().splitlines()
     assert lines[0].startswith("eval 2/20 answers") and lines[-1].startswith("eval 20/20 answers")
     assert len(lines) == 10 and "\r" not in err.getvalue()
+
+
+def _listed(family: str, word: str) -> list[str]:
+    """The names a registry entry lists after ``word``: (``...; reasons: a, b, c; ...``)."""
+    meaning = metric_doc(family).meaning
+    listed = meaning.split(f"{word}: ", 1)[1].split(";")[0].rstrip(".")
+    return [name.strip() for name in listed.split(",")]
+
+
+def test_drop_reasons_documented_are_the_ones_the_buffer_emits():
+    import asyncio
+
+    from noria.rollout.buffer import DROP_REASONS, GroupBuffer, resolve_filters
+    from test_async_buffer import group
+    from noria.types import Status
+
+    async def main() -> set[str]:
+        buf = GroupBuffer(8, max_staleness=0, filters=resolve_filters(["zero_reward_variance", "over_length"]))
+        await buf.put(group(0, status=Status.ABORTED, rewards=(None, None)))
+        await buf.put(group(1, rewards=(1.0, 1.0)))
+        await buf.put(group(2, status=Status.TRUNCATED))
+        await buf.put(group(3, versions=(0,)))
+        buf.take(1, version=5)
+        return set(buf.dropped)
+
+    assert asyncio.run(main()) == set(DROP_REASONS)
+    assert _listed("buffer/dropped/*", "reasons") == list(DROP_REASONS)
+
+
+def test_reward_failure_kinds_documented_are_the_ones_the_runner_emits():
+    import reward_plugins
+
+    from noria.config import RewardConfig
+    from noria.rewards import score
+    from noria.rewards.runner import FAILURE_KINDS
+    from noria.types import Sample
+
+    seen = set()
+    reward_plugins.RELEASE.clear()
+    try:
+        for name in ("raises", "hangs", "returns_text", "returns_nan"):
+            counts = score([Sample(prompt_ids=[1], response_text="x")], RewardConfig(name=f"reward_plugins:{name}", timeout_s=0.2), [None])
+            seen |= set(counts.failed)
+    finally:
+        reward_plugins.RELEASE.set()
+    assert seen == set(FAILURE_KINDS)
+    assert _listed("reward/failed/*", "kinds") == list(FAILURE_KINDS)

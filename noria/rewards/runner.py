@@ -35,6 +35,8 @@ from noria.rewards.registry import RewardFn, get_reward
 from noria.types import Group, Sample, Status
 
 SKIPPED_STATUSES = (Status.FAILED, Status.ABORTED)
+FAILURE_KINDS: tuple[str, ...] = ("raised", "timeout", "not_a_number", "non_finite")
+"""Every kind of reward failure (``reward/failed/<kind>``)."""
 
 
 @dataclass
@@ -65,6 +67,8 @@ class RewardFailure(Exception):
     """A reward call did not produce a usable score; ``kind`` classifies it for metrics."""
 
     def __init__(self, kind: str, reason: str):
+        if kind not in FAILURE_KINDS:
+            raise ValueError(f"reward failure kind {kind!r} is not one of {FAILURE_KINDS}")
         super().__init__(reason)
         self.kind = kind
 

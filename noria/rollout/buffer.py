@@ -57,6 +57,9 @@ def over_length(group: Group) -> str | None:
 
 FILTERS: dict[str, GroupFilter] = {"zero_reward_variance": zero_reward_variance, "over_length": over_length}
 
+DROP_REASONS: tuple[str, ...] = ("no_trainable_sample", *FILTERS, "stale")
+"""Every reason the buffer itself drops a group for (``buffer/dropped/<reason>``); a user filter adds its own."""
+
 
 def load_object(path: str, key: str) -> Any:
     """``pkg.module:name`` -> the object; the error names the config ``key``."""
@@ -110,7 +113,7 @@ class GroupBuffer:
 
     def drop_reason(self, group: Group) -> str | None:
         if not any(s.status in TRAINABLE and s.reward is not None for s in group.samples):
-            return "no_trainable_sample"
+            return DROP_REASONS[0]
         for keep_or_reason in (f(group) for f in self.filters):
             if keep_or_reason is not None:
                 return str(keep_or_reason)
