@@ -8,6 +8,7 @@ CPU only; one server (tiny random Llama, bf16) for the module.
 from __future__ import annotations
 
 import asyncio
+import os
 from multiprocessing import shared_memory
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from engine_server_util import ServeProcess
+from proc_util import beyond_loopback, listening_addresses
 from noria.config import SyncConfig
 from noria.models import load_model
 from noria.sync import WeightSyncError, build_sync, bucketize
@@ -160,3 +162,14 @@ def test_release_and_resume_memory_over_http(server):
             assert len(out["output_ids"]) == 3
 
     asyncio.run(scenario())
+
+
+def test_broadcast_rendezvous_and_group_listen_on_loopback_only(server, trainer, tmp_path):
+    """The trainer's rendezvous store and both ranks' gloo sockets stay on 127.0.0.1 (no 0.0.0.0, no ::)."""
+    version, _ = state(server)
+    with make_sync("broadcast", server, tmp_path) as sync:
+        sync.push(bucketize(sent_for(trainer, version + 1), 1 << 20), version + 1)
+        assert sync.transport_impl.group is not None  # the group (and its store) is alive now
+        mine, theirs = listening_addresses(os.getpid()), listening_addresses(server.process.pid)
+        assert mine and theirs
+        assert beyond_loopback(mine) == [] and beyond_loopback(theirs) == [], (mine, theirs)

@@ -53,10 +53,12 @@ import base64
 import contextlib
 import datetime
 import hashlib
+import ipaddress
 import json
 import mmap
 import os
 import re
+import socket
 import threading
 import warnings
 from collections.abc import Iterable, Iterator
@@ -661,15 +663,48 @@ def create_update_group(
     backend: str = "gloo",
     timeout_s: float = 300.0,
 ):
-    """A standalone process group; rank 0 hosts the TCP store. Blocks until all ranks join."""
+    """A standalone process group; rank 0 hosts the TCP store. Blocks until all ranks join (at most
+    ``timeout_s``).
+
+    Rank 0's store listens on ``master_address`` only (a socket bound there first and handed to the
+    store; ``TCPStore`` alone listens on every interface), and with a loopback master every rank's
+    gloo sockets are bound to that loopback address too: nothing of the group is reachable from
+    another machine unless the caller names a non-loopback master."""
     if backend not in ("gloo", "nccl"):
         raise WeightUpdateError(f"weight update group: backend must be gloo or nccl, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    store = dist.PrefixStore(group_name, store)
+    store = dist.PrefixStore(group_name, _rendezvous_store(master_address, master_port, rank, world_size, timeout))
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        return dist.ProcessGroupGloo(store, rank, world_size, _gloo_options(master_address, timeout))
     return dist.ProcessGroupNCCL(store, rank, world_size)
+
+
+def _rendezvous_store(address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta):
+    """Rank 0: a TCP store listening on ``address`` alone; other ranks: a client of it."""
+    if rank != 0:
+        return dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.create_server((address, port), family=family, backlog=max(world_size, 16))
+    fd = listener.detach()  # the store owns the listening socket from here on
+    return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, master_listen_fd=fd)
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        return address == "localhost"
+
+
+def _gloo_options(master_address: str, timeout: datetime.timedelta):
+    """Gloo bound to the loopback address when the master is local (else the default interface)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    if _is_loopback(master_address):
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return opts
 
 
 def stage_from_broadcast(
