@@ -133,10 +133,10 @@ METRICS: tuple[Metric, ...] = tuple(
         ("sync/verify_seconds", "s", "Checksum comparison after the push (sync.verify)."),
     ])
     + _table("eval", [
-        ("eval/accuracy", "fraction", "Held-out accuracy: mean reward of the evaluation answers (eval.jsonl `accuracy`)."),
+        ("eval/accuracy", "fraction", "Held-out accuracy: mean reward over every evaluation answer, one whose reward failed counting as wrong (eval.jsonl `accuracy`)."),
         ("eval/n_prompts", "count", "Prompts evaluated."),
         ("eval/n_answers", "count", "Answers scored (prompts x eval.n_samples)."),
-        ("eval/failed", "count", "Answers whose reward failed."),
+        ("eval/failed", "count", "Answers without a reward (the reward failed, or generation aborted); counted as wrong in accuracy."),
         ("eval/truncated", "count", "Answers that hit eval.max_new_tokens."),
         ("eval/seconds", "s", "Wall time of the evaluation."),
     ])

@@ -60,3 +60,10 @@ def raises_timeout_error(response, label, metadata):
 
 
 NOT_CALLABLE = 3
+
+
+def fails_on_odd_labels(response, label, metadata):
+    """1.0 for every answer whose label is even; raises for odd labels (a reward that fails on part of the answers)."""
+    if int(label) % 2:
+        raise RuntimeError("odd label refused")
+    return 1.0

@@ -41,11 +41,22 @@ def test_eval_samples_several_answers_per_prompt(tmp_path, tiny_model_dir):
     assert result.n_prompts == 4 and result.n_samples == 12
 
 
-def test_failing_reward_is_counted_not_zero(tmp_path, tiny_model_dir):
+def test_eval_whose_every_answer_failed_is_an_error(tmp_path, tiny_model_dir):
+    from noria.errors import NoriaError
+
     config = _config(tmp_path, tiny_model_dir, **{"reward.name": "tests.reward_plugins:raises", "eval.limit": "3"})
+    with pytest.raises(NoriaError, match="every one of the 3 answers failed.*checker crashed"):
+        run_eval(config, run_dir=str(tmp_path / "run"), progress=False)
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["n_failed"] == 3  # written before failing
+
+
+def test_failed_answers_count_as_wrong_and_are_reported(tmp_path, tiny_model_dir):
+    config = _config(tmp_path, tiny_model_dir, **{"reward.name": "tests.reward_plugins:fails_on_odd_labels"})
     result = run_eval(config, run_dir=str(tmp_path / "run"), progress=False)
-    assert result.n_failed == 3 and result.n_scored == 0 and result.accuracy is None
-    assert result.failed_reasons
+    rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    odd = sum(int(r["label"]) % 2 for r in rows)
+    assert 0 < odd < len(rows) and result.n_failed == odd and result.n_scored == len(rows) - odd
+    assert result.accuracy == (len(rows) - odd) / len(rows)  # not 1.0: the failures count as wrong
 
 
 def test_bad_data_fails_before_model_loads(tmp_path, capsys):

@@ -7,8 +7,11 @@ figures) and ``samples.jsonl`` (every answer with its reward and status), next t
 ``config.yaml``.
 
 Generation runs on the built-in rollout engine (continuous batching, all answers submitted at
-once) for native architectures, and on transformers' ``generate`` for any other. Accuracy is the mean reward over scored samples; samples whose reward failed are reported
-separately, never counted as 0.
+once) for native architectures, and on transformers' ``generate`` for any other. Accuracy is the
+mean reward over every answer: an answer whose reward failed counts as wrong (so a reward that times
+out on hard answers cannot raise accuracy), and the failures are also reported separately
+(``n_failed``, ``failed_reasons``). An evaluation in which not one answer could be scored is an
+error (``NoriaError``), not an accuracy.
 """
 
 from noria.eval.runner import EvalResult, run_eval

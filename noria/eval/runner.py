@@ -67,7 +67,21 @@ def run_eval(config: RunConfig, run_dir: str | None = None, output: str | None =
     result = _summarise(config, samples, counts, len(kept), dropped, seconds, out_dir)
     _write(result, samples, kept, out_dir, output)
     _print_table(result)
+    check_scored(samples, f"evaluation ({out_dir / 'samples.jsonl'})")
     return result
+
+
+def accuracy(samples: list[Sample]) -> float | None:
+    """Mean reward over every answer; an answer without a reward (its reward failed, or its generation
+    was aborted) counts as wrong, so failures cannot raise accuracy. None when there is no answer."""
+    return sum(s.reward or 0.0 for s in samples) / len(samples) if samples else None
+
+
+def check_scored(samples: list[Sample], what: str) -> None:
+    """NoriaError when not one of ``samples`` got a reward: the figure would measure nothing."""
+    if samples and all(s.reward is None for s in samples):
+        reasons = Counter(s.status_reason or s.status.value for s in samples).most_common(1)
+        raise NoriaError(f"{what}: every one of the {len(samples)} answers failed to score; most common: {reasons[0][0]}")
 
 
 def _render(prompts: list[Prompt], tokenizer, config: RunConfig):
@@ -240,7 +254,7 @@ def _summarise(config, samples, counts, n_prompts, dropped, seconds, out_dir) ->
         n_samples=len(samples),
         n_scored=len(scored),
         n_failed=len(samples) - len(scored),
-        accuracy=sum(scored) / len(scored) if scored else None,
+        accuracy=accuracy(samples),
         dropped_long_prompts=dropped,
         truncated=sum(s.status is Status.TRUNCATED for s in samples),
         generated_tokens=tokens,

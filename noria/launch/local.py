@@ -346,7 +346,10 @@ class Job:
         self.log.write_samples(self.step, groups, self.tokenizer)  # rollouts/step-N.jsonl (noria inspect)
 
     async def evaluate(self, when: str) -> None:
-        """Greedy accuracy on the held-out prompts, on the rollout engine; a failure is logged, not raised."""
+        """Greedy accuracy on the held-out prompts, on the rollout engine (an answer whose reward failed
+        counts as wrong); a failure, or an evaluation with no answer scored, is logged as skipped, not raised."""
+        from noria.eval.runner import accuracy, check_scored
+
         every = self.config.eval.every
         if every <= 0 or not self.test_prompts or self.last_eval_step == self.step:
             return
@@ -364,14 +367,18 @@ class Job:
             self.log.write_eval({"step": self.step, "version": self.version, "skipped": f"{type(e).__name__}: {e}"})
             return
         samples = [s for g in result.groups for s in g.samples]
-        scored = [s.reward for s in samples if s.reward is not None]
+        try:
+            check_scored(samples, f"evaluation at step {self.step}")
+        except NoriaError as e:  # logged (and printed) as skipped; an evaluation never stops training
+            self.log.write_eval({"step": self.step, "version": self.version, "skipped": str(e)}, samples)
+            return
         row = {
             "step": self.step,
             "version": self.version,
-            "accuracy": mean(scored),
+            "accuracy": accuracy(samples),
             "n_prompts": len(result.groups),
             "n_answers": len(samples),
-            "failed": len(samples) - len(scored),
+            "failed": sum(s.reward is None for s in samples),
             "truncated": sum(s.status is Status.TRUNCATED for s in samples),
             "seconds": time.perf_counter() - start,
         }
