@@ -64,6 +64,42 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     return serve(config, options)
 
 
+def _machine_report() -> dict:
+    """What ``noria info`` prints: versions, the CPU, the dtype ``auto`` picks, kernel builds, GPUs."""
+    import torch
+
+    from noria import __version__
+    from noria.engine.kernels import build_status
+    from noria.hardware import auto_dtype, cpu_info, packed_linear_ok
+
+    info = cpu_info()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {
+        "noria": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
+        "cpu": info.model, "isa": info.isa, "features": list(info.features), "acting_as": info.acting_as or "-",
+        "torch_dispatch": info.torch_capability, "onednn_bf16": info.onednn_bf16, "bf16_native": info.bf16_native,
+        "auto_dtype_cpu": auto_dtype("cpu"),
+        "packed_linears": [d for d in ("float32", "bfloat16") if packed_linear_ok(getattr(torch, d))],
+        "cpu_kernels": build_status(), "gpus": gpus,
+    }  # fmt: skip
+
+
+def _info(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    report = _machine_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for key, value in report.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, list):
+            value = " ".join(map(str, value)) or "-"
+        print(f"{key:<18} {value}")
+    return 0
+
+
 def _models_list(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.models.catalog import list_models
 
@@ -185,7 +221,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="noria",
         description="Noria: RL post-training of LLMs. Each subcommand has its own --help.",
     )
+    from noria import __version__
+
+    parser.add_argument("--version", action="version", version=f"noria {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "info",
+        help="this machine as Noria sees it: CPU features, the dtype `auto` picks, kernel builds, GPUs",
+        description="What every fast path decides from: the CPU's instruction sets (AVX2, AVX-512, "
+        "AVX512_BF16, AMX), what torch and oneDNN accept, the dtype model.dtype: auto resolves to, and "
+        "whether the C++ kernels for this CPU are built. NORIA_CPU_ISA=avx2 makes Noria act as on an "
+        "AVX2-only CPU.",
+    )
+    p.add_argument("--json", action="store_true", help="print the same as one JSON object")
+    p.set_defaults(handler=_info, takes_overrides=False)
 
     p = sub.add_parser(
         "eval",
@@ -233,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     p.add_argument("--port", type=int, default=30000, help="TCP port (default 30000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weights dtype (default bfloat16)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], help="weights dtype (default auto: see noria info)")
     p.add_argument("--device", help="torch device (default cpu)")
     p.add_argument("--weight-version", type=int, help="weight version reported before any update (default: the engine's)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain in-flight requests on SIGTERM (default 30)")
@@ -275,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
     p.add_argument("--batches", default="1,8,32,128", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
     p.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu (empty for none)")
     p.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
     p.add_argument("--json", help="write the figures to this JSON file")
@@ -291,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, default=8, help="concurrent sessions")
     p.add_argument("--turns", type=int, default=6, help="turns per session")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per turn")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
     p.add_argument("--json", help="write the figures to this JSON file")
     p.set_defaults(handler=_bench_prefix, takes_overrides=False)
 

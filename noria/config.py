@@ -12,7 +12,8 @@ dataclasses. That order means overrides get exactly the same checks as the file:
   data is loaded.
 
 ``to_dict`` / ``save_config`` write the resolved config (every default filled in) into a run folder.
-This module is a leaf (it imports only ``noria.errors``), so components import their section from here.
+This module is a leaf (it imports only ``noria.errors``, and ``noria.hardware`` — itself a leaf —
+when ``dtype: auto`` is resolved), so components import their section from here.
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ class ModelConfig:
     """The policy model."""
 
     path: str = option("", "A catalog name (see `noria models list`) or an HF model folder (config.json + safetensors).")
-    dtype: Literal["bfloat16", "float32"] = option("bfloat16", "Compute dtype of the model weights.")
+    dtype: Literal["auto", "bfloat16", "float32"] = option(
+        "auto",
+        "Compute dtype of the model weights. auto: bfloat16 on CUDA and on CPUs that compute bf16 natively "
+        "(AVX512_BF16 or AMX), float32 on other CPUs (AVX2-only ones run bf16 3-5x slower); the resolved dtype is "
+        "what the run folder's config.yaml records. `noria info` shows what this machine gets.",
+    )
     impl: Literal["auto", "native", "hf"] = option(
         "auto", "auto: Noria's native model when the architecture is supported, else transformers'."
     )
@@ -71,6 +77,16 @@ class ModelConfig:
     def validate(self) -> None:
         if not self.path:
             raise ConfigError("model.path is required: a catalog name such as smollm2-135m-instruct or a folder")
+
+    def resolve_dtype(self) -> None:
+        """Replace ``auto`` by this machine's dtype (``noria.hardware.auto_dtype``); warn once when
+        an explicit bfloat16 will run slowly on this CPU."""
+        from noria import hardware
+
+        if self.dtype == "auto":
+            self.dtype = hardware.auto_dtype(self.device)
+        else:
+            hardware.warn_slow_dtype(self.dtype, self.device)
 
 
 @dataclass
@@ -149,10 +165,17 @@ class BufferConfig:
         "What happens to the prompt of a dropped group: discarded, or returned to the data source (it is drawn again "
         "before any new prompt).",
     )
+    max_consecutive_drops: int = option(
+        64,
+        "Groups dropped in a row (none trained in between) after which the run stops with an error naming the drop "
+        "reasons and an example failure (a reward that always fails, a filter that keeps nothing, staleness).",
+    )
 
     def validate(self) -> None:
         if self.capacity_batches < 1:
             raise ConfigError(f"rollout.buffer.capacity_batches must be >= 1, got {self.capacity_batches}")
+        if self.max_consecutive_drops < 1:
+            raise ConfigError(f"rollout.buffer.max_consecutive_drops must be >= 1, got {self.max_consecutive_drops}")
         if self.impl and ":" not in self.impl:
             raise ConfigError(f"rollout.buffer.impl must be an import path pkg.module:Class, got {self.impl!r}")
         for name in self.filters:
@@ -435,7 +458,9 @@ class TrainConfig:
     backend: Literal["fsdp2", "single"] = option("single", "single: one process; fsdp2: torch fully_shard over world_size processes.")
     world_size: int = option(1, "Trainer processes (fsdp2).")
     device: str = option("cpu", "cpu or cuda; fsdp2 uses gloo on CPU and NCCL on CUDA.")
-    param_dtype: Literal["bfloat16", "float32"] = option("bfloat16", "Compute dtype; master weights and optimizer state stay fp32.")
+    param_dtype: Literal["auto", "bfloat16", "float32"] = option(
+        "auto", "Compute dtype; master weights and optimizer state stay fp32. auto: model.dtype (resolved)."
+    )
     activation_checkpointing: bool = option(False, "Recompute each layer's activations in backward to save memory.")
     compile: bool = option(
         False,
@@ -596,6 +621,7 @@ class RunConfig:
                 self.train.global_batch = 8
         else:
             resolve_batch(self)
+        resolve_dtypes(self)
         if self.train.compile and self.engine.deterministic:
             raise ConfigError(
                 "train.compile with engine.deterministic: deterministic mode runs the exact-numerics modules, which "
@@ -608,6 +634,14 @@ class RunConfig:
                 "[mis_low, mis_high]) with the rollout logprobs as the behaviour policy, seq_is (sequence-level IS), "
                 "or recompute (the trainer's recomputed logprobs as the behaviour policy)"
             )
+
+
+def resolve_dtypes(config: RunConfig) -> None:
+    """Fill in ``model.dtype: auto`` for this machine and ``train.param_dtype: auto`` from it, so
+    the engine and the trainer compute in one dtype and the saved config names it."""
+    config.model.resolve_dtype()
+    if config.train.param_dtype == "auto":
+        config.train.param_dtype = config.model.dtype
 
 
 def resolve_batch(config: RunConfig) -> None:
@@ -817,11 +851,23 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def save_config(config: Any, path: str | Path) -> Path:
-    """Write the resolved config as YAML (into a run folder)."""
+    """Write the resolved config as YAML (into a run folder), under a comment naming the machine it
+    was resolved on (``dtype: auto`` depends on it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    path.write_text(machine_header() + yaml.safe_dump(to_dict(config), sort_keys=False))
     return path
+
+
+def machine_header() -> str:
+    """YAML comment lines: Noria and torch versions, and the CPU (``noria.hardware``)."""
+    import torch
+
+    from noria import __version__
+    from noria.hardware import cpu_info
+
+    gpu = f"; GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return f"# noria {__version__}, torch {torch.__version__}\n# machine: {cpu_info().summary()}{gpu}\n"
 
 
 def field_docs(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:

@@ -1,5 +1,7 @@
-"""The engine's fast CPU forward (fused, prepacked bf16 matmuls): same bits as the model, fresh after
-every weight update, off where it must be. CPU only (the fast path exists only there)."""
+"""The engine's fast CPU forward (fused, prepacked matmuls): the model's bits in bf16 (its rounding
+in fp32), fresh after every weight update, off where it must be — deterministic mode, and bf16 on a
+CPU where oneDNN has no bf16 kernels (AVX2-only: run this file under NORIA_CPU_ISA=avx2), where the
+engine must still serve. CPU only (the fast path exists only there)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 from noria.config import EngineConfig
 from noria.engine import Engine, GenerateRequest, SamplingParams, inference
+from noria.hardware import cpu_info
 from noria.models import DecoderLM, save_model
 from noria.models.attention import CausalContext
 from noria.models.config import ModelArgs, RopeScaling
@@ -24,18 +27,41 @@ def tiny_args(qkv_bias: bool = False, qk_norm: bool = False) -> ModelArgs:
     )
 
 
-def random_bf16(args: ModelArgs, seed: int = 0) -> DecoderLM:
+def random_model(args: ModelArgs, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> DecoderLM:
     torch.manual_seed(seed)
     model = DecoderLM(args)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
-    return model.to(torch.bfloat16).eval()
+    return model.to(dtype).eval()
 
 
+def random_bf16(args: ModelArgs, seed: int = 0) -> DecoderLM:
+    return random_model(args, torch.bfloat16, seed)
+
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def need_packed(dtype: torch.dtype) -> None:
+    if not inference.hardware.packed_linear_ok(dtype):
+        pytest.skip(f"oneDNN has no packed {dtype} linears on this CPU ({cpu_info().summary()}); "
+                    "test_fast_path_only_where_onednn_packs_the_dtype covers it")  # fmt: skip
+
+
+def assert_same(plain: torch.Tensor, mine: torch.Tensor, what) -> None:
+    """bf16: the same bits; fp32: oneDNN's and MKL's summation orders differ, so the same to rounding."""
+    if plain.dtype == torch.bfloat16:
+        assert torch.equal(plain, mine), what
+    else:
+        torch.testing.assert_close(mine, plain, rtol=1e-5, atol=1e-5, msg=str(what))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", [{}, {"qkv_bias": True}, {"qk_norm": True}])
-def test_fast_forward_equals_model_bitwise(family):
-    model = random_bf16(tiny_args(**family))
+def test_fast_forward_equals_model(family, dtype):
+    need_packed(dtype)
+    model = random_model(tiny_args(**family), dtype)
     assert inference.supported(model)
     fast = inference.FastDecoder(model)
     # llama/qwen2 layers run the fused C++ norm/RoPE/SwiGLU kernels (kernels/fused.cpp); q/k-norm
@@ -47,18 +73,22 @@ def test_fast_forward_equals_model_bitwise(family):
         with torch.no_grad():
             plain = model.hidden_states(ids, positions)
             mine = fast.hidden_states(ids, positions, CausalContext())
-            assert torch.equal(plain, mine), t
-            assert torch.equal(model.lm_head(plain[0]), fast.lm_head(mine[0])), t
+            assert_same(plain, mine, t)
+            assert_same(model.lm_head(plain[0]), fast.lm_head(mine[0]), t)
 
 
-def test_fast_path_only_for_cpu_bf16_outside_deterministic_mode():
-    assert not inference.supported(random_bf16(tiny_args()).float())
+def test_fast_path_only_where_onednn_packs_the_dtype():
+    # fp32 packs on every x86 CPU; bf16 only where oneDNN has bf16 kernels (not on AVX2-only CPUs,
+    # where _reorder_linear_weight raises): there the engine runs the model's own modules.
+    assert inference.supported(random_model(tiny_args(), torch.float32))
+    assert inference.supported(random_bf16(tiny_args())) == cpu_info().onednn_bf16
     config = dict(kv_cache_tokens=512, block_size=4)
-    fast = Engine(random_bf16(tiny_args()), None, EngineConfig(**config))
-    exact = Engine(random_bf16(tiny_args()), None, EngineConfig(**config, deterministic=True))
-    assert fast.runner.fast is not None and exact.runner.fast is None
-    fast.shutdown(1)
-    exact.shutdown(1)
+    for dtype in DTYPES:
+        fast = Engine(random_model(tiny_args(), dtype), None, EngineConfig(**config))
+        exact = Engine(random_model(tiny_args(), dtype), None, EngineConfig(**config, deterministic=True))
+        assert (fast.runner.fast is not None) == inference.hardware.packed_linear_ok(dtype) and exact.runner.fast is None
+        fast.shutdown(1)
+        exact.shutdown(1)
 
 
 PARAMS = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
@@ -74,9 +104,25 @@ def generate(model: DecoderLM, fast: bool, prompts=PROMPTS):
     return [(o.output_ids, o.logprobs) for o in outs]
 
 
-def test_engine_fast_path_gives_the_plain_tokens_and_logprobs():
-    model = random_bf16(tiny_args())
-    assert generate(model, fast=True) == generate(model, fast=False)  # logprobs bitwise
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_serves_every_dtype_on_this_cpu(dtype):
+    # The AVX2 crash: a bf16 engine must serve (slowly, through the model's modules) where oneDNN
+    # refuses packed bf16.
+    outs = generate(random_model(tiny_args(), dtype), fast=True)
+    assert all(len(ids) == PARAMS.max_new_tokens for ids, _ in outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_fast_path_gives_the_plain_tokens_and_logprobs(dtype):
+    need_packed(dtype)
+    model = random_model(tiny_args(), dtype)
+    fast, plain = generate(model, fast=True), generate(model, fast=False)
+    if dtype == torch.bfloat16:
+        assert fast == plain  # logprobs bitwise
+    else:
+        assert [ids for ids, _ in fast] == [ids for ids, _ in plain]
+        for (_, a), (_, b) in zip(fast, plain):
+            assert a == pytest.approx(b, abs=1e-4)
 
 
 def perturbed(model: DecoderLM) -> dict[str, torch.Tensor]:
@@ -85,9 +131,10 @@ def perturbed(model: DecoderLM) -> dict[str, torch.Tensor]:
             if "layers.1." in n or n == "lm_head.weight"}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("source", ["state_dict", "disk"])
-def test_weight_updates_refresh_the_packed_weights(source, tmp_path):
-    model = random_bf16(tiny_args())
+def test_weight_updates_refresh_the_packed_weights(source, dtype, tmp_path):
+    model = random_model(tiny_args(), dtype)
     engine = Engine(model, None, EngineConfig(kv_cache_tokens=2048, block_size=4))
     reqs = [GenerateRequest(input_ids=p, sampling=PARAMS) for p in PROMPTS]
     before = engine.generate_batch(reqs)
@@ -104,4 +151,5 @@ def test_weight_updates_refresh_the_packed_weights(source, tmp_path):
     after = [(o.output_ids, o.logprobs) for o in engine.generate_batch(reqs)]
     engine.shutdown(1)
     assert after != [(o.output_ids, o.logprobs) for o in before]
-    assert after == generate(expected_model, fast=False)
+    # A fresh engine on the updated weights (its own packed copies, where this CPU packs the dtype).
+    assert after == generate(expected_model, fast=True)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import platform
 import shlex
 import sys
 from pathlib import Path
@@ -19,7 +17,7 @@ from typing import Any
 
 
 def machine_name() -> str:
-    """A short description of where the figures were taken."""
+    """Where the figures were taken: the GPU, or the CPU with the instruction set its paths used."""
     try:
         import torch
 
@@ -27,7 +25,9 @@ def machine_name() -> str:
             return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     except Exception:  # a broken CUDA install still leaves the CPU to describe
         pass
-    return f"{os.cpu_count()}-core {platform.machine()} CPU"
+    from noria.hardware import cpu_info
+
+    return cpu_info().summary()
 
 
 def write_json(path: str | Path, benchmark: str, results: list[dict[str, Any]]) -> Path:
@@ -37,12 +37,19 @@ def write_json(path: str | Path, benchmark: str, results: list[dict[str, Any]]) 
         "command": "noria " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
         "machine": machine_name(),
+        "cpu": _cpu(),
         "results": results,
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
+
+
+def _cpu() -> dict[str, Any]:
+    from noria.hardware import cpu_info
+
+    return cpu_info().as_dict()
 
 
 def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from noria import hardware
 from noria.config import EngineConfig
 from noria.engine import weights
 from noria.engine.kv_cache import KVCache
@@ -132,9 +133,11 @@ class Engine:
 
     @classmethod
     def from_path(
-        cls, path: str | Path, config: EngineConfig, dtype: str = "bfloat16", device: str = "cpu", **kwargs: Any
+        cls, path: str | Path, config: EngineConfig, dtype: str = "auto", device: str = "cpu", **kwargs: Any
     ) -> Engine:
-        """Load a native checkpoint (catalog name or HF folder) with its tokenizer and EOS ids."""
+        """Load a native checkpoint (catalog name or HF folder) with its tokenizer and EOS ids;
+        ``dtype`` ``auto`` is this machine's (``noria.hardware.auto_dtype``)."""
+        dtype = hardware.resolve_dtype(dtype, device)
         model = load_model(path, dtype=getattr(torch, dtype), device=device, impl="native")
         folder = model_path(path)
         tokenizer = _try_tokenizer(path)

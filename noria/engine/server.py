@@ -87,6 +87,7 @@ class ServeConfig:
     def validate(self) -> None:
         self.model.validate()
         self.engine.validate()
+        self.model.resolve_dtype()
 
 
 @dataclass

@@ -227,6 +227,11 @@ EXACT_KEY_BLOCK = 64
 """Keys per block in :func:`exact_attention`: every matmul there has a fixed inner size (head_dim
 for scores, this for values), which is what keeps its summation order fixed."""
 
+EXACT_ROW_TILE = 16
+"""Query rows per matmul in :func:`exact_attention` (rows are query x query head of a KV group;
+fewer are zero-padded): one fixed shape per matmul is what keeps a row's bits independent of the
+call. 16 covers a decode step of the common GQA groups (2-8 query heads per KV head) in one tile."""
+
 EXACT_QUERY_BLOCK = 128
 """Queries per call in :func:`exact_causal_attention` (bounds memory; does not change results)."""
 
@@ -245,20 +250,19 @@ def exact_attention(
     Its output depends only on its own query and those keys, bit for bit: not on B, n, L, the other
     queries, or keys past its own (which may hold anything, NaN included). How, in fp32:
 
-    - keys go in blocks of :data:`EXACT_KEY_BLOCK` (the last one zero-padded), so every matmul has
-      a fixed inner size and width: scores ``q @ k_block^T`` (inner size head_dim), weighted values
-      ``p_block @ v_block`` (inner size the block), and each block's softmax denominator is a sum
-      over the block's fixed width;
+    - every matmul has one fixed shape: keys go in blocks of :data:`EXACT_KEY_BLOCK` (the last one
+      zero-padded) and query rows in tiles of :data:`EXACT_ROW_TILE` (the last one zero-padded), so
+      scores ``q_tile @ k_block^T`` are always [tile, head_dim] x [head_dim, block] and weighted
+      values ``p_tile @ v_block`` always [tile, block] x [block, head_dim], and each block's softmax
+      denominator is a sum over the block's fixed width;
     - ``p = exp(s - max)`` with the max over visible keys (exact), then 0 at hidden keys;
     - block results are added one after the other in key order: a block past a query's last key
-      adds exact zeros, so L changes nothing;
-    - a matrix never has one row (``n * Hq / Hkv == 1`` duplicates it): MKL's single-row kernel
-      sums in another order than its matrix kernel.
+      adds exact zeros, so L changes nothing.
 
-    Measured, not promised by MKL (torch 2.13, this CPU): fp32 ``matmul`` of contiguous operands
-    gives each output element the same bits for any number of rows from 2 up and any batch, at a
-    fixed inner size and width (tests: ``tests/test_exact_agreement.py``). Varying widths, inner
-    sizes above ~384, one row or a transposed operand change the summation order, hence the blocks.
+    Measured, not promised by MKL (torch 2.13; ``tests/test_exact_agreement.py``): an fp32 matmul
+    of one fixed shape gives a row the same bits wherever it sits in the tile, whatever the other
+    rows hold and however many matrices share the batched call — on AVX-512 and on AVX2 (where
+    MKL's result for a row does change with the number of rows, which is why the tiles are fixed).
     """
     if q.is_cuda:
         from noria.models import exact_cuda
@@ -269,18 +273,21 @@ def exact_attention(
     hkv = k.shape[2]
     group = hq // hkv
     rows = n * group
+    tiles = -(-rows // EXACT_ROW_TILE)
+    padded = tiles * EXACT_ROW_TILE
     nb = -(-k.shape[1] // EXACT_KEY_BLOCK)
     # Rows of each kv head are (query, query head of its group), so GQA heads share one matmul.
-    qf = q.float().reshape(batch, n, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(batch, hkv, 1, rows, d)
-    row_pos = q_pos.repeat_interleave(group, dim=1)
-    if rows == 1:
-        qf, row_pos = qf.expand(batch, hkv, 1, 2, d), row_pos.expand(batch, 2)
-    qf = qf.expand(batch, hkv, nb, qf.shape[3], d).contiguous()
-    scores = torch.matmul(qf, _key_blocks(k, nb).transpose(-1, -2).contiguous()).mul_(scale)
+    qf = q.new_zeros(batch, hkv, padded, d, dtype=torch.float32)
+    qf[:, :, :rows] = q.float().reshape(batch, n, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(batch, hkv, rows, d)
+    row_pos = q_pos.new_zeros(batch, padded)  # padding rows see key 0 only, and are dropped
+    row_pos[:, :rows] = q_pos.repeat_interleave(group, dim=1)
+    qf = qf.view(batch, hkv, 1, tiles, EXACT_ROW_TILE, d)
+    keys_t = _key_blocks(k, nb).transpose(-1, -2).contiguous().unsqueeze(3)  # [B, Hkv, nb, 1, D, block]
+    scores = torch.matmul(qf, keys_t).mul_(scale).view(batch, hkv, nb, padded, EXACT_KEY_BLOCK)
     # Blocks before `first` are visible to every row; only the others need masking.
     first = (int(q_pos.min()) + 1) // EXACT_KEY_BLOCK
     keys = torch.arange(first * EXACT_KEY_BLOCK, nb * EXACT_KEY_BLOCK, device=q.device).view(-1, 1, EXACT_KEY_BLOCK)
-    hidden = keys > row_pos.view(batch, 1, 1, -1, 1)  # [B, 1, nb - first, rows', block]
+    hidden = keys > row_pos.view(batch, 1, 1, -1, 1)  # [B, 1, nb - first, padded, block]
     tail = scores[:, :, first:]
     block_top = torch.cat([scores[:, :, :first].amax(-1), tail.masked_fill(hidden, float("-inf")).amax(-1)], 2)
     top = block_top.amax(2, keepdim=True).unsqueeze(-1)
@@ -292,7 +299,8 @@ def exact_attention(
     # Keys past every query of a row may be garbage (padded cache slots): 0 * NaN would be NaN.
     unused = torch.arange(nb * EXACT_KEY_BLOCK, device=q.device) > q_pos.amax(1, keepdim=True)
     values.masked_fill_(unused.view(batch, 1, nb, EXACT_KEY_BLOCK, 1), 0.0)
-    weighted = torch.matmul(probs, values)  # [B, Hkv, nb, rows', D]
+    tiled = probs.view(batch, hkv, nb, tiles, EXACT_ROW_TILE, EXACT_KEY_BLOCK)
+    weighted = torch.matmul(tiled, values.unsqueeze(3)).view(batch, hkv, nb, padded, d)
     denom = probs.sum(-1, keepdim=True)  # over the block's fixed width
     num, den = weighted[:, :, 0], denom[:, :, 0]
     for j in range(1, nb):  # in key order, one block at a time

@@ -47,18 +47,20 @@ from noria.models.config import ModelArgs, RopeScaling
 
 
 DETERMINISTIC_ROWS = 32
-"""Rows per matmul of :func:`row_chunked_linear`. Measured on this CPU (torch 2.13, bf16): a 2-D
-``F.linear`` gives each row the bits it gets alone for every M <= 32 rows; from M = 33 oneDNN
-switches kernels and rows change in the last bits (SmolLM2's 576 x 576, 1536 x 576, 576 x 1536 and
-49152 x 576 layers). A 3-D input ``[1, M, K]`` without bias is worse (MLP shapes change from M = 18
-on), which is why the chunks are 2-D."""
+"""Rows of every matmul of :func:`row_chunked_linear` (the last chunk is zero-padded to it).
+Measured (torch 2.13; ``tests/test_exact_agreement.py``): a 2-D matmul of one fixed shape gives a
+row the same bits wherever it sits and whatever the other rows hold, in bf16 and fp32, on AVX-512
+(oneDNN, MKL) and on AVX2 (torch's bf16 fallback, MKL). The number of rows is what changes a row's
+bits: MKL's fp32 kernels differ from 2 rows on, oneDNN's bf16 ones above 32 (a 3-D input from 18),
+so every call gets exactly this many."""
 
 
 def row_chunked_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = DETERMINISTIC_ROWS
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` as 2-D matmuls of at most ``rows`` rows of x, so that a row's
-    bits do not depend on how many rows share the call; the backward is one matmul per gradient."""
+    """``F.linear(x, weight, bias)`` as 2-D matmuls of exactly ``rows`` rows of x (the last chunk
+    zero-padded), so that a row's bits do not depend on how many rows share the call; the backward
+    is one matmul per gradient."""
     return _RowChunkedLinear.apply(x, weight, bias, rows)
 
 
@@ -71,11 +73,13 @@ class _RowChunkedLinear(torch.autograd.Function):
         if flat.is_cuda and exact_cuda.available():  # cuBLAS is not batch-invariant: fixed-tile Triton
             return exact_cuda.linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
         out = flat.new_empty(len(flat), weight.shape[0])
-        for i in range(0, len(flat), rows):  # what 2-D F.linear runs, written in place
-            if bias is None:
-                torch.mm(flat[i : i + rows], weight.t(), out=out[i : i + rows])
-            else:
-                torch.addmm(bias, flat[i : i + rows], weight.t(), out=out[i : i + rows])
+        full = len(flat) - len(flat) % rows
+        for i in range(0, full, rows):  # what 2-D F.linear runs, written in place
+            _mm(flat[i : i + rows], weight, bias, out[i : i + rows])
+        if full < len(flat):  # the tail, padded to the same shape
+            tail = flat.new_zeros(rows, flat.shape[1])
+            tail[: len(flat) - full] = flat[full:]
+            out[full:] = _mm(tail, weight, bias, flat.new_empty(rows, weight.shape[0]))[: len(flat) - full]
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -86,6 +90,12 @@ class _RowChunkedLinear(torch.autograd.Function):
         grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
+
+
+def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -41,10 +41,10 @@ LoRA (``train.lora.enabled``): peft adapters are injected before sharding; base 
 frozen inside the same FSDP units and only adapters reach AdamW (``noria.train.lora``).
 
 Deterministic mode (``FSDPBackend(deterministic=True)``; the loop passes ``engine.deterministic``):
-the forward computes what the engine's deterministic runner computes, bit for bit (bf16, on CPU
-or on CUDA with Triton, native models, no LoRA): the model in exact numerics (``DecoderLM.set_exact_numerics``: pure bf16
-from casts of the fp32 masters instead of autocast, linear layers at most ``DETERMINISTIC_ROWS``
-rows per matmul) and attention through ``exact_attention`` (``PackedContext(deterministic=True)``).
+the forward computes what the engine's deterministic runner computes, bit for bit (bf16 or fp32 on
+CPU — AVX-512 and AVX2 alike —, bf16 on CUDA with Triton; native models, no LoRA): the model in exact
+numerics (``DecoderLM.set_exact_numerics``: pure compute dtype from casts of the fp32 masters
+instead of autocast, linear layers as matmuls of exactly ``DETERMINISTIC_ROWS`` rows) and attention through ``exact_attention`` (``PackedContext(deterministic=True)``).
 So at step 0 the recomputed logprobs equal the engine's rollout logprobs exactly (temperature 1)
 and ``rollout_kl`` is 0. The backward is the usual arithmetic (SDPA's attention gradient, one
 matmul per linear gradient). Slower than the default forward, which it leaves unchanged.
@@ -68,6 +68,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from noria import hardware
 from noria.config import TrainConfig
 from noria.models import DecoderLM, PackedContext, load_model, save_model
 from noria.train.backend import (
@@ -244,7 +245,7 @@ class FSDPBackend:
         self.loss_fn = loss_fn
         self.model_impl = model_impl
         self.seed = seed
-        self.compute_dtype = DTYPES[cfg.param_dtype]
+        self.compute_dtype = DTYPES[hardware.resolve_dtype(cfg.param_dtype, cfg.device)]
         self.distributed = cfg.backend == "fsdp2"
         self.step = 0
         self.weight_version = 0

@@ -11,9 +11,15 @@ K/V, which live in a shared pool and are found through a block table (see ``kv_c
 implementations with one signature:
 
 - ``cpu``: a C++ kernel (``paged_attention.cpp``) compiled at first use with torch's extension
-  loader (ninja + the system C++ compiler, about 45 s once; cached under ``TORCH_EXTENSIONS_DIR``,
-  default ``~/.cache/torch_extensions``; ``scripts/setup.sh`` builds it ahead). It reads K/V in
-  place (no gather copy) and is batch-invariant.
+  loader (ninja + the system C++ compiler, 1-6 minutes once on 2 cores; cached under
+  ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; ``scripts/setup.sh`` builds it
+  ahead). It reads K/V in place (no gather copy) and is batch-invariant.
+
+The extension is compiled for the instruction set ``noria.hardware.kernel_isa`` names (AVX-512,
+AVX2 or baseline x86-64; explicit flags, never ``-march=native``), and that ISA is part of its
+cache name, so a cache shared between CPUs never hands one CPU another's build. A build is trusted
+only with its stamp (:data:`STAMP`): a library left by a killed build, or copied in without one, is
+deleted and built again.
 - ``torch``: gather each sequence's slots and call SDPA: the reference, and the fallback wherever
   the C++ kernel cannot be built or the tensors are not on the CPU.
 
@@ -24,6 +30,7 @@ not bitwise; deterministic runs must use one implementation throughout.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -40,17 +47,20 @@ _module = None
 _failure: str | None = None
 
 
-def _capability_flags() -> list[str]:
-    """ATen's vector types pick their width from CPU_CAPABILITY macros; match this CPU."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if {"avx2", "fma"} <= flags:
-        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return []
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "baseline": [],
+}  # fmt: skip
+"""Compiler flags per instruction set (``noria.hardware.kernel_isa``). Never ``-march=native``: a
+build must run on every CPU of its ISA, since build caches are shared (a home folder on NFS, a
+container image, a CI cache). ATen's vector types pick their width from the CPU_CAPABILITY macros."""
+
+STAMP = "noria-build.json"
+"""Written beside the built library once it has loaded: the ISA, flags, torch version and the
+library's sha256. A library without a matching stamp (a build killed mid-link, a folder copied in
+from elsewhere) is deleted and built again, never loaded."""
 
 
 def cpu_kernel():
@@ -68,10 +78,21 @@ def cpu_kernel():
     return _module
 
 
+def build_name(isa: str) -> tuple[str, list[str]]:
+    """The extension's name (sources, flags, torch version and ISA in it) and its compiler flags."""
+    source = b"".join(p.read_bytes() for p in _SOURCES)
+    flags = ["-O3", "-ffast-math", "-fopenmp", *ISA_FLAGS[isa]]
+    tag = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    return f"noria_cpu_kernels_{isa}_{tag}", flags
+
+
 def _build():
     import sys
+    import time
 
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    from noria.hardware import kernel_isa
 
     # The `ninja` package installs its binary next to this interpreter, which may not be on PATH
     # when the venv is used without activation.
@@ -79,32 +100,85 @@ def _build():
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
-    source = b"".join(p.read_bytes() for p in _SOURCES)
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", *_capability_flags()]
-    tag = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"noria_paged_attention_{tag}"
-    _remove_stale_lock(name)
-    return load(
-        name=name,
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    isa = kernel_isa()
+    name, flags = build_name(isa)
+    folder = Path(_get_build_directory(name, verbose=False))
+    _remove_stale_lock(folder)
+    discard_unverified(folder, name)
+    fresh = not (folder / f"{name}.so").exists()
+    if fresh:
+        print(f"noria: building the C++ CPU kernels for {isa} (once per CPU kind and torch version; "
+              f"1-6 min on 2 cores) in {folder}", file=sys.stderr, flush=True)  # fmt: skip
+    start = time.monotonic()
+    module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    write_stamp(folder, name, isa, flags)
+    if fresh:
+        print(f"noria: C++ CPU kernels built in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    return module
+
+
+def build_status() -> str:
+    """Whether this CPU's kernel build is cached and verified (without building it)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from noria.hardware import kernel_isa
+
+    isa = kernel_isa()
+    name, _ = build_name(isa)
+    folder = Path(_get_build_directory(name, verbose=False))
+    library = folder / f"{name}.so"
+    if not library.exists():
+        return f"{isa}: not built yet (built at first use, or by scripts/setup.sh) -> {folder}"
+    try:
+        verified = json.loads((folder / STAMP).read_text()).get("sha256") == _library_digest(library)
+    except (OSError, ValueError):
+        verified = False
+    return f"{isa}: {'built' if verified else 'unverified (rebuilt at next use)'} in {folder}"
+
+
+def _library_digest(library: Path) -> str:
+    return hashlib.sha256(library.read_bytes()).hexdigest()
+
+
+def write_stamp(folder: Path, name: str, isa: str, flags: list[str]) -> None:
+    library = folder / f"{name}.so"
+    stamp = {"isa": isa, "flags": flags, "torch": torch.__version__, "sha256": _library_digest(library)}
+    tmp = folder / f"{STAMP}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(stamp))
+    tmp.replace(folder / STAMP)
+
+
+def discard_unverified(folder: Path, name: str) -> bool:
+    """Delete a build folder whose library has no matching stamp (unless a build holds its lock);
+    True if it was deleted."""
+    import shutil
+
+    library = folder / f"{name}.so"
+    if not library.exists() or (folder / "lock").exists():
+        return False
+    try:
+        stamp = json.loads((folder / STAMP).read_text())
+        if stamp.get("sha256") == _library_digest(library):
+            return False
+        reason = "its checksum does not match the library (a build killed mid-write, or a copy from elsewhere)"
+    except (OSError, ValueError) as e:
+        reason = f"it has no valid build stamp ({type(e).__name__}: a killed build, or a cache made elsewhere)"
+    log.warning("discarding the kernel build in %s: %s; building again", folder, reason)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    return True
 
 
 STALE_LOCK_S = 600.0
 """A build lock older than this was left by a killed build (a build takes about a minute)."""
 
 
-def _remove_stale_lock(name: str) -> None:
+def _remove_stale_lock(folder: Path) -> None:
     """torch's extension lock has no owner: a process killed mid-build leaves it behind, and every
     later process would wait on it forever. Remove it once it is clearly older than any build."""
     import time
 
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    lock = folder / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
