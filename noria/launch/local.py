@@ -56,7 +56,7 @@ from noria.errors import NoriaError
 from noria.launch.env import child_env
 from noria.metrics import RunLog, mean
 from noria.rollout import EngineFailure, HttpEngineClient, LocalEngineClient, RolloutContext
-from noria.rollout.buffer import build_buffer, prompt_to_dict, resolve_filters
+from noria.rollout.buffer import DropStreak, build_buffer, prompt_to_dict, resolve_filters
 from noria.rollout.generate import generate_one, run_rollout  # run_rollout: the plug-in layers (noria.agent)
 from noria.rollout.scheduler import RolloutScheduler
 from noria.types import Group, Prompt, Sample, Status
@@ -110,6 +110,7 @@ class Job:
             r.buffer.impl, capacity=r.buffer.capacity_batches * r.prompts_per_step, max_staleness=r.max_staleness,
             filters=resolve_filters(r.buffer.filters), on_drop=self.on_drop,
         )  # fmt: skip
+        self.drops = DropStreak(r.buffer.max_consecutive_drops)
         self.scheduler: RolloutScheduler | None = None
         self.engine_process: subprocess.Popen | None = None
         self.local_engine: Any = None
@@ -206,8 +207,10 @@ class Job:
         return (batch[0], self.prompt_ids[batch[0].index]) if batch else None
 
     def on_drop(self, group: Group, reason: str) -> None:
+        """A group the buffer dropped: its prompt returns or goes; too many in a row stop the run."""
         if self.config.rollout.buffer.on_drop == "return":
             self.source.return_prompt(group.prompt)
+        self.drops.dropped(group, reason)
 
     @contextlib.asynccontextmanager
     async def rollouts(self) -> AsyncIterator[None]:
@@ -240,10 +243,14 @@ class Job:
         while True:
             taken = self.buffer.take(n - len(groups), self.version)
             scheduler.on_taken(len(taken))  # at once: the scheduler's staleness bound counts them
+            if taken:
+                self.drops.trained()
             groups += taken
             if len(groups) == n or scheduler.finished:
                 break
             await scheduler.wait_change()
+        if not groups and self.step == 0:
+            raise NoriaError(f"the data ran out before one group could be trained: {self.drops.describe()}")
         self.trained_groups += len(groups)
         self.timer["wait"] = time.perf_counter() - start
         return sorted(groups, key=lambda g: g.group_id)

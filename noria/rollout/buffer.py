@@ -10,7 +10,8 @@ it dropped, by reason. A group is dropped where the information exists:
   ``max_staleness`` (DESIGN.md section 1).
 
 A dropped group goes to ``on_drop(group, reason)`` (the job returns its prompt to the data source or
-discards it, by ``rollout.buffer.on_drop``).
+discards it, by ``rollout.buffer.on_drop``). ``DropStreak`` is how the job notices that nothing can be
+trained: past ``rollout.buffer.max_consecutive_drops`` drops in a row it raises, naming the reasons.
 
 What blocks on what (one asyncio event loop; nothing here is thread-safe): ``await put`` waits
 while the buffer holds ``capacity`` groups, until a ``take`` frees room; ``take`` never waits (it
@@ -170,6 +171,38 @@ class GroupBuffer:
         self.dropped = Counter(state["dropped"])
         self.put_total = int(state["put_total"])
         self.taken_total = int(state["taken_total"])
+
+
+class DropStreak:
+    """Groups dropped since the trainer last took one, by reason, with the first failure seen; past
+    ``limit`` in a row, ``NoriaError`` naming them (a run that can train nothing stops, loudly)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.reasons: Counter[str] = Counter()
+        self.example = ""
+
+    def dropped(self, group: Group, reason: str) -> None:
+        self.reasons[reason] += 1
+        self.example = self.example or failure_example(group)
+        if sum(self.reasons.values()) >= self.limit:
+            raise NoriaError(f"no group could be trained: {self.describe()} (rollout.buffer.max_consecutive_drops={self.limit})")
+
+    def trained(self) -> None:
+        self.reasons.clear()
+        self.example = ""
+
+    def describe(self) -> str:
+        """``N groups dropped in a row (reason: n, ...); e.g. group G: <why>``."""
+        n = sum(self.reasons.values())
+        text = f"{n} groups dropped in a row ({', '.join(f'{r}: {k}' for r, k in self.reasons.most_common())})"
+        return text + (f"; e.g. {self.example}" if self.example else "")
+
+
+def failure_example(group: Group) -> str:
+    """Why the first failed or aborted sample of ``group`` failed ("" when none did)."""
+    bad = next((s for s in group.samples if s.status not in TRAINABLE and s.status_reason), None)
+    return f"group {group.group_id}: {bad.status.value}: {bad.status_reason}" if bad else ""
 
 
 def build_buffer(impl: str, **kwargs: Any) -> Any:
