@@ -219,6 +219,12 @@ BAD = [
     ("abort without rid", "/abort_request", {}, "rid"),
     ("weight version type", "/update_weights_from_disk", {"model_path": "/x", "weight_version": 1.5}, "weight_version"),
     ("pickled tensors", "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "serialized_named_tensors"),
+    ("seed past 64 bits", "/generate", {"input_ids": [5], "sampling_params": {"seed": 2**80}}, "seed"),
+    ("non-finite weights", "/update_weights_from_tensor",  # bytes: httpx refuses to encode NaN
+     json.dumps({"named_tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "data": [float("nan")] * 64}]}).encode(),
+     "non-finite"),
+    ("join wait unbounded", "/init_weights_update_group",
+     {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "timeout_s": 10**6}, "timeout_s"),
 ]
 
 
@@ -358,3 +364,47 @@ def test_sigterm_aborts_what_outlives_the_drain_timeout(tiny_model_dir, tmp_path
     assert proc.process.wait(30) == 0
     assert "aborting 1 request" in proc.read_log()
     proc.stop()
+
+
+# ------------------------------------------------------------------------------------ bounds
+
+
+def _rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_oversized_body_is_413_and_not_held_in_memory(server, http):
+    """An unauthenticated 256 MiB body used to be read whole (the limit was 2 GiB)."""
+    before = _rss_mb(server.process.pid)
+    chunk = b"x" * (1 << 20)
+    try:
+        r = httpx.post(server.url + "/generate", content=(chunk for _ in range(256)), timeout=60)
+        assert r.status_code == 413, r.text
+    except httpx.TransportError:
+        pass  # the server may close the connection once it has answered 413
+    assert _rss_mb(server.process.pid) - before < 128
+    assert gen(http, {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}})["output_ids"]
+
+
+def test_join_toward_an_unreachable_master_is_bounded(http):
+    from noria.engine.weights import JOIN_TIMEOUT_S
+    from noria.router.sglang_router import free_port
+
+    assert JOIN_TIMEOUT_S <= 60
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "nobody-home", "backend": "gloo", "timeout_s": 2}  # fmt: skip
+    start = time.monotonic()
+    r = http.post("/init_weights_update_group", json=body)
+    assert r.status_code == 400 and "rendezvous" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - start < 15
+
+
+def test_nonfinite_weights_never_reach_a_response(http):
+    """Refused weights leave the served ones: responses stay valid JSON (no bare NaN)."""
+    nan = [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "data": [float("inf")] * 64}]
+    assert http.post("/update_weights_from_tensor", content=json.dumps({"named_tensors": nan}).encode()).status_code == 400
+    r = http.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True})
+    json.loads(r.text, parse_constant=lambda c: pytest.fail(f"bare {c} in a response"))

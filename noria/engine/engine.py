@@ -365,12 +365,14 @@ class Engine:
         world_size: int,
         group_name: str,
         backend: str = "gloo",
+        join_timeout_s: float = weights.JOIN_TIMEOUT_S,
     ) -> None:
-        """Join a broadcast group as rank ``rank_offset`` (the trainer is rank 0). Blocks until all join."""
+        """Join a broadcast group as rank ``rank_offset`` (the trainer is rank 0). Blocks until all join,
+        at most ``join_timeout_s`` (then ``WeightUpdateError``)."""
         if group_name in self._groups:
             raise weights.WeightUpdateError(f"weight update group {group_name!r} already exists")
         self._groups[group_name] = weights.create_update_group(
-            master_address, master_port, rank_offset, world_size, group_name, backend
+            master_address, master_port, rank_offset, world_size, group_name, backend, join_timeout_s=join_timeout_s
         )
 
     def destroy_weights_update_group(self, group_name: str) -> None:

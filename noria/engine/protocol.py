@@ -80,8 +80,8 @@ class SamplingParams:
             raise RequestError("sampling_params.stop must be a string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
             raise RequestError("sampling_params.stop_token_ids must be a list of integers")
-        if self.seed is not None and not _is_int(self.seed):
-            raise RequestError(f"sampling_params.seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
+            raise RequestError(f"sampling_params.seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,11 @@ types) is HTTP 400 ``{"error": {"message": ..., "type": "invalid_request"}}``; t
 field. A missing or wrong API key is 401. Anything the engine raises that is not a
 ``RequestError`` is a 500 with its message; the server keeps serving.
 
+Bounds: a request body holds at most ``BODY_BYTES`` (64 MiB; ``/update_weights_from_tensor``: three
+times the model's bytes plus 16 MiB), past which the answer is 413 and reading stops; a seed is a
+64-bit integer; weights holding NaN or Inf are refused (400); ``/init_weights_update_group`` waits
+at most ``timeout_s`` (default and most ``weights.JOIN_TIMEOUT_S``) for the rendezvous.
+
 Every response carries the engine's current weight version in the ``X-Weight-Version`` header, and
 generation results carry the version that produced their tokens in the body.
 
@@ -110,7 +115,12 @@ class ServerOptions:
 
 
 INVALID = "invalid_request"
-MAX_BODY_BYTES = 1 << 31  # update_weights_from_tensor bodies carry whole tensors
+BODY_BYTES = 64 << 20
+"""Largest request body of every route but ``/update_weights_from_tensor`` (a long batch of token ids
+fits many times over); more is answered 413 before it is all read."""
+WEIGHT_BODY_SLACK = 16 << 20
+"""``/update_weights_from_tensor`` may carry the whole model: 3 x its bytes (fp32 of a bf16 model in
+base64) plus this."""
 ONE_TOKEN = {"max_new_tokens": 1, "temperature": 0.0}
 
 
@@ -151,7 +161,7 @@ class EngineServer:
     # ----------------------------------------------------------------------------- life cycle
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[self._guard], client_max_size=BODY_BYTES)
         app.on_response_prepare.append(self._stamp_version)
         native = NativeApi(self)
         openai = OpenAIApi(self)
@@ -220,7 +230,7 @@ class EngineServer:
         try:
             self._authenticate(request)
             self._admit(request)
-            response = await handler(request)
+            response = await handler(request.clone(client_max_size=self._body_limit(request.path)))
         except HttpError as e:
             response = _error_response(e.status, e.message, e.kind)
         except (RequestError, NoriaError) as e:  # NoriaError: e.g. a refused weight update
@@ -242,6 +252,13 @@ class EngineServer:
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise HttpError(401, "missing or wrong API key (send Authorization: Bearer <key>)", "unauthorized")
+
+    def _body_limit(self, path: str) -> int:
+        """Bytes a request body on ``path`` may hold (see ``BODY_BYTES``); past it aiohttp answers 413."""
+        if path != "/update_weights_from_tensor" or self.engine is None:
+            return BODY_BYTES
+        model_bytes = sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.engine.weight_specs().values())
+        return 3 * model_bytes + WEIGHT_BODY_SLACK
 
     def _admit(self, request: web.Request) -> None:
         if self.phase == "ready" or (self.phase == "draining" and request.path == "/health"):
@@ -705,15 +722,21 @@ class NativeApi:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await read_json(request)
-        names = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+        names = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s"}
         reject_unknown(body, names)
+        from noria.engine.weights import JOIN_TIMEOUT_S
+
+        timeout_s = want(body, "timeout_s", (int, float), JOIN_TIMEOUT_S)
+        if not 0 < timeout_s <= JOIN_TIMEOUT_S:
+            raise RequestError(f"timeout_s must be in (0, {JOIN_TIMEOUT_S:g}], got {timeout_s}")
         address = want(body, "master_address", str)
         port, offset, world = (want(body, k, int) for k in ("master_port", "rank_offset", "world_size"))
         if address is None or port is None or offset is None or world is None:
             raise RequestError("master_address, master_port, rank_offset and world_size are required")
         group = want(body, "group_name", str, "weight_update_group")
         backend = want(body, "backend", str, "nccl")
-        await self.s.blocking(self.s.engine.init_weights_update_group, address, port, offset, world, group, backend)
+        join = self.s.engine.init_weights_update_group
+        await self.s.blocking(join, address, port, offset, world, group, backend, timeout_s)
         return web.json_response({"success": True, "message": f"joined group {group}"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
@@ -827,6 +850,7 @@ class NativeApi:
             raise RequestError("serialized_named_tensors (pickled) is not accepted; send named_tensors as JSON")
         reject_unknown(body, {"named_tensors", "weight_version", "flush_cache", "load_format"})
         tensors = decode_named_tensors(body.get("named_tensors"))
+        check_finite(tensors)
         version = self._version(body)
         await self.s.blocking(self.s.engine.update_weights_from_state_dict, tensors, version)
         return self._updated(f"updated {len(tensors)} tensor(s)")
@@ -922,6 +946,13 @@ def decode_named_tensors(items: Any) -> list[tuple[str, Any]]:
             raise RequestError(f"{where}.shape must be a list of non-negative integers")
         out.append((name, _tensor(item.get("data"), getattr(torch, dtype), shape, where)))
     return out
+
+
+def check_finite(tensors: list[tuple[str, Any]]) -> None:
+    """RequestError naming the first tensor holding NaN or Inf (weights an engine must never serve)."""
+    for name, t in tensors:
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            raise RequestError(f"named_tensors: {name!r} holds non-finite values (NaN or Inf); refused")
 
 
 def _tensor(data: Any, dtype: Any, shape: list[int], where: str) -> Any:

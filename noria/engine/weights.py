@@ -654,6 +654,11 @@ def stage_from_ipc(stage: WeightStage, buffer: torch.Tensor, manifest: list[IpcT
 # --------------------------------------------------------------------------------------- broadcast
 
 
+JOIN_TIMEOUT_S = 30.0
+"""How long an engine joining a weight-update group waits for the rendezvous (an unreachable master
+fails the join within this, instead of holding the request for the group's whole timeout)."""
+
+
 def create_update_group(
     master_address: str,
     master_port: int,
@@ -662,9 +667,10 @@ def create_update_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 300.0,
+    join_timeout_s: float | None = None,
 ):
     """A standalone process group; rank 0 hosts the TCP store. Blocks until all ranks join (at most
-    ``timeout_s``).
+    ``join_timeout_s``, default ``timeout_s``); each collective then waits at most ``timeout_s``.
 
     Rank 0's store listens on ``master_address`` only (a socket bound there first and handed to the
     store; ``TCPStore`` alone listens on every interface), and with a loopback master every rank's
@@ -673,7 +679,11 @@ def create_update_group(
     if backend not in ("gloo", "nccl"):
         raise WeightUpdateError(f"weight update group: backend must be gloo or nccl, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(group_name, _rendezvous_store(master_address, master_port, rank, world_size, timeout))
+    join = datetime.timedelta(seconds=join_timeout_s or timeout_s)
+    try:
+        store = dist.PrefixStore(group_name, _rendezvous_store(master_address, master_port, rank, world_size, join))
+    except (RuntimeError, OSError) as e:  # classify: the rendezvous failed or timed out
+        raise WeightUpdateError(f"weight update group {group_name!r}: rendezvous at {master_address}:{master_port} failed: {e}") from e
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, _gloo_options(master_address, timeout))
     return dist.ProcessGroupNCCL(store, rank, world_size)
