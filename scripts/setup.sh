@@ -5,6 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${NORIA_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+# System tools the code sandbox needs (noria/agent/sandbox.py): bubblewrap, util-linux. Installed
+# when missing and this runs as root (CI does); otherwise the sandbox raises naming the package.
+if ! command -v bwrap >/dev/null || ! command -v setpriv >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap util-linux >/dev/null
+  else
+    echo "note: install bubblewrap and util-linux (apt-get install bubblewrap util-linux) for the code sandbox" >&2
+  fi
+fi
 stamp="$VENV/.noria-setup"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -64,6 +64,20 @@ def test_environment_timeout_is_a_failure_not_a_zero(tmp_path):
     assert result["status"] == "failed" and result["status_reason"] == "env_timeout" and "reward" not in result
 
 
+def test_sandbox_that_cannot_run_fails_the_sample_never_answers_the_model(tmp_path, monkeypatch):
+    import shutil
+
+    bin_dir = tmp_path / "bin"  # a machine without bubblewrap
+    bin_dir.mkdir()
+    for tool in ("unshare", "setpriv", "mount", "sh"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    run = CALL.format(name="python", args='{"code": "print(6 * 7)"}')
+    result, session = episode(tmp_path, [run, "The answer is 5535.<|im_end|>"], python_tool=True)
+    assert result["status"] == "failed" and result["status_reason"].startswith("env_error: ") and "bubblewrap" in result["status_reason"]
+    assert session.turns == 1  # the error never went back to the policy as the tool's answer
+
+
 def test_calculator():
     assert calculate("123 * 45") == "5535" and calculate("(2+3)^2") == "25" and calculate("7/2") == "3.5"
     for bad in ("__import__('os')", "2 ** 1000000", "1/0", "a + 1"):

@@ -15,6 +15,7 @@ status                   when                                                rew
 ``turn_limit``           still calling tools after ``max_turns`` turns        0.0
 ``unparsable_tool_call`` a ``<tool_call>`` tag whose body is not a JSON call  0.0
 ``env_timeout``          a tool ran past ``tool_timeout_s``                  none: FAILED
+``env_error``            the sandbox could not run the python tool           none: FAILED
 ``truncated``            the model hit its token limit mid-turn              0.0
 =======================  ==================================================  ===========
 
@@ -53,6 +54,7 @@ STATUS_REWARDS: dict[str, float | None] = {
     "turn_limit": 0.0,
     "unparsable_tool_call": 0.0,
     "env_timeout": None,
+    "env_error": None,
     "truncated": 0.0,
 }
 """Reward per episode status; None makes the sample FAILED (excluded from training, counted)."""
@@ -82,6 +84,10 @@ _OPS = {
 
 class ToolError(Exception):
     """The tool refused its input; the message goes back to the policy as the tool's answer."""
+
+
+class ToolEnvironmentError(Exception):
+    """The tool's environment failed (the sandbox could not start): the sample fails, the policy never sees it."""
 
 
 def calculate(expression: str) -> str:
@@ -126,12 +132,17 @@ async def run_tool(call: dict[str, Any], timeout_s: float) -> str:
         except ToolError as e:
             return f"error: {e}"
     if f.get("name") == "python":
-        from noria.agent.sandbox import SandboxLimits, run_python
+        from noria.agent.sandbox import SandboxLimits, SandboxUnavailable, run_python
 
         limits = SandboxLimits(timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)))
-        result = await asyncio.to_thread(run_python, str(args.get("code", "")), limits)
+        try:
+            result = await asyncio.to_thread(run_python, str(args.get("code", "")), limits)
+        except SandboxUnavailable as e:
+            raise ToolEnvironmentError(str(e)) from e
         if result.status == "timeout":
             raise TimeoutError("python tool timed out")
+        if result.status == "sandbox_error":
+            raise ToolEnvironmentError(f"the sandbox could not start: {result.stderr[-500:]}")
         return (result.stdout or result.stderr)[-2000:]
     return f"error: unknown tool {f.get('name')!r}"
 
@@ -142,12 +153,12 @@ def final_number(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def outcome(status: str, turns: int, calls: int) -> dict[str, Any]:
-    """The agent function's result for an episode that ended with ``status``."""
+def outcome(status: str, turns: int, calls: int, detail: str = "") -> dict[str, Any]:
+    """The agent function's result for an episode that ended with ``status`` (``detail``: why, for a failure)."""
     meta = {"agent_status": status, "tool_calls": calls, "agent_turns": turns, "solved": status == "solved"}
     reward = STATUS_REWARDS[status]
     if reward is None:
-        return {"status": "failed", "status_reason": status, "metadata": meta}
+        return {"status": "failed", "status_reason": f"{status}: {detail}" if detail else status, "metadata": meta}
     return {"reward": reward, "metadata": meta}
 
 
@@ -184,6 +195,8 @@ async def calculator_agent(ctx: Any, prompt: Any, base_url: str) -> dict[str, An
                     answer = await run_tool(call, timeout_s)
                 except TimeoutError:
                     return outcome("env_timeout", turn, calls)
+                except ToolEnvironmentError as e:
+                    return outcome("env_error", turn, calls, str(e))
                 calls += 1
                 messages.append({"role": "tool", "content": answer, "tool_call_id": call.get("id", "")})
     return outcome("turn_limit", max_turns, calls)
