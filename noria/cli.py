@@ -12,6 +12,7 @@ process a command starts inherits it (see ``noria.launch.env``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,9 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.config import load_config
 
+    from noria.launch.lifecycle import sigterm_as_interrupt
+
+    sigterm_as_interrupt()  # SIGTERM stops the run as Ctrl-C does: step ends, logs flushed, children stopped
     config = load_config(args.config, overrides)
     progress = False if args.no_progress else None
     if config.train.algorithm == "rl":
@@ -282,7 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="catalog name (see `noria models list`) or HF model folder")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     p.add_argument("--port", type=int, default=30000, help="TCP port (default 30000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint")
+    p.add_argument(
+        "--api-key", default=os.environ.get("NORIA_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint (default: $NORIA_API_KEY, which keeps the key "
+        "off the command line that every local user can read)",
+    )
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], help="weights dtype (default auto: see noria info)")
     p.add_argument("--device", help="torch device (default cpu)")
     p.add_argument("--weight-version", type=int, help="weight version reported before any update (default: the engine's)")
@@ -512,6 +520,11 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input names its file, row or field: one line, no traceback.
         print(f"noria {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where the command turned it into one
+        from noria.launch.lifecycle import exit_code
+
+        print(f"noria {args.command}: stopped ({e or 'interrupted'})", file=sys.stderr, flush=True)
+        return exit_code(e)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -89,7 +89,7 @@ def test_noria_serve_child_gets_multicast_off_and_the_engine_device(tiny_model_d
     for key in MULTICAST_OFF:
         monkeypatch.delenv(key, raising=False)
     cfg = disaggregated(tiny_model_dir, **{"rollout.engine_device": "cpu", "model.device": "meta"})
-    process, url = start_server(Path(tiny_model_dir), cfg, tmp_path)  # would fail on model.device meta
+    process, url, _ = start_server(Path(tiny_model_dir), cfg, tmp_path)  # would fail on model.device meta
     try:
         environ = dict(e.split("=", 1) for e in Path(f"/proc/{process.pid}/environ").read_text().split("\0") if "=" in e)
         cmdline = Path(f"/proc/{process.pid}/cmdline").read_text().split("\0")

@@ -50,3 +50,35 @@ def test_filter_that_keeps_nothing_stops_the_run_naming_it(tiny_model_dir, tmp_p
     )  # fmt: skip
     err = capsys.readouterr().err
     assert code != 0 and "5 groups dropped in a row (zero_reward_variance: 5)" in err, err
+
+
+def test_run_engine_takes_weights_only_from_the_run(tiny_model_dir, tmp_path):
+    """The run's `noria serve` has a per-run key (not on its command line); a version the run never
+    pushed stops the run instead of being trained on."""
+    import asyncio
+
+    import httpx
+
+    from noria.config import load_config
+    from noria.launch.local import Job
+    from noria.loop import rl_loop
+    from noria.rollout import EngineFailure
+
+    config = load_config(None, rl_args(tiny_model_dir, **{"rollout.placement": "disaggregated", "train.max_steps": 3}))
+    job = Job.build(config, str(tmp_path / "run"), None, False)
+    try:
+        url, pid = job.client.base_url, job.engine_process.pid
+        update = {"model_path": str(tiny_model_dir), "weight_version": 0}
+        assert httpx.post(f"{url}/update_weights_from_disk", json=update, timeout=60).status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 401
+        environ = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+        key = environ["NORIA_API_KEY"]
+        assert len(key) >= 32 and key not in Path(f"/proc/{pid}/cmdline").read_text()
+        # Whoever holds the key and pushes a version the run never pushed: the run stops, naming it.
+        auth = {"Authorization": f"Bearer {key}"}
+        r = httpx.post(f"{url}/update_weights_from_disk", json={**update, "weight_version": 7}, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        with pytest.raises(EngineFailure, match="weight version 7.*pushed versions up to 0"):
+            asyncio.run(job.run(rl_loop))
+    finally:
+        job.close()

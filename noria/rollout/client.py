@@ -151,6 +151,11 @@ class HttpEngineClient:
             return await awaitable
         except httpx.HTTPStatusError as e:
             raise EngineFailure(f"{self.name}: {e}") from e
+        except httpx.TimeoutException as e:  # alive or not, it did not answer in time (stopped, hung, overloaded)
+            raise EngineFailure(
+                f"{self.name}: no answer within rollout.engine_timeout_s={self.timeout_s:g} s ({type(e).__name__})"
+                f"{self._exit_note()}"
+            ) from e
         except (httpx.TransportError, OSError) as e:
             raise EngineFailure(f"{self.name} is unreachable ({type(e).__name__}: {e}){self._exit_note()}") from e
 
