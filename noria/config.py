@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -835,6 +836,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return float(value)
     if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
         return float(value)  # YAML 1.1 reads `1e-6` (no dot) as a string; it is a number here
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: {value!r} is not a finite number (YAML's .nan and .inf are refused)")
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # a YAML-parsed override like `--name 123` is still a name
     if tp in (int, float, bool, str) and (type(value) is not tp):

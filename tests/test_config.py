@@ -108,3 +108,11 @@ def test_resolved_config_roundtrips(tmp_path):
 def test_every_field_is_documented():
     for key, _type, _default, help_text in field_docs():
         assert help_text, f"config key {key} has no help text"
+
+
+@pytest.mark.parametrize("key", ["train.optim.lr", "rollout.temperature", "reward.timeout_s"])
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_non_finite_numbers_are_refused(key, value):
+    """`.nan` for reward.timeout_s once made 3,176 of 3,200 samples time out, and the run exit 0."""
+    with pytest.raises(ConfigError, match=rf"{key}: .* is not a finite number"):
+        load_config(None, ["--model.path", "x", "--data.task", "arithmetic", f"--{key}", value])

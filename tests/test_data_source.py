@@ -206,3 +206,33 @@ def test_folder_that_is_not_a_saved_dataset(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(DataError, match="plain: not a dataset folder"):
         read_prompt_file(tmp_path / "plain", FIELDS)
+
+
+def test_oversized_row_is_refused_by_line_without_being_held(tmp_path):
+    """An 80 MiB line used to be read whole (a 200 MB one grew memory past 16 GB)."""
+    import tracemalloc
+
+    from noria.data.source import MAX_ROW_BYTES
+
+    path = tmp_path / "big.jsonl"
+    with path.open("w") as f:
+        f.write(json.dumps(ROWS[0]) + "\n")
+        f.write('{"prompt": "' + "x" * (80 << 20) + '", "label": "1", "level": 0}\n')
+        f.write(json.dumps(ROWS[2]) + "\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=rf"{path}: line 2: longer than {MAX_ROW_BYTES} bytes"):
+            read_prompt_file(path, FIELDS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * MAX_ROW_BYTES  # bounded by the limit, not by the line (80 MiB here)
+    kept = read_prompt_file(path, FIELDS, skip_bad_rows=True)
+    assert [p.index for p in kept] == [0, 2] and kept.n_skipped == 1  # the next line is read as a row of its own
+
+
+def test_invalid_utf8_names_the_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b'\n{"prompt": "caf\xe9", "label": "1", "level": 0}\n')
+    with pytest.raises(DataError, match=rf"{path}: line 2: not valid UTF-8"):
+        read_prompt_file(path, FIELDS)

@@ -82,3 +82,18 @@ def test_run_engine_takes_weights_only_from_the_run(tiny_model_dir, tmp_path):
             asyncio.run(job.run(rl_loop))
     finally:
         job.close()
+
+
+def test_prompt_longer_than_the_context_is_refused_at_load(tiny_model_dir, tmp_path, capsys):
+    """It used to fail only at rollout time, many steps in, naming no file or row."""
+    import json
+
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(8)]
+    rows[5]["prompt"] = "What is 1 + 1? " * 200  # far past the tiny model's 512 positions
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = {"data.task": "null", "data.path": str(data), "data.metadata_keys": "[]", "rollout.prompts_per_step": 2}
+    code = train(tmp_path, tiny_model_dir, **overrides)
+    err = capsys.readouterr().err
+    assert code == 2 and str(data) in err and "row index 5" in err and "data.max_prompt_tokens" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

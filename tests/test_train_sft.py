@@ -70,3 +70,19 @@ def test_sft_steps_lower_the_nll(tiny_model_dir, tmp_path):
     batch = next(sft_batches(samples, batch_size=4))
     losses = [backend.train_step(batch)["nll"] for _ in range(5)]
     assert losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.parametrize(
+    ("line", "pattern"),
+    [
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}).encode(), r"messages\[1\]\.content"),
+        (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), r"messages\[0\]\.role"),
+        (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not valid UTF-8"),
+    ],
+    ids=["message without content", "unknown role", "invalid utf-8"],
+)
+def test_bad_chat_row_names_file_line_and_field(tmp_path, line, pattern):
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes(json.dumps({"messages": CHAT}).encode() + b"\n" + line + b"\n")
+    with pytest.raises(SFTDataError, match=rf"chat.jsonl:2: .*{pattern}"):
+        read_chat_jsonl(path)

@@ -85,5 +85,19 @@ def drop_long(rendered: Sequence[RenderedPrompt], max_tokens: int | None) -> tup
     return kept, len(rendered) - len(kept)
 
 
+def check_fit(rendered: Sequence[RenderedPrompt], context: int | None, max_prompt_tokens: int | None) -> None:
+    """``DataError`` naming the first prompt of ``context`` tokens or more: the engine refuses it (no
+    room left to answer), which would otherwise surface at rollout time, many steps in."""
+    if context is None:
+        return
+    for r in rendered:
+        if len(r.ids) >= context:
+            raise DataError(
+                f"{_where(r.prompt)}: the prompt has {len(r.ids)} tokens, but the engine's context (prompt + output) is "
+                f"{context}; set data.max_prompt_tokens (now {max_prompt_tokens}) below {context} to drop such prompts, "
+                "or raise engine.max_context"
+            )
+
+
 def _where(prompt: Prompt) -> str:
     return f"{prompt.source or 'prompt'} row index {prompt.index}"

@@ -10,7 +10,11 @@ Row numbers in messages are 1-based: ``line N`` for JSONL (the physical line in 
 for Parquet and Arrow. ``Prompt.index`` is the 0-based position of the row among the file's rows
 (blank JSONL lines are not rows), so it stays stable when other rows are skipped.
 
-Not guaranteed: files are read whole into memory (no streaming); the label and metadata values are
+A JSONL line is read with at most ``MAX_ROW_BYTES`` in memory and decoded on its own, so an
+oversized line or one that is not UTF-8 is a bad row naming its line (``jsonl_rows``, shared with
+the SFT reader), never a traceback or a memory blow-up.
+
+Not guaranteed: Parquet and Arrow files are read whole into memory; the label and metadata values are
 kept as the file gives them (their type is the reward's business); Parquet and ``datasets`` need
 ``pyarrow`` / ``datasets``, which are imported only when such a file is read.
 """
@@ -31,6 +35,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 SUPPORTED_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".pq": "parquet", ".arrow": "hf"}
 """File extensions ``format: auto`` recognises (a folder means a saved ``datasets`` dataset)."""
 MAX_SKIP_REASONS = 5
+MAX_ROW_BYTES = 16 << 20
+"""A JSONL line longer than this is a bad row, refused (naming its line) without being held in memory."""
 
 
 class DataError(NoriaError):
@@ -86,7 +92,7 @@ def read_prompt_file(
     dataset = PromptDataset(prompts=[], path=str(path))
     for index, (where, row) in enumerate(_raw_rows(path, fmt)):
         try:
-            if isinstance(row, _BadRow):
+            if isinstance(row, BadRow):
                 raise DataError(row.reason)
             dataset.prompts.append(row_to_prompt(row, fields, index=index, source=str(path)))
         except DataError as e:
@@ -153,6 +159,11 @@ def _check_messages(messages: list[Any] | tuple[Any, ...], key: str) -> tuple[di
     return checked
 
 
+def check_message(message: Any, where: str) -> dict[str, str]:
+    """A chat message as ``{"role", "content"}``; ``DataError`` naming ``where`` and the field otherwise."""
+    return _check_message(message, where)
+
+
 def _check_message(message: Any, where: str) -> dict[str, str]:
     if not isinstance(message, dict):
         raise DataError(f"field '{where}': expected a {{'role', 'content'}} object, got {type(message).__name__}")
@@ -177,8 +188,8 @@ def _skip_or_raise(dataset: PromptDataset, reason: str, skip: bool) -> None:
 # ---------------------------------------------------------------------------------------- readers
 
 
-class _BadRow:
-    """A row that could not even be decoded (invalid JSON); validating it raises its reason."""
+class BadRow:
+    """A row that could not even be decoded (too long, not UTF-8, not JSON); validating it raises its reason."""
 
     def __init__(self, reason: str):
         self.reason = reason
@@ -187,25 +198,46 @@ class _BadRow:
 def _raw_rows(path: Path, fmt: str) -> Iterator[tuple[str, Any]]:
     """Yield ``(where, row)`` pairs; ``where`` is ``line N`` or ``row N`` (1-based)."""
     if fmt == "jsonl":
-        yield from _jsonl_rows(path)
+        yield from jsonl_rows(path)
         return
     table = _read_parquet(path) if fmt == "parquet" else _read_hf(path)
     for i, row in enumerate(table):
         yield f"row {i + 1}", row
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def jsonl_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """``(line N, row)`` for every non-blank line of a JSONL file; ``row`` is the parsed value, or a
+    bad row (its ``reason`` says: longer than ``MAX_ROW_BYTES``, not UTF-8, not JSON)."""
+    path = Path(path)
     if path.is_dir():
         raise DataError(f"{path}: is a folder, not a JSONL file")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row: Any = json.loads(line)
-            except json.JSONDecodeError as e:
-                row = _BadRow(f"not valid JSON ({e})")
-            yield f"line {lineno}", row
+    with path.open("rb") as f:
+        lineno = 0
+        while line := f.readline(MAX_ROW_BYTES + 1):
+            lineno += 1
+            if len(line) > MAX_ROW_BYTES:
+                _skip_line(f, line)
+                yield f"line {lineno}", BadRow(f"longer than {MAX_ROW_BYTES} bytes (noria.data.source.MAX_ROW_BYTES)")
+            elif line.strip():
+                yield f"line {lineno}", _parse_line(line)
+
+
+def _skip_line(f: Any, start: bytes) -> None:
+    """Read past the rest of an oversized line, a bounded piece at a time."""
+    piece = start
+    while piece and not piece.endswith(b"\n"):
+        piece = f.readline(1 << 20)
+
+
+def _parse_line(line: bytes) -> Any:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadRow(f"not valid UTF-8 (byte {e.start} of the line: {line[e.start : e.start + 4]!r})")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRow(f"not valid JSON ({e})")
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:

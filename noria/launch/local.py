@@ -133,6 +133,7 @@ class Job:
 
     def load_data(self) -> None:
         from noria.data import PromptSource, drop_long, load_prompts, render_prompts
+        from noria.data.chat import check_fit
         from noria.models import load_tokenizer
         from noria.models.catalog import model_path
         from noria.rewards.registry import get_reward
@@ -147,6 +148,7 @@ class Job:
         kept, dropped = drop_long(train, cfg.data.max_prompt_tokens)
         if not kept:
             raise NoriaError(f"no training prompts left ({len(train)} loaded, {dropped} over data.max_prompt_tokens)")
+        check_fit(kept, context_limit(cfg), cfg.data.max_prompt_tokens)
         self.prompt_ids = {r.prompt.index: r.ids for r in kept}
         self.source = PromptSource.from_config([r.prompt for r in kept], cfg.data)
         self.dropped_prompts = dropped
@@ -154,7 +156,9 @@ class Job:
         if cfg.eval.every > 0:
             test = load_prompts(cfg.data, "test")[: cfg.eval.limit]
             rendered = render_prompts(test, self.tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
-            self.test_prompts = [(r.prompt, r.ids) for r in drop_long(rendered, cfg.data.max_prompt_tokens)[0]]
+            fit = drop_long(rendered, cfg.data.max_prompt_tokens)[0]
+            check_fit(fit, context_limit(cfg), cfg.data.max_prompt_tokens)
+            self.test_prompts = [(r.prompt, r.ids) for r in fit]
         per_epoch = len(kept) * cfg.data.epochs // cfg.rollout.prompts_per_step
         self.total_steps = min(per_epoch, cfg.train.max_steps) if cfg.train.max_steps else per_epoch
         if self.total_steps < 1:
@@ -479,6 +483,14 @@ class Job:
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def context_limit(config: RunConfig) -> int | None:
+    """The engine's context in tokens (prompt + output): ``engine.max_context``, else the model's positions."""
+    from noria.models.catalog import model_path
+    from noria.models.checkpoint import read_config
+
+    return config.engine.max_context or read_config(model_path(config.model.path)).get("max_position_embeddings")
 
 
 def check_supported(config: RunConfig) -> None:

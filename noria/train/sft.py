@@ -19,7 +19,6 @@ The resulting :class:`~noria.types.Sample` goes through the same packing and bac
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,19 +33,23 @@ class SFTDataError(NoriaError):
 
 
 def read_chat_jsonl(path: str | Path) -> list[list[dict[str, Any]]]:
-    """The ``messages`` of every row of a JSONL file."""
+    """The ``messages`` of every row of a JSONL file; ``SFTDataError`` names the file, line and field
+    of the first bad row (too long, not UTF-8, not JSON, a message without role or content)."""
+    from noria.data.source import BadRow, DataError, check_message, jsonl_rows
+
     rows = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SFTDataError(f"{where}: not valid JSON ({e})") from e
+    for line, row in jsonl_rows(path):
+        where = f"{path}:{line.removeprefix('line ')}"
+        if isinstance(row, BadRow):
+            raise SFTDataError(f"{where}: {row.reason}")
         messages = row.get("messages") if isinstance(row, dict) else None
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        if not isinstance(messages, list) or not messages:
             raise SFTDataError(f"{where}: expected an object with 'messages': [{{'role', 'content'}}, ...]")
+        try:
+            for i, message in enumerate(messages):
+                check_message(message, f"messages[{i}]")
+        except DataError as e:
+            raise SFTDataError(f"{where}: {e}") from e
         rows.append(messages)
     return rows
 
