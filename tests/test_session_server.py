@@ -154,6 +154,11 @@ def test_history_mismatch_policies_and_refusals(tmp_path):
                 r = await client.post(f"{server.url}/v1/chat/completions", json={"messages": edited})
                 assert r.status_code == 400 and r.json()["error"]["code"] == "missing_session"
             await post(server.base_url("nope"), {"messages": edited}, expect=404)
+            # Without the server's secret no path answers, even with a real session id.
+            async with httpx.AsyncClient() as client:
+                bare = f"http://{server.host}:{server.port}/sessions/m/v1/chat/completions"
+                r = await client.post(bare, json={"messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 404 and len(engine.requests) == 1
             # rerender: the record restarts from the client's history, rendered whole.
             server.on_mismatch = "rerender"
             server.open("r")

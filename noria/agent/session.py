@@ -2,8 +2,10 @@
 
 What it owns: one ``Session`` per trajectory (its token record) and a small aiohttp server on
 127.0.0.1 that agent functions talk to with any OpenAI client at
-``http://127.0.0.1:PORT/sessions/<id>/v1`` (``POST .../chat/completions``; ``tools``,
-``tool_calls`` and ``stream`` supported, a stream is answered as one chunk).
+``http://127.0.0.1:PORT/<secret>/sessions/<id>/v1`` (``base_url(id)``; ``POST .../chat/completions``;
+``tools``, ``tool_calls`` and ``stream`` supported, a stream is answered as one chunk). ``<secret>``
+is random per server: another local process that finds the port still cannot reach a session
+(every path without it is 404), and agent functions need nothing but the URL they are given.
 
 How data moves, per request::
 
@@ -36,13 +38,14 @@ Routing: every engine request carries the session id as routing key; a request t
 session is refused (HTTP 400) before it reaches an engine or a router.
 
 Not guaranteed: a session is one linear conversation (no branching, ``n`` = 1); requests of one
-session are serialized; the server trusts its loopback clients (no auth).
+session are serialized; whoever is given a session's URL (the agent function) can use it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -251,14 +254,17 @@ class SessionServer:
         self.host, self.port = host, port
         self.sessions: dict[str, Session] = {}
         self.runner: web.AppRunner | None = None
+        self.secret = secrets.token_urlsafe(24)
+        """The first path segment of every URL this server answers (see the module docstring)."""
 
     # ------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> SessionServer:
         app = web.Application()
-        app.router.add_post("/sessions/{sid}/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/sessions/{sid}", self.show)
+        root = f"/{self.secret}"
+        app.router.add_post(root + "/sessions/{sid}/v1/chat/completions", self.chat)
+        app.router.add_post(root + "/v1/chat/completions", self.chat)
+        app.router.add_get(root + "/sessions/{sid}", self.show)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
@@ -279,7 +285,8 @@ class SessionServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """The server's root, its secret included."""
+        return f"http://{self.host}:{self.port}/{self.secret}"
 
     def open(self, session_id: str | None = None, seed: int | None = None) -> Session:
         """A new session; its OpenAI base URL is ``base_url(session.id)``."""
