@@ -54,5 +54,5 @@ def test_cli_registers_bench_prefix():
         ["bench", "prefix", "--model", "m", "--sessions", "2", "--turns", "3", "--new-tokens", "4", "--json", "x.json"]
     )
     parsed = (args.model, args.sessions, args.turns, args.new_tokens, args.json, args.dtype)
-    assert parsed == ("m", 2, 3, 4, "x.json", "bfloat16")
+    assert parsed == ("m", 2, 3, 4, "x.json", "auto")
     assert args.handler.__name__ == "_bench_prefix"

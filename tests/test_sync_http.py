@@ -18,6 +18,7 @@ import torch
 from engine_server_util import ServeProcess
 from proc_util import beyond_loopback, listening_addresses
 from noria.config import SyncConfig
+from noria.hardware import auto_dtype
 from noria.models import load_model
 from noria.sync import WeightSyncError, build_sync, bucketize
 
@@ -138,7 +139,7 @@ def test_staging_area_rejects_writes_at_the_wrong_place(server, trainer):
 
 def test_weights_info_and_checksums(server, trainer):
     info = httpx.get(f"{server.url}/weights_info").json()
-    assert info["tensors"]["model.norm.weight"] == {"dtype": "bfloat16", "shape": [64]}
+    assert info["tensors"]["model.norm.weight"] == {"dtype": auto_dtype("cpu"), "shape": [64]}  # the server's dtype: auto
     assert "sha256" in info["checksum_algos"] and info["device"] == "cpu"
     assert set(trainer) < set(info["tensors"])  # the tied lm_head.weight is listed too
     one = httpx.get(f"{server.url}/weights_checksum", params={"names": "model.norm.weight,lm_head.weight"}).json()

@@ -113,15 +113,17 @@ def run(
     turns: int,
     new_tokens: int,
     json_path: str | None,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     engine_counts: tuple[int, ...] = (1, 2),
 ) -> list[dict]:
     """Measure every case, print one table, write ``json_path`` if given; returns the result rows."""
+    from noria.hardware import resolve_dtype
     from noria.models import load_tokenizer
     from noria.models.catalog import model_path
 
     if sessions < 1 or turns < 1 or new_tokens < 1:
         raise NoriaError("sessions, turns and new_tokens must all be >= 1")
+    dtype = resolve_dtype(dtype, "cpu")
     folder = model_path(model)
     conversations = build_conversations(load_tokenizer(folder), sessions, turns)
     figures: dict[int, dict[str, Figures]] = {}

@@ -18,9 +18,10 @@ backward, grad-norm clip at 1.0, AdamW. Each side runs in a fresh subprocess:
   trainer's own AdamW. Its inputs follow TRL's layout: prompts left-padded and completions
   right-padded to the longest of the whole batch, as ``_generate_and_score_completions`` builds them.
 
-Precision is the same everywhere: fp32 master weights and AdamW state, bf16 compute through
-``torch.autocast`` (Noria's single-process path; ``hf_padded`` does the same; TRL through
-accelerate's ``mixed_precision=bf16``).
+Precision is the same everywhere: fp32 master weights and AdamW state, compute in the dtype
+``model.dtype: auto`` picks on this CPU (``noria info``: bf16 with native bf16, else fp32): bf16
+through ``torch.autocast`` (Noria's single-process path; ``hf_padded`` does the same; TRL through
+accelerate's ``mixed_precision=bf16``), or plain fp32 on all sides.
 
 Figures: ``tokens_per_s`` counts real tokens (no padding) over the timed steps, after warm-up
 steps that build kernels and the AdamW state. ``peak_rss_mb`` (lower is better) is the peak
@@ -28,7 +29,7 @@ resident memory during the timed steps minus the RSS after imports, before the m
 optimizer state, gradients and activations. The peak is Linux's VmHWM, reset (``/proc/self/
 clear_refs``) after the warm-up so that a transient of model loading does not count; where that
 reset is refused it is ``ru_maxrss`` of the whole process. ``bound`` is the tokens/s a step would
-reach if it were only its matmuls at this machine's bf16 GEMM rate, measured in the run on the
+reach if it were only its matmuls at this machine's GEMM rate in that dtype, measured in the run on the
 model's linear shapes: rate / (6 * params); ``noria/bound`` is the MFU.
 
 Not measured: generation, reference or old-logprob passes (both are the same for all sides), and
@@ -69,12 +70,14 @@ def run(
     unknown = set(peers) - set(PEERS)
     if unknown or not 1 <= min_len <= max_len or sequences < 1 or steps < 1:
         raise ValueError(f"bad arguments: peers {sorted(unknown)} unknown, or empty lengths / sequences / steps")
+    from noria.hardware import auto_dtype
+
     folder = model_path(model)
     job = {"model": str(folder), "sequences": sequences, "min_len": min_len, "max_len": max_len, "steps": steps,
-           "warmup": warmup, "micro_batch_tokens": micro_batch_tokens}
+           "warmup": warmup, "micro_batch_tokens": micro_batch_tokens, "dtype": auto_dtype("cpu")}
     job["micro_seqs"] = peer_micro_seqs(job)
     figures = {side: run_side(side, job) for side in ("noria", *peers)}
-    bound = gemm_bound(folder, figures["noria"]["params"], min(micro_batch_tokens, 2048))
+    bound = gemm_bound(folder, figures["noria"]["params"], min(micro_batch_tokens, 2048), job["dtype"])
     results = build_results(model, job, figures, bound)
     print_results(results, list(peers))
     if json_path:
@@ -134,15 +137,15 @@ def run_side(side: str, job: dict[str, Any]) -> dict[str, float]:
     return json.loads(lines[-1])
 
 
-def gemm_bound(folder: Path, params: int, rows: int) -> float:
-    """tokens/s of a step made only of matmuls at the measured bf16 GEMM rate: rate / (6 * params)."""
+def gemm_bound(folder: Path, params: int, rows: int, dtype: str) -> float:
+    """tokens/s of a step made only of matmuls at the measured GEMM rate: rate / (6 * params)."""
     import torch
 
     from noria.models import load_model
 
-    model = load_model(folder, dtype=torch.bfloat16)
+    model = load_model(folder, dtype=getattr(torch, dtype))
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16) for w in weights}
+    x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=getattr(torch, dtype)) for w in weights}
     flops = 2 * rows * sum(w.numel() for w in weights)
 
     def gemms() -> None:
@@ -162,7 +165,7 @@ def _seconds(fn) -> float:
 
 def build_results(model: str, job: dict[str, Any], figures: dict[str, dict], bound: float) -> list[dict]:
     """DESIGN.md section 8 rows: tokens/s (with the MFU bound) and peak memory."""
-    case = (f"{Path(model).name} bf16 rl-step seqs={job['sequences']} len={job['min_len']}-{job['max_len']} "
+    case = (f"{Path(model).name} {job['dtype']} rl-step seqs={job['sequences']} len={job['min_len']}-{job['max_len']} "
             f"micro_batch_tokens={job['micro_batch_tokens']} peer_micro_seqs={job['micro_seqs']}")
     peers = {k: v for k, v in figures.items() if k != "noria"}
     return [
@@ -227,7 +230,7 @@ def noria_step(job: dict[str, Any]):
     from noria.train.packing import pack_samples
     from noria.types import Sample
 
-    cfg = TrainConfig(algorithm="rl", backend="single", param_dtype="bfloat16", micro_batch_tokens=job["micro_batch_tokens"])
+    cfg = TrainConfig(algorithm="rl", backend="single", param_dtype=job["dtype"], micro_batch_tokens=job["micro_batch_tokens"])
     cfg.loss.policy_loss, cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.aggregation = "ppo_clip", CLIP_LOW, CLIP_HIGH, "token_mean"
     cfg.optim.lr, cfg.optim.grad_clip = LR, MAX_NORM
     backend = FSDPBackend(cfg)
@@ -253,7 +256,7 @@ def hf_padded_step(job: dict[str, Any]):
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         for ids, attn, mask, a in chunks:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=job["dtype"] == "bfloat16"):
                 logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
             lp = selected_logprobs(logits, ids[:, 1:])
             (clipped_pg(lp, a, mask[:, 1:]) / total).backward()
@@ -310,7 +313,7 @@ def trl_step(job: dict[str, Any]):
     m = math.ceil(len(seqs) / s)
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="noria-bench-trl-"), per_device_train_batch_size=s,
-        gradient_accumulation_steps=m, num_generations=max(s * m, 2), bf16=True, use_cpu=True, report_to=[],
+        gradient_accumulation_steps=m, num_generations=max(s * m, 2), bf16=job["dtype"] == "bfloat16", use_cpu=True, report_to=[],
         loss_type="dapo", beta=0.0, epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, learning_rate=LR,
         max_grad_norm=MAX_NORM, weight_decay=0.0, lr_scheduler_type="constant", save_strategy="no",
     )
