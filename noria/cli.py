@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where the command turned it into one
         from noria.launch.lifecycle import exit_code
 
-        print(f"noria {args.command}: stopped ({e or 'interrupted'})", file=sys.stderr, flush=True)
+        print(f"noria {args.command}: stopped ({str(e) or 'interrupted (Ctrl-C)'})", file=sys.stderr, flush=True)
         return exit_code(e)
 
 

@@ -82,16 +82,21 @@ def trained_group_ids(run: Path) -> list[int]:
 # ------------------------------------------------------------------------------ signals to noria train
 
 
-@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
-def test_sigterm_stops_the_run_like_ctrl_c(tiny_model_dir, tmp_path, placement):
-    """143, a message saying how to resume, whole metric lines, the engine child stopped."""
+@pytest.mark.parametrize(
+    ("placement", "sig", "code", "said"),
+    [("disaggregated", signal.SIGTERM, 143, "SIGTERM"), ("colocated", signal.SIGTERM, 143, "SIGTERM"),
+     ("disaggregated", signal.SIGINT, 130, "Ctrl-C")],
+    ids=["sigterm-disaggregated", "sigterm-colocated", "ctrl-c-disaggregated"],
+)  # fmt: skip
+def test_sigterm_stops_the_run_like_ctrl_c(tiny_model_dir, tmp_path, placement, sig, code, said):
+    """128 + the signal, a message saying how to resume, whole metric lines, the engine child stopped."""
     run = Train(tmp_path, tiny_model_dir, **{"rollout.placement": placement, "train.save_every": 1})
     run.wait_steps(2)
     children = descendants(run.proc.pid)
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.wait(90) == 143, run.stderr()
+    run.proc.send_signal(sig)
+    assert run.wait(90) == code, run.stderr()
     err = run.stderr()
-    assert "SIGTERM" in err and "--resume" in err, err
+    assert said in err and "--resume" in err, err
     assert all(isinstance(row["step"], int) for row in run.steps())  # every line whole JSON
     assert wait_gone(children, 10) == [], "children left behind"
 

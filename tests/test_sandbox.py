@@ -286,6 +286,30 @@ def test_concurrent_sandboxes_cannot_see_each_other(sandbox):
     assert int(rb.stdout.split("pids ")[1].split()[0]) <= 3, rb  # its own processes only
 
 
+def test_sandbox_dies_with_its_caller():
+    """SIGKILL of the process that started a sandbox (a trainer, say) takes the sandbox along."""
+    import signal
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("finds the sandbox by its own uid, which only root mode gives it")
+    code = "from noria.agent.sandbox import run_python\nrun_python('import time\\ntime.sleep(60)')\n"
+    caller = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1])
+    try:
+        deadline = time.monotonic() + 20
+        while not sandbox_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = sandbox_processes()
+        assert started, "the sandbox never started"
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    deadline = time.monotonic() + 5
+    while sandbox_processes() & started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not sandbox_processes() & started
+
+
 # ------------------------------------------------------------------------------ failing loudly
 
 

@@ -7,9 +7,13 @@
   in the main thread, so ``noria train`` takes the same path as Ctrl-C: the running step finishes or
   is abandoned, logs are flushed, children are stopped, a message says how to resume, and the exit
   code is 143 (130 for Ctrl-C).
+- ``sigterm_cancels_task()``: while the RL loop's event loop runs, SIGTERM does what asyncio does
+  for Ctrl-C: it cancels the loop's task at its next ``await`` and ``Terminated`` is raised from
+  there. Code between two awaits (a checkpoint being written, the bookkeeping of a step) is never
+  cut in the middle.
 
-What blocks on what: the exception is raised where the main thread is; the trainer's step runs in a
-worker thread that asyncio waits for before the run's ``finally`` stops the children.
+What blocks on what: the trainer's step runs in a worker thread that asyncio waits for before the
+run's ``finally`` stops the children, so a step in progress finishes (its result is not logged).
 
 Not guaranteed: ``PR_SET_PDEATHSIG`` fires when the *thread* that started the child exits, so
 children must be started from the main thread (``Job.build`` does); other operating systems than
@@ -18,11 +22,13 @@ Linux get no parent-death signal.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,6 +59,29 @@ def sigterm_as_interrupt() -> None:
         raise Terminated(f"received signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, raise_terminated)
+
+
+@contextlib.contextmanager
+def sigterm_cancels_task() -> Iterator[None]:
+    """Inside a running event loop: SIGTERM cancels the current task at its next await; the
+    cancellation leaves this block as :class:`Terminated`. The previous SIGTERM handler is restored."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    previous, received = signal.getsignal(signal.SIGTERM), []
+
+    def cancel() -> None:
+        received.append(True)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, cancel)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if received:
+            raise Terminated("received signal SIGTERM") from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def exit_code(interrupt: KeyboardInterrupt) -> int:

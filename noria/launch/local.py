@@ -60,7 +60,7 @@ from typing import Any
 from noria.config import RunConfig, save_config
 from noria.errors import NoriaError
 from noria.launch.env import child_env
-from noria.launch.lifecycle import die_with_parent
+from noria.launch.lifecycle import die_with_parent, sigterm_cancels_task
 from noria.metrics import RunLog, mean
 from noria.rollout import EngineFailure, HttpEngineClient, LocalEngineClient, RolloutContext
 from noria.rollout.buffer import DropStreak, build_buffer, prompt_to_dict, resolve_filters
@@ -79,7 +79,8 @@ def run_rl(config: RunConfig, run_dir: str | None = None, resume: str | None = N
     try:
         asyncio.run(job.run(rl_loop))
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (noria.launch.lifecycle): say where the run stands
-        print(f"noria train: {e or 'interrupted'} at step {job.step}; {job.resume_hint()}", file=sys.stderr, flush=True)
+        why = str(e) or "interrupted (Ctrl-C)"
+        print(f"noria train: {why} after step {job.step}; {job.resume_hint()}", file=sys.stderr, flush=True)
         raise
     finally:
         job.close()
@@ -209,9 +210,10 @@ class Job:
     # ------------------------------------------------------------------------------------ loop calls
 
     async def run(self, loop_fn: Any) -> None:
-        if self.step > 0 or self.version > 0:  # resumed: the engine still serves the base model
-            await self.sync_weights(advance=False)
-        await loop_fn(self)
+        with sigterm_cancels_task():  # SIGTERM stops the loop at an await, like Ctrl-C
+            if self.step > 0 or self.version > 0:  # resumed: the engine still serves the base model
+                await self.sync_weights(advance=False)
+            await loop_fn(self)
         self.log.close()
         print(f"noria train: {self.step} steps; model in {self.folder / 'final'}", file=sys.stderr)
 
