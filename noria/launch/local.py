@@ -48,6 +48,7 @@ import contextlib
 import json
 import math
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -687,8 +688,10 @@ def wait_healthy(
 
 
 def stop_server(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM (it drains), SIGKILL after ``timeout_s``; a stopped (SIGSTOP) engine is continued so it can act."""
     if process.poll() is None:
         process.terminate()
+        process.send_signal(signal.SIGCONT)
         try:
             process.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -20,6 +20,7 @@ process exited) raises ``EngineFailure`` naming the engine; a request running pa
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from typing import Any, Protocol
 
 import httpx
@@ -154,15 +155,21 @@ class HttpEngineClient:
         except httpx.TimeoutException as e:  # alive or not, it did not answer in time (stopped, hung, overloaded)
             raise EngineFailure(
                 f"{self.name}: no answer within rollout.engine_timeout_s={self.timeout_s:g} s ({type(e).__name__})"
-                f"{self._exit_note()}"
+                f"{await self._exit_note()}"
             ) from e
         except (httpx.TransportError, OSError) as e:
-            raise EngineFailure(f"{self.name} is unreachable ({type(e).__name__}: {e}){self._exit_note()}") from e
+            raise EngineFailure(f"{self.name} is unreachable ({type(e).__name__}: {e}){await self._exit_note()}") from e
 
-    def _exit_note(self) -> str:
-        if self.process is not None and self.process.poll() is not None:
-            return f"; its process exited with code {self.process.returncode}"
-        return ""
+    async def _exit_note(self, grace_s: float = 2.0) -> str:
+        """How this run's engine process ended, if it did: a connection cut by a dying process can
+        arrive before the process is reaped, so it is given ``grace_s`` to show its exit code."""
+        if self.process is None:
+            return ""
+        try:
+            code = await asyncio.to_thread(self.process.wait, grace_s)
+        except subprocess.TimeoutExpired:
+            return ""
+        return f"; its process exited with code {code}"
 
 
 def sampling_dict(req: GenerateRequest) -> dict[str, Any]:
