@@ -69,7 +69,7 @@ from typing import Any
 import yaml
 
 PEERS = ("trl",)
-TRL_MISSING = "TRL is not installed: `pip install trl` (or run with --peers '' for Noria alone)"
+TRL_MISSING = "TRL is not installed: `pip install -e '.[cpu,bench]'` (or run with --peers '' for Noria alone)"
 
 
 def run(
