@@ -8,7 +8,7 @@ Modules::
                     exact engine ids / logprobs / versions and turns them into a Sample
     plugins.py      the rollout / generate / agent function layers, loaded by import path
     tool_task.py    a calculator tool-use task: agent function, statuses with explicit rewards
-    sandbox.py      untrusted code in namespaces with resource limits (isolated by default)
+    sandbox.py      untrusted code in bubblewrap: new namespaces, no capabilities, limits (docs/guarantees.md)
 
 Data flow: ``noria.rollout.generate.run_rollout`` picks the layer the config names; an agent
 function talks HTTP to the session server, which calls the engine (or router) with the session id
