@@ -231,6 +231,12 @@ def numbers(row: dict[str, Any]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------- run log
 
 
+BAR_FORMAT = "{desc} {n}/{total} {bar:8} {elapsed}<{remaining} {postfix}"
+"""The training bar: a short bar, so a narrow terminal keeps room for the step's figures."""
+BAR_COLUMNS = 40
+"""Columns the bar's own part takes (description, counts, bar, times) at most."""
+
+
 class RunLog:
     """Writes the run's metric files, feeds the sinks and shows progress; see the module docstring."""
 
@@ -249,25 +255,39 @@ class RunLog:
         if tty:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr)
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
+                            bar_format=BAR_FORMAT, dynamic_ncols=True)  # fmt: skip
+        self.last_row: dict[str, Any] | None = None
+        if start_step > 0:  # `noria report` marks where a resumed run picked up
+            self.metrics.write(json.dumps({"event": "resumed", "at_step": start_step, "time": time.time()}) + "\n")
+            self.metrics.flush()
 
     def write_step(self, row: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(clean(row)) + "\n")
         self.metrics.flush()
         for sink in self.sinks:
             sink.log(row, row["step"])
-        text = short(row, self.last_accuracy, self.show_buffer)
+        self.last_row = row
         if self.bar is not None:
-            self.bar.set_postfix_str(text)
+            self.bar.set_postfix_str(short(row, self.last_accuracy, self.show_buffer, self.postfix_width()), refresh=False)
             self.bar.update(1)
         else:
+            text = short(row, self.last_accuracy, self.show_buffer)
             print(f"step {row['step']}/{self.total} {text} eta {self.eta(row['step'])}", file=sys.stderr, flush=True)
+
+    def postfix_width(self) -> int:
+        """Columns left for the step's figures on this terminal after the bar's own part."""
+        import shutil
+
+        return max(shutil.get_terminal_size((100, 24)).columns - BAR_COLUMNS, 24)
 
     def write_eval(self, row: dict[str, Any], samples: list[Any] | None = None) -> None:
         self.evals.write(json.dumps(clean(row)) + "\n")
         self.evals.flush()
         if "accuracy" in row:
             self.last_accuracy = row["accuracy"]
+            if self.bar is not None and self.last_row is not None:  # the bar shows the newest accuracy
+                self.bar.set_postfix_str(short(self.last_row, self.last_accuracy, self.show_buffer, self.postfix_width()))
             for sink in self.sinks:
                 sink.log({f"eval/{k}": v for k, v in row.items() if k not in ("step", "version")}, row["step"])
             message = (
@@ -317,28 +337,50 @@ class RunLog:
                 f.close()
 
 
-def short(row: dict[str, Any], accuracy: float | None, show_buffer: bool = False) -> str:
-    """The few numbers shown per step: reward, accuracy, loss, agreement, throughput, stage times."""
-    parts = [f"reward {row.get('rollout/reward_mean', math.nan):.3f}"]
+def short(row: dict[str, Any], accuracy: float | None, show_buffer: bool = False, width: int | None = None) -> str:
+    """The few numbers shown per step: reward, accuracy, loss, throughput, stage times, agreement.
+
+    With ``width``, fields are dropped least important first (:data:`SHORT_FIELDS` order, from the
+    end) until the line fits; reward and accuracy always stay."""
+    fields = short_fields(row, accuracy, show_buffer)
+    if width is not None:
+        while len(fields) > 2 and len(" ".join(text for _, text in fields)) > width:
+            fields.remove(max(fields, key=lambda f: f[0]))
+    return " ".join(text for _, text in fields)
+
+
+SHORT_FIELDS = (
+    ("loss", "loss", "{:.4f}"),
+    ("rollout/tokens_per_s", "gen tok/s", "{:.0f}"),
+    ("time/trainer_wait_s", "wait", "{:.1f}s"),
+    ("time/train_s", "train", "{:.1f}s"),
+    ("train_tokens_per_s", "train tok/s", "{:.0f}"),
+    ("rollout_logprob_abs_diff_max", "|dlp|max", "{:.2g}"),
+    ("sync/seconds", "sync", "{:.2f}s"),
+)
+"""The per-step fields after reward, accuracy and staleness, most important first (a narrow
+terminal drops them from the end)."""
+
+
+def short_fields(row: dict[str, Any], accuracy: float | None, show_buffer: bool) -> list[tuple[int, str]]:
+    """(rank, text) of each field shown, in display order; a lower rank is more important."""
+    parts = [(0, f"reward {row.get('rollout/reward_mean', math.nan):.3f}")]
     if accuracy is not None:
-        parts.append(f"acc {accuracy:.1%}")
+        parts.append((1, f"acc {accuracy:.1%}"))
     if show_buffer or row.get("buffer/staleness_max", 0) or row.get("buffer/size", 0):
-        parts.append(f"stale {row.get('buffer/staleness_mean', 0):.1f}/{row.get('buffer/staleness_max', 0):.0f}")
-        parts.append(f"buf {row.get('buffer/size', 0):.0f}")
+        parts.append((3, f"stale {row.get('buffer/staleness_mean', 0):.1f}/{row.get('buffer/staleness_max', 0):.0f}"))
+        parts.append((6, f"buf {row.get('buffer/size', 0):.0f}"))
     if row.get("time/train_s") and "tokens" in row:
         row = {**row, "train_tokens_per_s": row["tokens"] / row["time/train_s"]}
-    for key, label, fmt in (
-        ("loss", "loss", "{:.4f}"),
-        ("rollout_logprob_abs_diff_max", "|dlp|max", "{:.2g}"),
-        ("rollout/tokens_per_s", "gen tok/s", "{:.0f}"),
-        ("train_tokens_per_s", "train tok/s", "{:.0f}"),
-        ("time/trainer_wait_s", "wait", "{:.1f}s"),
-        ("time/train_s", "train", "{:.1f}s"),
-        ("sync/seconds", "sync", "{:.2f}s"),
-    ):
+    display = ("loss", "rollout_logprob_abs_diff_max", "rollout/tokens_per_s", "train_tokens_per_s",
+               "time/trainer_wait_s", "time/train_s", "sync/seconds")  # fmt: skip
+    ranks = {key: 2 + i * 2 for i, (key, _, _) in enumerate(SHORT_FIELDS)}
+    formats = {key: (label, fmt) for key, label, fmt in SHORT_FIELDS}
+    for key in display:
         if key in row and row[key] is not None:
-            parts.append(f"{label} {fmt.format(row[key])}")
-    return " ".join(parts)
+            label, fmt = formats[key]
+            parts.append((ranks[key], f"{label} {fmt.format(row[key])}"))
+    return parts
 
 
 class Progress:

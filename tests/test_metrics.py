@@ -148,3 +148,33 @@ def test_reward_failure_kinds_documented_are_the_ones_the_runner_emits():
         reward_plugins.RELEASE.set()
     assert seen == set(FAILURE_KINDS)
     assert _listed("reward/failed/*", "kinds") == list(FAILURE_KINDS)
+
+
+ROW = {"step": 3, "rollout/reward_mean": 0.5, "loss": 0.0123, "rollout_logprob_abs_diff_max": 0.41,
+       "rollout/tokens_per_s": 96.0, "tokens": 2048, "time/train_s": 4.0, "time/trainer_wait_s": 3.5,
+       "sync/seconds": 0.21}  # fmt: skip
+
+
+def test_step_line_fits_the_terminal_dropping_the_least_important_first():
+    from noria.metrics import short
+
+    whole = short(ROW, 0.625)
+    assert whole.startswith("reward 0.500 acc 62.5% loss 0.0123") and "sync 0.21s" in whole
+    for width in (100, 70, 50, 30, 10):
+        line = short(ROW, 0.625, width=width)
+        assert line.startswith("reward 0.500 acc 62.5%")  # never dropped
+        assert len(line) <= width or line == "reward 0.500 acc 62.5%"
+    narrow = short(ROW, 0.625, width=50)
+    assert "loss" in narrow and "sync" not in narrow and "|dlp|max" not in narrow
+
+
+def test_the_bar_shows_the_latest_evaluation(tmp_path):
+    from noria.metrics import RunLog
+
+    log = RunLog(tmp_path, total_steps=3, start_step=0, progress=True)
+    try:
+        log.write_step(ROW)
+        log.write_eval({"step": 3, "accuracy": 0.75, "n_prompts": 8, "seconds": 1.0})
+        assert "acc 75.0%" in log.bar.postfix  # the final bar carries the final evaluation
+    finally:
+        log.close()

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from noria.cli import main as noria_main
-from noria.runview.report import FIGURES, load_run, write_report
+from noria.runview.report import FIGURES, ROUNDING_ZERO, SFT_FIGURES, lines, load_run, write_report
 from runview_util import STEPS, tiny_run
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
@@ -194,6 +194,63 @@ def test_report_data_comes_from_the_run(run):
     assert [r["step"] for r in data.steps] == list(range(1, STEPS + 1))
     assert [e["step"] for e in data.evals] == [0, 2, 3]
     assert sorted(data.sampled_nll) == [1, 2, 3] and all(v > 0 for v in data.sampled_nll.values())
+    assert sorted(data.lengths) == [1, 2, 3] and all(0 < mean <= top <= 6 for mean, top in data.lengths.values())
+    assert not data.sft and data.resumed_at == []
+    for key in ("loss", "grad_norm", "lr", "clip_frac", "rollout/truncated_frac", "rollout/groups_zero_variance_frac"):
+        assert data.series(key)[0] == [1, 2, 3], key  # every new RL plot has its data in a real run
+
+
+def test_float_noise_around_zero_is_drawn_flat_with_a_note():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    ax = Figure().add_subplot()
+    noise = [3e-9, -2e-9, 5e-10]
+    assert lines(ax, [("loss", ([1, 2, 3], noise)), ("reward", ([1, 2, 3], [0.1, 0.2, 0.4]))], "y", "none")
+    flat, real = ax.get_lines()
+    assert list(flat.get_ydata()) == [0.0, 0.0, 0.0] and list(real.get_ydata()) == [0.1, 0.2, 0.4]
+    assert any("loss: 0 within rounding" in t.get_text() for t in ax.texts)
+    ax = Figure().add_subplot()
+    lines(ax, [("loss", ([1, 2], [10 * ROUNDING_ZERO, -ROUNDING_ZERO]))], "y", "none")  # a real signal stays
+    assert list(ax.get_lines()[0].get_ydata()) == [10 * ROUNDING_ZERO, -ROUNDING_ZERO] and not ax.texts
+
+
+def test_a_resumed_run_is_marked(run, tmp_path):
+    from noria.metrics import RunLog
+
+    copy = tmp_path / "resumed"
+    shutil.copytree(run, copy)
+    RunLog(copy, STEPS, start_step=2, progress=False).close()  # what a resumed noria train writes first
+    data = load_run(copy)
+    assert data.resumed_at == [2] and [r["step"] for r in data.steps] == list(range(1, STEPS + 1))
+    page = write_report(copy, tmp_path / "out")
+    assert "after step 2" in page.read_text()
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_model_dir) -> Path:
+    from noria.config import load_config
+    from noria.train.run import train
+
+    folder = tmp_path_factory.mktemp("sft") / "run"
+    config = load_config(Path(__file__).parents[1] / "examples/sft_tiny.yaml",
+                         ["--model.path", str(tiny_model_dir), "--train.max_steps", "3", "--train.save_every", "0"])  # fmt: skip
+    train(config, run_dir=str(folder), progress=False)
+    return folder
+
+
+def test_sft_report_has_its_own_plots_and_they_render(sft_run, tmp_path):
+    data = load_run(sft_run)
+    assert data.sft and [r["step"] for r in data.steps] == [1, 2, 3]
+    page = write_report(sft_run, tmp_path / "report")
+    for spec in SFT_FIGURES:
+        assert (tmp_path / "report" / f"{spec.slug}.png").stat().st_size > 5000
+    assert "loss (first / last steps)" in page.read_text()
+    ((images, shot),) = render_in_browser(page)
+    assert [i["alt"] for i in images] == [spec.title for spec in SFT_FIGURES]
+    assert plot_problems(images, shot) == []
 
 
 def test_report_of_a_folder_without_metrics_is_a_one_line_error(tmp_path, capsys):

@@ -6,12 +6,17 @@ reported (a half-written last line is ignored). Writes ``RUN_DIR/report/report.h
 embedded as a PNG data URI, so the page is one file that opens offline) and one PNG per plot next
 to it (``reward.png``, ``kl_entropy.png``, ...).
 
-Plots (``FIGURES``, in page order): reward and held-out accuracy; KL and entropy; rollout-vs-trainer
-logprob difference; tokens/s; stage timings; buffer size and staleness; weight-sync time. A plot
-whose metrics the run did not record says so inside its frame instead of disappearing, so the page
-always has the same plots. Matplotlib renders (Agg backend, no display needed).
+Plots of an RL run (``FIGURES``, in page order): reward and held-out accuracy; loss and policy
+loss; gradient norm and learning rate; clip fraction; response length and truncation; zero-variance
+groups; KL and entropy; rollout-vs-trainer logprob difference; tokens/s; stage timings (evaluation
+included); buffer size and staleness; weight-sync time. An SFT run (``train.algorithm: sft``) gets
+its own page (``SFT_FIGURES``: loss, gradient norm and learning rate, tokens/s). A plot whose
+metrics the run did not record says so inside its frame instead of disappearing, so the page
+always has the same plots. A curve whose values are all zero within float rounding is drawn flat
+at 0 with a note, not as a trend of noise. A resumed run's restart step is a dashed line on every
+plot over steps. Matplotlib renders (Agg backend, no display needed).
 
-Not shown: per-token data (``noria inspect``), SFT runs' metrics beyond what their rows share.
+Not shown: per-token data (``noria inspect``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ class RunData:
     evals: list[dict[str, Any]]
     sampled_nll: dict[int, float]
     """step -> mean of -logprob over the step's sampled policy tokens (an entropy estimate)."""
+    lengths: dict[int, tuple[float, int]]
+    """step -> (mean, max) response length in tokens of the step's sampled trajectories."""
+    resumed_at: list[int]
+    """Steps a resumed run picked up from (``noria.metrics.RunLog`` writes a ``resumed`` event)."""
+
+    @property
+    def sft(self) -> bool:
+        return (self.config.get("train") or {}).get("algorithm") == "sft"
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of ``key`` over the rows that have a finite number for it."""
@@ -72,9 +85,12 @@ def load_run(folder: str | Path) -> RunData:
     config_path = folder / "config.yaml"
     config_text = config_path.read_text() if config_path.is_file() else ""
     config = (yaml.safe_load(config_text) or {}) if config_text else {}
-    steps = [r for r in read_jsonl(folder / "metrics.jsonl") if "step" in r]
+    rows = read_jsonl(folder / "metrics.jsonl")
+    steps = [r for r in rows if "step" in r]
+    resumed = [int(r["at_step"]) for r in rows if r.get("event") == "resumed" and _finite(r.get("at_step"))]
     evals = [r for r in read_jsonl(folder / "eval.jsonl") if _finite(r.get("accuracy"))]
-    return RunData(folder, config_text, config, steps, evals, sampled_nll(folder))
+    nll, lengths = rollout_stats(folder)
+    return RunData(folder, config_text, config, steps, evals, nll, lengths, resumed)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -90,20 +106,25 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def sampled_nll(folder: Path) -> dict[int, float]:
-    """Per step, mean -logprob of the sampled policy tokens: a Monte Carlo estimate of the sampling
-    distribution's entropy (E[-log p(x)] with x ~ p), available even when the trainer logs none."""
-    out = {}
+def rollout_stats(folder: Path) -> tuple[dict[int, float], dict[int, tuple[float, int]]]:
+    """From ``rollouts/step-*.jsonl``, per step: the mean -logprob of the sampled policy tokens (a
+    Monte Carlo estimate of the sampling distribution's entropy, E[-log p(x)] with x ~ p, available
+    even when the trainer logs none), and the (mean, max) response length in tokens."""
+    nll, lengths = {}, {}
     for path in sorted((folder / "rollouts").glob("step-*.jsonl")):
-        total, count = 0.0, 0
+        step = int(path.stem.split("-")[1])
+        total, count, sizes = 0.0, 0, []
         for rec in read_jsonl(path):
+            sizes.append(len(rec.get("token_ids") or []))
             for lp, m in zip(rec.get("logprobs") or [], rec.get("loss_mask") or []):
                 if m and _finite(lp):
                     total -= lp
                     count += 1
         if count:
-            out[int(path.stem.split("-")[1])] = total / count
-    return out
+            nll[step] = total / count
+        if sizes:
+            lengths[step] = (sum(sizes) / len(sizes), max(sizes))
+    return nll, lengths
 
 
 def _finite(value: Any) -> bool:
@@ -123,24 +144,42 @@ class Figure:
 
 
 FIGURES: list[Figure] = []
+"""The RL page's plots, in page order."""
+SFT_FIGURES: list[Figure] = []
+"""The SFT page's plots."""
 
 
-def figure(slug: str, title: str, caption: str, keys: tuple[str, ...]) -> Callable:
+def figure(slug: str, title: str, caption: str, keys: tuple[str, ...], into: list[Figure] = FIGURES) -> Callable:
     def register(draw: Callable[[RunData, Any], None]) -> Callable:
-        FIGURES.append(Figure(slug, title, caption, keys, draw))
+        into.append(Figure(slug, title, caption, keys, draw))
         return draw
 
     return register
 
 
+def figures_of(run: RunData) -> list[Figure]:
+    return SFT_FIGURES if run.sft else FIGURES
+
+
+ROUNDING_ZERO = 1e-7
+"""A curve whose every |value| is below this is float noise around 0 (e.g. a GRPO loss whose
+advantages cancel), drawn flat at 0 with a note instead of autoscaled into a fake trend."""
+
+
 def lines(ax: Any, curves: list[tuple[str, tuple[list[int], list[float]]]], ylabel: str, missing: str) -> bool:
     """Plot the non-empty curves on ``ax``; if none has data, write ``missing`` in the frame."""
-    drawn = False
+    drawn, noise = False, []
     for label, (xs, ys) in curves:
         if xs:
+            if all(abs(y) < ROUNDING_ZERO for y in ys):
+                noise.append(f"{label}: 0 within rounding (|max| {max(abs(y) for y in ys):.1g})")
+                ys = [0.0] * len(ys)
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
             drawn = True
+    if noise:
+        ax.text(0.01, 0.97, "\n".join(noise), transform=ax.transAxes, va="top", fontsize=8, color="#555")
     steps_axis(ax)
+    mark_resumes(ax)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if drawn:
@@ -148,6 +187,15 @@ def lines(ax: Any, curves: list[tuple[str, tuple[list[int], list[float]]]], ylab
     else:
         empty(ax, missing)
     return drawn
+
+
+_RESUMES: list[int] = []
+"""Restart steps of the run being drawn (set by :func:`render_png`): drawn on every step axis."""
+
+
+def mark_resumes(ax: Any) -> None:
+    for i, step in enumerate(_RESUMES):
+        ax.axvline(step + 0.5, color="#999", linestyle="--", linewidth=1, label="resumed" if i == 0 else None)
 
 
 def steps_axis(ax: Any) -> None:
@@ -169,6 +217,44 @@ def _reward(run: RunData, fig: Any) -> None:
     curves = [("rollout reward (mean)", run.series("rollout/reward_mean"))]
     curves.append(("held-out accuracy", ([int(r["step"]) for r in run.evals], [float(r["accuracy"]) for r in run.evals])))
     lines(ax, curves, "reward / accuracy", "no reward recorded yet")
+
+
+@figure("loss", "Loss", "The step's total loss (policy term plus KL and entropy terms) and the policy-gradient term "
+        "alone, normalised over trained tokens. GRPO's loss hovers near 0 by construction (advantages are centred); "
+        "read it with the reward, not as a learning curve.", ("loss", "policy_loss"))  # fmt: skip
+def _loss(run: RunData, fig: Any) -> None:
+    lines(fig.add_subplot(), [("loss", run.series("loss")), ("policy loss", run.series("policy_loss"))], "loss", "no loss recorded")
+
+
+@figure("grad_lr", "Gradient norm and learning rate", "Global gradient L2 norm before clipping (left) and the learning "
+        "rate of the step's last optimizer step (right).", ("grad_norm", "lr"))  # fmt: skip
+def _grad_lr(run: RunData, fig: Any) -> None:
+    left, right = fig.subplots(1, 2)
+    lines(left, [("grad norm", run.series("grad_norm"))], "L2 norm", "no gradient norm recorded")
+    lines(right, [("learning rate", run.series("lr"))], "lr", "no learning rate recorded")
+
+
+@figure("clip", "Clip fraction", "Trained tokens whose importance ratio the policy loss clipped (and, for ppo_clip, "
+        "those dual-clip caught). Near 0 on-policy; it rises with staleness or large updates.",
+        ("clip_frac", "dual_clip_frac"))  # fmt: skip
+def _clip(run: RunData, fig: Any) -> None:
+    curves = [("clip fraction", run.series("clip_frac")), ("dual-clip fraction", run.series("dual_clip_frac"))]
+    lines(fig.add_subplot(), curves, "fraction of tokens", "no clip fraction recorded")
+
+
+@figure("responses", "Response length and truncation", "Left: mean and longest response of each step in tokens "
+        "(rollouts/). Right: samples cut at rollout.max_new_tokens, and groups whose samples all got the same reward "
+        "(no GRPO signal).", ("rollout/response_len_mean", "rollout/truncated_frac", "rollout/groups_zero_variance_frac"))  # fmt: skip
+def _responses(run: RunData, fig: Any) -> None:
+    left, right = fig.subplots(1, 2)
+    steps = sorted(run.lengths)
+    mean = (steps, [run.lengths[s][0] for s in steps]) if steps else run.series("rollout/response_len_mean")
+    longest = (steps, [float(run.lengths[s][1]) for s in steps])
+    lines(left, [("mean", mean), ("max", longest)], "tokens", "no response lengths recorded")
+    fractions = [("truncated", run.series("rollout/truncated_frac")),
+                 ("zero-variance groups", run.series("rollout/groups_zero_variance_frac"))]  # fmt: skip
+    if lines(right, fractions, "fraction", "no truncation recorded"):
+        right.set_ylim(-0.05, 1.05)
 
 
 @figure("kl_entropy", "KL and entropy", "Left: KL estimates (rollout engine vs trainer; old vs current policy; "
@@ -224,7 +310,8 @@ def _get(row: dict[str, Any], key: str) -> float:
 
 
 @figure("stage_times", "Time per stage", "Wall time of each step split by stage (stacked): the trainer's wait for its "
-        "batch (generation and reward scoring), trainer, weight sync, and the rest.",
+        "batch (generation and reward scoring), trainer, weight sync, the rest, and the held-out evaluation run after "
+        "the step (eval.jsonl; the step-0 evaluation is in the summary).",
         ("time/trainer_wait_s", "time/train_s", "sync/seconds", "seconds"))  # fmt: skip
 def _stage_times(run: RunData, fig: Any) -> None:
     ax = fig.add_subplot()
@@ -233,15 +320,18 @@ def _stage_times(run: RunData, fig: Any) -> None:
         empty(ax, "no step times recorded")
         return
     steps = [int(r["step"]) for r in rows]
+    eval_s = {int(e["step"]): float(e["seconds"]) for e in run.evals if _finite(e.get("seconds"))}
     bottom = [0.0] * len(rows)
-    for label, fn in STAGES:
+    stages = [*STAGES, ("evaluation (after the step)", lambda r: eval_s.get(int(r["step"]), 0.0))]
+    for label, fn in stages:
         heights = [max(fn(r), 0.0) for r in rows]
         ax.bar(steps, heights, bottom=bottom, label=label, width=0.8)
         bottom = [b + h for b, h in zip(bottom, heights)]
     steps_axis(ax)
     ax.set_ylabel("seconds")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8, ncols=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    mark_resumes(ax)
+    ax.legend(fontsize=8, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.18))
 
 
 @figure("buffer", "Buffer size and staleness", "Groups waiting in the buffer after each step's take (left) and the "
@@ -264,6 +354,24 @@ def _weight_sync(run: RunData, fig: Any) -> None:
     lines(right, [("bandwidth", run.series("sync/gb_per_s"))], "GB/s", "no weight sync recorded")
 
 
+@figure("sft_loss", "SFT loss", "Mean next-token loss over the assistant tokens of each optimizer step.", ("loss",), SFT_FIGURES)
+def _sft_loss(run: RunData, fig: Any) -> None:
+    lines(fig.add_subplot(), [("loss", run.series("loss"))], "loss [nats/token]", "no loss recorded")
+
+
+@figure("sft_grad_lr", "Gradient norm and learning rate", "Global gradient L2 norm before clipping (left) and the "
+        "learning rate (right).", ("grad_norm", "lr"), SFT_FIGURES)  # fmt: skip
+def _sft_grad_lr(run: RunData, fig: Any) -> None:
+    _grad_lr(run, fig)
+
+
+@figure("sft_throughput", "Tokens per second", "Tokens (prompt and answer) through the trainer per second of each step.",
+        ("tokens", "seconds"), SFT_FIGURES)  # fmt: skip
+def _sft_throughput(run: RunData, fig: Any) -> None:
+    rate = run.derived(lambda r: r["tokens"] / r["seconds"] if _finite(r.get("tokens")) and r.get("seconds") else None)
+    lines(fig.add_subplot(), [("trainer", rate)], "tokens/s", "no step times recorded")
+
+
 def render_png(fig_spec: Figure, run: RunData) -> bytes:
     import matplotlib
 
@@ -272,6 +380,7 @@ def render_png(fig_spec: Figure, run: RunData) -> bytes:
 
     fig = MplFigure(figsize=(8.0, 3.6), dpi=100, layout="constrained")
     fig.suptitle(fig_spec.title, fontsize=11)
+    _RESUMES[:] = run.resumed_at
     fig_spec.draw(run, fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -287,7 +396,7 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
     out = Path(out) if out is not None else run.folder / "report"
     out.mkdir(parents=True, exist_ok=True)
     images = {}
-    for spec in FIGURES:
+    for spec in figures_of(run):
         png = render_png(spec, run)
         (out / f"{spec.slug}.png").write_bytes(png)
         images[spec.slug] = png
@@ -307,7 +416,7 @@ def render_html(run: RunData, images: dict[str, bytes]) -> str:
         summary_table(run),
         "<div class='plots'>",
     ]
-    for spec in FIGURES:
+    for spec in figures_of(run):
         data = base64.b64encode(images[spec.slug]).decode()
         parts.append(
             f"<figure id='{spec.slug}'><img class='plot' src='data:image/png;base64,{data}' "
@@ -315,7 +424,7 @@ def render_html(run: RunData, images: dict[str, bytes]) -> str:
             f"<figcaption><b>{html.escape(spec.title)}.</b> {html.escape(spec.caption)}</figcaption></figure>"
         )
     parts.append("</div>")
-    parts.append(metric_table())
+    parts.append(metric_table(figures_of(run)))
     parts.append(f"<h2>Resolved config</h2><pre class='config'>{html.escape(run.config_text or '(no config.yaml)')}</pre>")
     parts.append("</body></html>")
     return "\n".join(parts)
@@ -331,6 +440,12 @@ def summary_table(run: RunData) -> str:
     if rewards:
         k = min(3, len(rewards))
         rows.append(("rollout reward (first / last steps)", f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} (mean of {k})"))
+    losses = run.series("loss")[1]
+    if run.sft and losses:
+        k = min(3, len(losses))
+        rows.append(("loss (first / last steps)", f"{sum(losses[:k]) / k:.4f} -> {sum(losses[-k:]) / k:.4f} (mean of {k})"))
+    if run.resumed_at:
+        rows.append(("resumed", ", ".join(f"after step {s}" for s in run.resumed_at)))
     if run.evals:
         first, last = run.evals[0], run.evals[-1]
         rows.append(("held-out accuracy", f"{first['accuracy']:.1%} at step {first['step']} -> {last['accuracy']:.1%} at step {last['step']}"))
@@ -347,9 +462,9 @@ def summary_table(run: RunData) -> str:
     return f"<table class='summary'>{body}</table>"
 
 
-def metric_table() -> str:
+def metric_table(figures: list[Figure]) -> str:
     keys = []
-    for spec in FIGURES:
+    for spec in figures:
         keys.extend(k for k in spec.keys if k not in keys)
     rows = []
     for key in keys:
