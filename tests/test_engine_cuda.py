@@ -138,13 +138,13 @@ def test_weight_update_recaptures_graphs(tiny_model_dir):
         before = _generate(engine, PROMPTS[:2], 8, temperature=0.0)
         assert engine.runner.graphs._graphs
         state = {n: t * 1.5 for n, t in engine.model.state_dict().items() if n != "lm_head.weight"}
-        engine.update_weights_from_state_dict(state, version=1)
+        engine.weights.update_from_state_dict(state, version=1)
         assert not engine.runner.graphs._graphs  # cleared: the parameters moved
         after = _generate(engine, PROMPTS[:2], 8, temperature=0.0)
         assert after[0].weight_versions[-1] == 1
         eager = _engine(tiny_model_dir, torch.float32)
         eager.runner.graphs = None
-        eager.update_weights_from_state_dict(state, version=1)
+        eager.weights.update_from_state_dict(state, version=1)
         assert [o.output_ids for o in _generate(eager, PROMPTS[:2], 8, temperature=0.0)] == [o.output_ids for o in after]
         eager.shutdown(1.0)
         assert before is not None
@@ -263,7 +263,8 @@ def test_fused_decoder_matches_the_model_forward():
     from noria.config import EngineConfig
     from noria.engine.cuda.fused import FusedDecoder
     from noria.engine.kv_cache import KVCache
-    from noria.engine.runner import ModelRunner, PagedAttentionContext, _DecodeMeta
+    from noria.engine.paged_context import DecodeMeta, PagedAttentionContext
+    from noria.engine.runner import ModelRunner
 
     lm = _tiny_qwen3()
     kv = KVCache.for_model(lm.args, EngineConfig(kv_cache_tokens=4096, block_size=16), torch.bfloat16, torch.device("cuda"))
@@ -280,7 +281,7 @@ def test_fused_decoder_matches_the_model_forward():
     ids = torch.randint(0, 1000, (len(lens),), device="cuda", generator=g)
     cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     pools = [(k.clone(), v.clone()) for k, v in zip(kv.k_pools, kv.v_pools)]
-    ctx = PagedAttentionContext(kv, positions[None], slots, _DecodeMeta(torch.arange(len(lens), device="cuda"), tables, cl, None),
+    ctx = PagedAttentionContext(kv, positions[None], slots, DecodeMeta(torch.arange(len(lens), device="cuda"), tables, cl, None),
                                 [], runner.decode_fn, runner.scale)
     with torch.no_grad():
         want = lm.hidden_states(ids[None], positions[None], attn=ctx)[0]

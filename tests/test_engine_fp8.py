@@ -86,7 +86,7 @@ def test_engine_serves_fp8_weights_and_requantizes_after_updates(bf16_model, tin
 
         proj = bf16_model.model.layers[1].mlp.down_proj
         new = {"model.layers.1.mlp.down_proj.weight": proj.weight.detach().float() * 3 + 0.01}
-        engine.update_weights_from_state_dict(new, version=1)
+        engine.weights.update_from_state_dict(new, version=1)
         assert torch.equal(proj.fp8.weight.view(torch.uint8), fp8.quantize_weight(proj.weight)[0].view(torch.uint8))
         assert greedy(engine)[0].logprobs != out[0].logprobs
     finally:

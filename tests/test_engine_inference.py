@@ -144,10 +144,10 @@ def test_weight_updates_refresh_the_packed_weights(source, dtype, tmp_path):
         for name, t in update.items():
             expected_model.state_dict()[name].copy_(t)
     if source == "state_dict":
-        engine.update_weights_from_state_dict(update, version=1)
+        engine.weights.update_from_state_dict(update, version=1)
     else:
         save_model(expected_model, tmp_path / "ckpt")
-        engine.update_weights_from_disk(tmp_path / "ckpt", version=1)
+        engine.weights.update_from_disk(tmp_path / "ckpt", version=1)
     after = [(o.output_ids, o.logprobs) for o in engine.generate_batch(reqs)]
     engine.shutdown(1)
     assert after != [(o.output_ids, o.logprobs) for o in before]

@@ -100,7 +100,7 @@ def test_overlap_lets_updates_aborts_and_new_requests_in_between_steps(model, to
     other = GenerateRequest(input_ids=prompt(8, 3), sampling=greedy(60), rid="other")
     futures = [_submit(engine, long), _submit(engine, other)]
     _wait_until(lambda: engine.metrics()["generated_tokens"] >= 10)
-    engine.update_weights_from_state_dict(dict(model.state_dict()), version=1)  # the same weights, version 1
+    engine.weights.update_from_state_dict(dict(model.state_dict()), version=1)  # the same weights, version 1
     late = GenerateRequest(input_ids=prompt(6, 4), sampling=greedy(5))
     futures.append(_submit(engine, late))
     out_other, out_late = futures[1].result(timeout=60), futures[2].result(timeout=60)

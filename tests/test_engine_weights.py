@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from noria.config import EngineConfig
 from noria.engine import Engine, GenerateRequest, SamplingParams, WeightUpdateError
-from noria.engine.weights import create_update_group, send_broadcast
+from noria.engine.weight_sources import create_update_group, send_broadcast
 from noria.models import load_model, load_tokenizer, save_model
 
 
@@ -40,7 +40,7 @@ def perturbed(model, scale: float = 0.5) -> dict[str, torch.Tensor]:
 def test_update_from_state_dict_changes_outputs_and_version(model):
     engine = make_engine(model)
     before = engine.generate_batch([REQ])[0]
-    engine.update_weights_from_state_dict(perturbed(model), version=3)
+    engine.weights.update_from_state_dict(perturbed(model), version=3)
     after = engine.generate_batch([REQ])[0]
     assert engine.weight_version == 3 and after.weight_versions == [3] * 8
     assert after.logprobs != before.logprobs
@@ -56,7 +56,7 @@ def test_bad_update_raises_and_keeps_weights_and_version(model):
     unknown = {**good, "model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)}
     for update, message in ((bad_shape, "shape"), (unknown, "unknown tensor")):
         with pytest.raises(WeightUpdateError, match=message):
-            engine.update_weights_from_state_dict(update, version=7)
+            engine.weights.update_from_state_dict(update, version=7)
     assert engine.weight_version == 0
     after = engine.generate_batch([REQ])[0]
     # fp32 and a prefix-cache hit this time: equal to rounding, not bitwise.
@@ -72,11 +72,11 @@ def test_update_from_disk(model, tiny_model_dir, tmp_path):
     save_model(target, tmp_path / "v1")
     expected = make_engine(target).generate_batch([REQ])[0]
     engine = make_engine(model)
-    engine.update_weights_from_disk(tmp_path / "v1", version=1)
+    engine.weights.update_from_disk(tmp_path / "v1", version=1)
     out = engine.generate_batch([REQ])[0]
     assert out.output_ids == expected.output_ids and out.weight_versions == [1] * 8
     with pytest.raises(WeightUpdateError):
-        engine.update_weights_from_disk(tmp_path / "missing", version=2)
+        engine.weights.update_from_disk(tmp_path / "missing", version=2)
     assert engine.weight_version == 1
     engine.shutdown(1)
 
@@ -94,9 +94,9 @@ def test_update_from_gloo_broadcast(model):
     port = _free_port()
     proc = mp.get_context("spawn").Process(target=_trainer_rank0, args=(port, tensors))
     proc.start()
-    engine.init_weights_update_group("127.0.0.1", port, 1, 2, "sync-test", backend="gloo")
+    engine.weights.join_group("127.0.0.1", port, 1, 2, "sync-test", backend="gloo")
     names = list(tensors)
-    engine.update_weights_from_distributed(
+    engine.weights.update_from_distributed(
         names, [str(tensors[n].dtype) for n in names], [list(tensors[n].shape) for n in names], 5, "sync-test"
     )
     proc.join(timeout=60)
@@ -104,7 +104,7 @@ def test_update_from_gloo_broadcast(model):
     out = engine.generate_batch([REQ])[0]
     assert out.output_ids == expected.output_ids and out.weight_versions == [5] * 8
     with pytest.raises(WeightUpdateError, match="no weight update group"):
-        engine.update_weights_from_distributed(names, ["float32"], [[1]], 6, "other")
+        engine.weights.update_from_distributed(names, ["float32"], [[1]], 6, "other")
     engine.shutdown(1)
 
 

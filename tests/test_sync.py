@@ -16,7 +16,7 @@ import torch
 
 from noria.config import EngineConfig, SyncConfig
 from noria.engine import Engine, GenerateRequest, RequestError, SamplingParams, WeightUpdateError
-from noria.engine.weights import create_update_group, flat_offsets, send_broadcast
+from noria.engine.weight_sources import create_update_group, flat_offsets, send_broadcast
 from noria.models import load_model
 from noria.router.sglang_router import free_port
 from noria.sync import WeightSyncError, build_sync, bucketize, resolve_transport
@@ -131,23 +131,23 @@ def test_tied_head_follows_the_embedding_and_refuses_disagreement(engine, traine
 def test_engine_stages_parts_atomically(engine, trainer):
     before = snapshot(engine)
     buckets = list(bucketize(trainer, 40_000))
-    engine.stage_weights(buckets[0], "u1")
+    engine.weights.stage(buckets[0], "u1")
     with pytest.raises(WeightUpdateError, match="shape"):
-        engine.stage_weights([("model.norm.weight", torch.ones(3))], "u1")
+        engine.weights.stage([("model.norm.weight", torch.ones(3))], "u1")
     with pytest.raises(WeightUpdateError, match="failed earlier"):  # half an update can never be committed
-        engine.commit_weights("u1", 1)
+        engine.weights.commit("u1", 1)
     with pytest.raises(WeightUpdateError, match="failed earlier"):
-        engine.stage_weights(buckets[1], "u1")
-    engine.stage_weights(buckets[0], "u2")
-    engine.stage_weights(buckets[1], "u3")  # a new update drops the parts of an older, uncommitted one
+        engine.weights.stage(buckets[1], "u1")
+    engine.weights.stage(buckets[0], "u2")
+    engine.weights.stage(buckets[1], "u3")  # a new update drops the parts of an older, uncommitted one
     with pytest.raises(WeightUpdateError, match="nothing staged"):
-        engine.commit_weights("u2", 1)
+        engine.weights.commit("u2", 1)
     with pytest.raises(WeightUpdateError, match="dtype int64"):
-        engine.stage_weights([("model.norm.weight", torch.ones(64, dtype=torch.long))], "u4")
+        engine.weights.stage([("model.norm.weight", torch.ones(64, dtype=torch.long))], "u4")
     assert_unchanged(engine, before)
-    engine.stage_weights(buckets[0], "u5")
-    engine.stage_weights(buckets[1], "u5")
-    assert sorted(engine.commit_weights("u5", 7)) == sorted(n for b in buckets[:2] for n, _ in b)
+    engine.weights.stage(buckets[0], "u5")
+    engine.weights.stage(buckets[1], "u5")
+    assert sorted(engine.weights.commit("u5", 7)) == sorted(n for b in buckets[:2] for n, _ in b)
     assert engine.weight_version == 7
 
 
@@ -178,10 +178,10 @@ def test_disk_update_reads_everything_before_it_changes_anything(engine, trainer
              (garbage, "header length"), (tmp_path / "nowhere", "nowhere")]  # fmt: skip
     for folder, message in cases:
         with pytest.raises(WeightUpdateError, match=message):
-            engine.update_weights_from_disk(folder, 5)
+            engine.weights.update_from_disk(folder, 5)
         assert_unchanged(engine, before)
     good, _ = _folder(tmp_path / "good", trainer)
-    engine.update_weights_from_disk(good, 5)
+    engine.weights.update_from_disk(good, 5)
     assert engine.weight_version == 5
     assert torch.equal(engine.model.model.norm.weight, trainer["model.norm.weight"].to(torch.bfloat16))
 
@@ -209,14 +209,14 @@ def test_broadcast_refusal_still_receives_so_the_trainer_never_blocks(engine, tr
     group = {}
     host = threading.Thread(target=lambda: group.update(g=create_update_group("127.0.0.1", port, 0, 2, "t", "gloo", timeout_s=60)))
     host.start()
-    engine.init_weights_update_group("127.0.0.1", port, 1, 2, "t", "gloo")
+    engine.weights.join_group("127.0.0.1", port, 1, 2, "t", "gloo")
     host.join()
     before = snapshot(engine)
     sent = {"model.norm.weight": trainer["model.norm.weight"], "model.layers.0.mlp.up_proj.weight": torch.ones(3, 3)}
     sender = threading.Thread(target=send_broadcast, args=(group["g"], sent))
     sender.start()
     with pytest.raises(WeightUpdateError, match="up_proj.weight' has shape"):
-        engine.update_weights_from_distributed(list(sent), ["float32"] * 2, [list(t.shape) for t in sent.values()], 1, "t")
+        engine.weights.update_from_distributed(list(sent), ["float32"] * 2, [list(t.shape) for t in sent.values()], 1, "t")
     sender.join(timeout=30)
     assert not sender.is_alive()  # every tensor was received
     assert_unchanged(engine, before)
@@ -227,7 +227,7 @@ def test_broadcast_refusal_of_a_flat_chunk_is_drained_too(engine, trainer):
     group = {}
     host = threading.Thread(target=lambda: group.update(g=create_update_group("127.0.0.1", port, 0, 2, "c", "gloo", timeout_s=60)))
     host.start()
-    engine.init_weights_update_group("127.0.0.1", port, 1, 2, "c", "gloo")
+    engine.weights.join_group("127.0.0.1", port, 1, 2, "c", "gloo")
     host.join()
     before = snapshot(engine)
     dtypes, shapes = [torch.float32, torch.float32], [(64,), (3, 3)]
@@ -235,7 +235,7 @@ def test_broadcast_refusal_of_a_flat_chunk_is_drained_too(engine, trainer):
     sender = threading.Thread(target=lambda: group["g"].broadcast(torch.zeros(size, dtype=torch.uint8), 0).wait())
     sender.start()
     with pytest.raises(WeightUpdateError, match="up_proj.weight' has shape"):
-        engine.stage_weights_from_distributed(["model.norm.weight", "model.layers.0.mlp.up_proj.weight"], ["float32"] * 2,
+        engine.weights.stage_from_distributed(["model.norm.weight", "model.layers.0.mlp.up_proj.weight"], ["float32"] * 2,
                                               [list(s) for s in shapes], "c", "u-flat", chunks=[2])  # fmt: skip
     sender.join(timeout=30)
     assert not sender.is_alive()

@@ -383,7 +383,7 @@ def _gloo_broadcast(sent: dict, bucket_bytes: int, repeats: int) -> Iterator[Cal
     """Flat uint8 buffers of the buckets' sizes broadcast to a subprocess, which acks each round."""
     import torch
 
-    from noria.engine.weights import create_update_group
+    from noria.engine.weight_sources import create_update_group
     from noria.router.sglang_router import free_port
     from noria.sync import bucketize
 
@@ -409,7 +409,7 @@ def _gloo_broadcast(sent: dict, bucket_bytes: int, repeats: int) -> Iterator[Cal
 def _receive_main(job: dict) -> None:
     import torch
 
-    from noria.engine.weights import create_update_group
+    from noria.engine.weight_sources import create_update_group
 
     group = create_update_group("127.0.0.1", job["port"], 1, 2, "bench-gloo", "gloo", timeout_s=300)
     buffers = [torch.empty(n, dtype=torch.uint8) for n in job["sizes"]]

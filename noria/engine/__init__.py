@@ -2,14 +2,18 @@
 
 Modules, from the caller inwards::
 
-    engine.py     Engine: the asyncio/thread API, the step loop, weight updates, metrics
+    engine.py     Engine: the asyncio/thread API, the step loop, memory, metrics
+    weight_updates.py  WeightUpdates (engine.weights): stage / commit / version / checksums / groups
+    weights.py    the staging area (validation, stage then commit, shared arena) and checksums
+    weight_sources.py  where updates come from: safetensors folder, IPC buffer, broadcast group
+    server/       noria serve: SGLang's native API, weight API and OpenAI API over one Engine
     scheduler.py  request states, continuous batching, retraction, finish checks
-    runner.py     one step -> one forward of the native model (PagedAttentionContext)
+    runner.py     one step -> one forward of the native model
+    paged_context.py   the step's attention over the paged KV cache (PagedAttentionContext)
     inference.py  the runner's fast CPU forward: fused, prepacked bf16 matmuls (engine-only copies)
     sampling.py   per-row sampling and logprobs
     radix.py      prefix cache over KV blocks (LRU eviction)
     kv_cache.py   K/V pools and the reference-counted block allocator
-    weights.py    validated weight updates (state dict, disk, broadcast group)
     protocol.py   request/response records (SGLang's field names)
 
 Quick use::

@@ -25,19 +25,21 @@ What blocks on what:
 - ``await generate`` / ``stream``: until the request finishes (each streamed part after a step).
 - ``await pause`` / ``resume``, ``flush_cache``, ``release_memory_occupation`` /
   ``resume_memory_occupation``: until the current step ends and the command has run.
-- weight updates (synchronous methods; call them via ``asyncio.to_thread`` from async code): they
-  are staged first (``weights.WeightStage``): bytes are validated and copied into staging buffers on
-  the caller's thread while generation continues (a distributed update receives there too); the
-  commit then swaps the buffers into the parameters between two steps (no copy) and repacks the
-  fast path's weights. A failed update, at any point before the commit, changes nothing.
+- weight updates go through the engine's component ``engine.weights``
+  (``noria.engine.weight_updates.WeightUpdates``; synchronous methods, call them via
+  ``asyncio.to_thread`` from async code): they are staged first: bytes are validated and copied
+  into staging buffers on the caller's thread while generation continues (a distributed update
+  receives there too); the commit then swaps the buffers into the parameters between two steps (no
+  copy) and repacks the fast path's weights. A failed update, at any point before the commit,
+  changes nothing. ``engine.weight_version`` is the component's version.
 - ``submit`` / ``abort``: never (they post a command).
 
 Callbacks run on the engine thread and must not block (``generate`` and ``stream`` hand results to
 the caller's event loop with ``call_soon_threadsafe``).
 
 Not guaranteed: order among requests that arrive in the same step; unseeded sampling is
-reproducible only for the same arrival order; deterministic mode holds for bf16 on CPU (DESIGN §6) and
-on CUDA with Triton (``noria.models.exact_cuda``), and not across a retraction.
+reproducible only for the same arrival order; deterministic mode holds on CPU (bf16 and fp32, every ISA
+checked by tests/test_exact_agreement.py) and on CUDA with Triton (``noria.models.exact_cuda``), and not across a retraction.
 """
 
 from __future__ import annotations
@@ -60,12 +62,12 @@ import torch
 
 from noria import hardware
 from noria.config import EngineConfig
-from noria.engine import weights
 from noria.engine.kv_cache import KVCache
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
 from noria.engine.runner import ModelRunner
 from noria.engine.sampling import device_sampleable, draw_uniforms, sample
+from noria.engine.weight_updates import WeightUpdates
 from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler, StopChecker
 from noria.models import DecoderLM, load_model, load_tokenizer, model_path
 
@@ -100,7 +102,6 @@ class Engine:
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.max_context = config.max_context or model.args.max_position_embeddings
-        self.weight_version = weight_version
         self.kv = KVCache.for_model(model.args, config, self.dtype, self.device)
         self.radix = RadixCache(self.kv.allocator, config.block_size, enabled=config.prefix_cache)
         eos = set(model.args.eos_token_ids) if eos_token_ids is None else set(eos_token_ids)
@@ -115,8 +116,10 @@ class Engine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
-        self._groups: dict[str, Any] = {}
-        self._stage = weights.WeightStage(self.model)
+        self.weights = WeightUpdates(
+            self.model, self.device, self._call, self.runner.refresh_weights, self.radix.flush, weight_version
+        )
+        """Staging, commit, version and checksums of the served weights (``noria.engine.weight_updates``)."""
         self._kv_shape: tuple[int, ...] | None = None  # set while the KV cache is released
         self._paused_before_release = False
         self._closing = False
@@ -241,142 +244,10 @@ class Engine:
 
     # ------------------------------------------------------------------------------ weights
 
-    def update_weights_from_state_dict(self, named_tensors: dict[str, torch.Tensor] | Iterable, version: int) -> None:
-        """Copy HF-named tensors (a subset is fine) in one update; validates everything first."""
-        self._single_update(lambda uid: self.stage_weights(named_tensors, uid), version)
-
-    def update_weights_from_disk(self, folder: str | Path, version: int) -> None:
-        """Load a safetensors folder (HF names; a subset is fine): every header is checked, then every
-        tensor is read into staging, then swapped in. A bad or unreadable folder changes nothing."""
-        self._single_update(lambda uid: self.stage_weights_from_disk(folder, uid), version)
-
-    def update_weights_from_ipc(self, handle: dict[str, Any], tensors: list[dict[str, Any]], version: int) -> None:
-        """Copy tensors out of another process's shared-memory segment or CUDA IPC buffer
-        (see :func:`weights.open_ipc`), in one update."""
-        self._single_update(lambda uid: self.stage_weights_from_ipc(handle, tensors, uid), version)
-
-    def update_weights_from_distributed(
-        self, names: list[str], dtypes: list, shapes: list, version: int, group_name: str
-    ) -> None:
-        """Receive tensors broadcast by rank 0 (in ``names`` order), in one update."""
-        self._single_update(lambda uid: self.stage_weights_from_distributed(names, dtypes, shapes, group_name, uid), version)
-
-    def stage_weights(self, named_tensors: dict[str, torch.Tensor] | Iterable, update_id: str) -> int:
-        """Stage part of update ``update_id`` (see :class:`weights.WeightStage`); the model is untouched
-        until :meth:`commit_weights`. Returns the number of tensors staged."""
-        with self._stage.transaction(update_id) as stage:
-            return weights.stage_tensors(stage, named_tensors)
-
-    def stage_weights_from_disk(self, folder: str | Path, update_id: str) -> int:
-        with self._stage.transaction(update_id) as stage:
-            return weights.stage_from_folder(stage, folder)
-
-    def stage_weights_from_ipc(self, handle: dict[str, Any], tensors: list[dict[str, Any]], update_id: str) -> int:
-        """Stage tensors from another process: copied out of its buffer (``shm`` / ``cuda`` handle),
-        or, with ``{"kind": "staging"}``, already written into this engine's staging area
-        (:meth:`weights_staging_area`) and only checked here."""
-        with self._stage.transaction(update_id) as stage:
-            if isinstance(handle, dict) and handle.get("kind") == "staging":
-                size = stage.arena.size if stage.arena is not None else 0
-                return stage.mark_written(weights.parse_manifest(tensors, size))
-            with weights.open_ipc(handle, self.device) as buf:
-                n = weights.stage_from_ipc(stage, buf, weights.parse_manifest(tensors, buf.numel()))
-                if buf.device.type == "cuda":  # the sender reuses its buffer once we answer
-                    torch.cuda.current_stream(buf.device).synchronize()
-                return n
-
-    def weights_staging_area(self, update_id: str) -> dict[str, Any]:
-        """Begin update ``update_id`` with its staging buffers in shared memory that a process on
-        this machine may write directly (see :class:`weights.SharedArena`): the memfd's pid, fd and
-        size, and every tensor's byte offset, dtype and shape. CPU engines only. The first call
-        moves the weights into the arena between two steps (one copy)."""
-        if self.device.type != "cpu":
-            raise weights.WeightUpdateError("a shared staging area exists for CPU engines only; use a CUDA IPC handle")
-        if self._stage.arena is None:
-            self._share_weights()
-        with self._stage.transaction(update_id) as stage:
-            return stage.staging_area()
-
-    def _share_weights(self) -> None:
-        """Move the weights and their staging buffers into a shared arena, between two steps."""
-
-        def share() -> None:
-            self._stage.share()
-            self.runner.refresh_weights()
-
-        self._call(share)
-
-    def stage_weights_from_distributed(
-        self, names: list[str], dtypes: list, shapes: list, group_name: str, update_id: str, chunks: list[int] | None = None
-    ) -> int:
-        """Receive a bucket broadcast by rank 0 into staging (generation continues meanwhile): one
-        broadcast per tensor, or with ``chunks`` one flat broadcast per chunk of tensors
-        (:func:`weights.stage_from_broadcast`), received in place on a CPU engine."""
-        if group_name not in self._groups:
-            raise weights.WeightUpdateError(f"no weight update group named {group_name!r}")
-        if chunks is not None and self.device.type == "cpu" and self._stage.arena is None:
-            self._share_weights()  # staging buffers in parameter order: chunks land in place
-        with self._stage.transaction(update_id) as stage:
-            return weights.stage_from_broadcast(stage, self._groups[group_name], names, dtypes, shapes, self.device, chunks)
-
-    def commit_weights(self, update_id: str, version: int) -> list[str]:
-        """Swap the staged update into the model between two steps and tag it ``version``; returns the
-        parameters changed. Generated tokens from the next step on carry the new version."""
-        _check_version(version)
-
-        def apply() -> list[str]:
-            changed = self._stage.commit(update_id)
-            self.runner.refresh_weights()
-            self.weight_version = version
-            self.radix.flush()  # cached KV was computed with the old weights
-            return changed
-
-        return self._call(apply)
-
-    def discard_weights(self, update_id: str | None = None) -> bool:
-        """Drop a staged, uncommitted update (any if None); True if there was one."""
-        return self._stage.discard(update_id)
-
-    def _single_update(self, stage: Callable[[str], int], version: int) -> None:
-        _check_version(version)
-        update_id = f"single-{uuid.uuid4().hex}"
-        stage(update_id)
-        self.commit_weights(update_id, version)
-
-    def weight_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """dtype and shape of every tensor an update may name (HF names; a tied head included)."""
-        return self._stage.specs()
-
-    def weight_checksums(self, names: Iterable[str] | None = None, algo: str = "sha256") -> dict[str, str]:
-        """``{name: hex digest}`` of the live weights (:func:`weights.tensor_checksum`): bitwise
-        exact. Runs on the caller's thread; waits for a staging copy or a commit in progress."""
-        names = list(self.weight_specs() if names is None else names)
-        with self._stage.lock:
-            tensors = [self._stage.tensor(n) for n in names]
-            with concurrent.futures.ThreadPoolExecutor(max(1, min(4, torch.get_num_threads()))) as pool:
-                sums = list(pool.map(lambda t: weights.tensor_checksum(t, algo), tensors))
-        return dict(zip(names, sums))
-
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "gloo",
-        join_timeout_s: float = weights.JOIN_TIMEOUT_S,
-    ) -> None:
-        """Join a broadcast group as rank ``rank_offset`` (the trainer is rank 0). Blocks until all join,
-        at most ``join_timeout_s`` (then ``WeightUpdateError``)."""
-        if group_name in self._groups:
-            raise weights.WeightUpdateError(f"weight update group {group_name!r} already exists")
-        self._groups[group_name] = weights.create_update_group(
-            master_address, master_port, rank_offset, world_size, group_name, backend, join_timeout_s=join_timeout_s
-        )
-
-    def destroy_weights_update_group(self, group_name: str) -> None:
-        self._groups.pop(group_name, None)
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights being served (owned by :attr:`weights`)."""
+        return self.weights.version
 
     # ------------------------------------------------------------------------------ memory
 
@@ -397,7 +268,7 @@ class Engine:
             empty = torch.empty(0, dtype=self.dtype, device=self.device)
             self.kv.k_pools = [empty] * len(self.kv.k_pools)
             self.kv.v_pools = [empty] * len(self.kv.v_pools)
-            self._stage.release()
+            self.weights.release()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -675,11 +546,6 @@ class _Step:
             ids, logprobs = self.launched.result()
             self._done = (ids, logprobs, None)
         return self._done
-
-
-def _check_version(version: Any) -> None:
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise weights.WeightUpdateError(f"weight version must be an integer, got {version!r}")
 
 
 def _resolve(future: asyncio.Future, out: GenerateOutput) -> None:

@@ -45,98 +45,15 @@ that is neither the CPU nor CUDA with Triton (see DESIGN §6).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from noria.engine import attention_ref, fp8, inference, kernels
 from noria.engine.kv_cache import KVCache
+from noria.engine.paged_context import DecodeFn, DecodeMeta, PagedAttentionContext, PrefillMeta
 from noria.engine.scheduler import Chunk
-from noria.models.attention import attention_scale, exact_attention
+from noria.models.attention import attention_scale
 from noria.models.decoder import DecoderLM
-
-DecodeFn = Callable[..., torch.Tensor]
-
-
-@dataclass
-class _DecodeMeta:
-    token_idx: torch.Tensor
-    """long [S]: rows of the flattened batch that are decode queries."""
-    block_tables: torch.Tensor
-    """int32 [S, max_blocks]."""
-    context_lens: torch.Tensor
-    """int32 [S]."""
-    slots: torch.Tensor | None
-    """Deterministic mode only: long [S, longest context], each sequence's context slots (past its
-    own context, whatever its padded table points to: the exact attention masks those keys)."""
-
-
-@dataclass
-class _PrefillMeta:
-    start: int
-    """First row of the chunk in the flattened batch."""
-    n: int
-    slots: torch.Tensor
-    """long [context length]: slots of the whole context, the chunk's own tokens last."""
-
-
-class PagedAttentionContext:
-    """The model's ``AttentionContext`` over the paged KV cache for one step."""
-
-    def __init__(
-        self,
-        kv: KVCache,
-        positions: torch.Tensor,
-        new_slots: torch.Tensor,
-        decode: _DecodeMeta | None,
-        prefills: list[_PrefillMeta],
-        decode_fn: DecodeFn,
-        scale: float,
-        deterministic: bool = False,
-    ) -> None:
-        self.kv = kv
-        self._positions = positions
-        self.new_slots = new_slots
-        self.decode = decode
-        self.prefills = prefills
-        self.decode_fn = decode_fn
-        self.scale = scale
-        self.deterministic = deterministic
-
-    def positions(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
-        return self._positions
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_pool, v_pool = self.kv.k_pools[layer_idx], self.kv.v_pools[layer_idx]
-        k_pool.index_copy_(0, self.new_slots, k[0])
-        v_pool.index_copy_(0, self.new_slots, v[0])
-        q = q[0]
-        out = torch.empty_like(q)
-        if self.decode is not None:
-            out.index_copy_(0, self.decode.token_idx, self._attend_decode(q, k_pool, v_pool))
-        for p in self.prefills:
-            out[p.start : p.start + p.n] = self._attend_prefill(q[p.start : p.start + p.n], k_pool, v_pool, p.slots)
-        return out.unsqueeze(0)
-
-    def _attend_prefill(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor):
-        if not self.deterministic:
-            return attention_ref.paged_prefill_attention(q, k_pool, v_pool, slots, self.scale)
-        n, length = q.shape[0], slots.shape[0]
-        pos = torch.arange(length - n, length, device=q.device).unsqueeze(0)
-        k, v = k_pool.index_select(0, slots), v_pool.index_select(0, slots)
-        return exact_attention(q[None], k[None], v[None], self.scale, pos)[0]
-
-    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        d = self.decode
-        q_dec = q.index_select(0, d.token_idx)
-        if d.slots is not None:
-            pos = (d.context_lens.long() - 1).unsqueeze(1)
-            return exact_attention(q_dec[:, None], k_pool[d.slots], v_pool[d.slots], self.scale, pos)[:, 0]
-        return self.decode_fn(
-            q_dec, k_pool, v_pool, d.block_tables, d.context_lens, self.kv.block_size, self.scale
-        )
-
 
 def pick_decode_fn(attention: str, device: torch.device) -> DecodeFn:
     """``torch``: the reference; ``auto``: the C++ kernel on CPU when it builds, the Triton kernel
@@ -308,7 +225,7 @@ class ModelRunner:
             meta, prefills = self._all_rows_meta(chunks, positions_t[0]), []
         else:
             meta = self._decode_meta(decode_rows, decode_chunks)
-            prefills = [_PrefillMeta(r, c.n, self._context_slots(c)) for r, c in prefill_rows]
+            prefills = [PrefillMeta(r, c.n, self._context_slots(c)) for r, c in prefill_rows]
         ctx = PagedAttentionContext(
             self.kv,
             positions_t,
@@ -321,7 +238,7 @@ class ModelRunner:
         )
         return to_dev(ids, torch.long).unsqueeze(0), positions_t, new_slots, ctx
 
-    def _decode_meta(self, rows: list[int], chunks: list[Chunk]) -> _DecodeMeta | None:
+    def _decode_meta(self, rows: list[int], chunks: list[Chunk]) -> DecodeMeta | None:
         if not rows:
             return None
         width = max(len(c.block_table) for c in chunks)
@@ -329,21 +246,21 @@ class ModelRunner:
         slots = None
         if self.deterministic:  # the slots of every table entry, cut at the longest context
             slots = attention_ref.slot_ids(tables, self.kv.block_size)[:, : max(c.start + 1 for c in chunks)]
-        return _DecodeMeta(
+        return DecodeMeta(
             token_idx=self._to_device(rows, torch.long),
             block_tables=tables,
             context_lens=self._to_device([c.start + 1 for c in chunks], torch.int32),
             slots=slots,
         )
 
-    def _all_rows_meta(self, chunks: list[Chunk], positions: torch.Tensor) -> _DecodeMeta:
+    def _all_rows_meta(self, chunks: list[Chunk], positions: torch.Tensor) -> DecodeMeta:
         """Every token of the step as a query of the paged kernel: a prefill token at position p
         attends to its sequence's first p + 1 cached tokens (its own K/V are written first), which
         is causal attention; one kernel call per layer instead of a gather + SDPA per sequence."""
         width = max(len(c.block_table) for c in chunks)
         tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.int32)
         owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor([c.n for c in chunks]))
-        return _DecodeMeta(
+        return DecodeMeta(
             token_idx=torch.arange(len(owner)),
             block_tables=tables.index_select(0, owner),
             context_lens=(positions + 1).to(torch.int32),

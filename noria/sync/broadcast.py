@@ -2,7 +2,7 @@
 
 The group is made at the first push: the trainer hosts the rendezvous store on 127.0.0.1 (a free
 port) and every engine joins as rank 1..n (``/init_weights_update_group``, or
-``Engine.init_weights_update_group`` in process). Its backend (``sync.broadcast_backend``): gloo
+``engine.weights.join_group`` in process). Its backend (``sync.broadcast_backend``): gloo
 when the trainer's tensors are on the CPU, NCCL when they are on CUDA (auto); gloo can be asked for
 with CUDA tensors too (an engine on the trainer's own GPU, which NCCL refuses as a second rank on one
 device): the trainer sends host copies and a CUDA engine receives through gloo's host staging; nccl
@@ -100,7 +100,7 @@ class BroadcastTransport(Transport):
         """One broadcast per chunk, all in flight at once (the engines post every receive up front).
         A lone tensor goes from its own memory; several are packed into a flat buffer, two of which
         alternate (packing a chunk waits only for the send of the chunk before last)."""
-        from noria.engine.weights import flat_offsets
+        from noria.engine.weight_sources import flat_offsets
 
         works, packed_in, packs = [], [None, None], 0  # packed_in: the send that last used each buffer
         for chunk in chunks:
@@ -158,7 +158,7 @@ class BroadcastTransport(Transport):
         if self.group is not None and self.backend == backend:
             return
         self._drop_group()
-        from noria.engine.weights import create_update_group
+        from noria.engine.weight_sources import create_update_group
         from noria.router.sglang_router import free_port
 
         port = free_port(MASTER_ADDRESS)

@@ -229,7 +229,7 @@ class _Buffer:
     def handle(self) -> dict[str, Any]:
         if self.shm is not None:
             return {"kind": "shm", "name": self.shm.name, "size": self.size}
-        from noria.engine.weights import cuda_handle
+        from noria.engine.weight_sources import cuda_handle
 
         if self._handle is None:
             self._handle = cuda_handle(self.data)

@@ -6,19 +6,19 @@ made into an ``HttpEngine`` without an API key). Both kinds answer the same call
 transports use:
 
 =====================  ===================================  ======================================
-call                   in process (``Engine`` method)       HTTP (noria serve; * = Noria extension)
+call                   in process (``engine.weights.*``)    HTTP (noria serve; * = Noria extension)
 =====================  ===================================  ======================================
-``specs``              ``weight_specs``                     ``GET /weights_info`` *
-``version``            ``weight_version``                   ``GET /get_weight_version``
-``checksums``          ``weight_checksums``                 ``POST /weights_checksum`` *
-``stage``              ``stage_weights``                    (in process only)
-``stage_ipc``          ``stage_weights_from_ipc``           ``POST /update_weights_from_ipc`` *
+``specs``              ``specs``                            ``GET /weights_info`` *
+``version``            ``version``                          ``GET /get_weight_version``
+``checksums``          ``checksums``                        ``POST /weights_checksum`` *
+``stage``              ``stage``                            (in process only)
+``stage_ipc``          ``stage_from_ipc``                   ``POST /update_weights_from_ipc`` *
 ``staging_area``       (in process: not needed)             ``POST /weights_staging_area`` *
-``join_group``         ``init_weights_update_group``        ``POST /init_weights_update_group``
-``stage_broadcast``    ``stage_weights_from_distributed``   ``POST /update_weights_from_distributed``
+``join_group``         ``join_group``                       ``POST /init_weights_update_group``
+``stage_broadcast``    ``stage_from_distributed``           ``POST /update_weights_from_distributed``
                                                             with ``update_id`` *
-``load_disk``          ``update_weights_from_disk``         ``POST /update_weights_from_disk``
-``commit`` / discard   ``commit_weights`` / ``discard_..``  ``POST /commit_weights`` * / ``/discard_weights`` *
+``load_disk``          ``update_from_disk``                 ``POST /update_weights_from_disk``
+``commit`` / discard   ``commit`` / ``discard``             ``POST /commit_weights`` * / ``/discard_weights`` *
 =====================  ===================================  ======================================
 
 An external SGLang or vLLM-compatible server answers only the SGLang calls: ``load_disk`` and
@@ -65,41 +65,46 @@ class LocalTarget:
         self.engine = engine
         self.name = name
 
+    @property
+    def weights(self) -> Any:
+        """The engine's weight component (``noria.engine.weight_updates.WeightUpdates``)."""
+        return self.engine.weights
+
     def specs(self) -> Specs | None:
         from noria.engine.weights import CHECKSUM_ALGOS
 
-        return Specs(self.engine.weight_specs(), CHECKSUM_ALGOS, str(self.engine.device))
+        return Specs(self.weights.specs(), CHECKSUM_ALGOS, str(self.engine.device))
 
     def version(self) -> int:
-        return self.engine.weight_version
+        return self.weights.version
 
     def checksums(self, names: list[str], algo: str) -> dict[str, str]:
-        return self._call(self.engine.weight_checksums, names, algo)
+        return self._call(self.weights.checksums, names, algo)
 
     def stage(self, bucket: list[tuple[str, torch.Tensor]], update_id: str) -> None:
-        self._call(self.engine.stage_weights, bucket, update_id)
+        self._call(self.weights.stage, bucket, update_id)
 
     def stage_ipc(self, handle: dict[str, Any], tensors: list[dict[str, Any]], update_id: str) -> None:
-        self._call(self.engine.stage_weights_from_ipc, handle, tensors, update_id)
+        self._call(self.weights.stage_from_ipc, handle, tensors, update_id)
 
     def join_group(self, address: str, port: int, rank: int, world_size: int, group: str, backend: str) -> None:
-        self._call(self.engine.init_weights_update_group, address, port, rank, world_size, group, backend)
+        self._call(self.weights.join_group, address, port, rank, world_size, group, backend)
 
     def leave_group(self, group: str) -> None:
-        self.engine.destroy_weights_update_group(group)
+        self.weights.leave_group(group)
 
     def stage_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group: str, update_id: str,
                         chunks: list[int] | None = None) -> None:  # fmt: skip
-        self._call(self.engine.stage_weights_from_distributed, names, dtypes, shapes, group, update_id, chunks)
+        self._call(self.weights.stage_from_distributed, names, dtypes, shapes, group, update_id, chunks)
 
     def load_disk(self, folder: Path, version: int) -> None:
-        self._call(self.engine.update_weights_from_disk, folder, version)
+        self._call(self.weights.update_from_disk, folder, version)
 
     def commit(self, update_id: str, version: int) -> None:
-        self._call(self.engine.commit_weights, update_id, version)
+        self._call(self.weights.commit, update_id, version)
 
     def discard(self, update_id: str) -> None:
-        self.engine.discard_weights(update_id)
+        self.weights.discard(update_id)
 
     def close(self) -> None:
         pass

@@ -148,7 +148,7 @@ class DecodeGraphs:
         g["temps"].copy_(g["host_temps"][turn], non_blocking=True)
 
     def _capture(self, size: int, width: int):
-        from noria.engine.runner import PagedAttentionContext, _DecodeMeta
+        from noria.engine.paged_context import DecodeMeta, PagedAttentionContext
 
         dev = self.device
         meta = torch.zeros(4, size, dtype=torch.long, device=dev)
@@ -177,7 +177,7 @@ class DecodeGraphs:
                 hidden = runner.fused.hidden_states(meta[0], meta[1], slots, kv, attend)
             else:
                 ctx = PagedAttentionContext(
-                    kv, positions, slots, _DecodeMeta(rows, tables, lens, None), [], runner.decode_fn, runner.scale
+                    kv, positions, slots, DecodeMeta(rows, tables, lens, None), [], runner.decode_fn, runner.scale
                 )
                 hidden = runner.model.hidden_states(ids, positions, attn=ctx)[0]
             logits = runner.model.lm_head(hidden)
