@@ -20,7 +20,7 @@ def _cfg(model_type: str, **extra) -> dict:
 
 
 def test_native_families():
-    assert NATIVE_FAMILIES == ("llama", "qwen2", "qwen3")
+    assert NATIVE_FAMILIES == ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def test_unknown_model_type_gives_none():

@@ -5,6 +5,9 @@ Layouts handled (the ones transformers writes)::
     folder/config.json + model.safetensors
     folder/config.json + model.safetensors.index.json + model-0000k-of-0000n.safetensors
 
+Names are the files' names: the same as the model's state dict, except MoE experts, which the
+model stacks and the files keep one tensor per expert (``noria.models.moe.disk_layout``).
+
 Loading first validates every tensor from the safetensors headers alone (no data read): a tensor
 the config implies but the files lack, a tensor the files hold but the model has no place for, or a
 shape that differs, raises :class:`CheckpointMismatch` naming the tensor, the file and both shapes.
@@ -33,6 +36,7 @@ from safetensors.torch import save_file
 from noria.errors import NoriaError
 from noria.models.config import ModelArgs
 from noria.models.decoder import DecoderLM
+from noria.models.moe import disk_layout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -112,7 +116,7 @@ def _file_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
 
 
 def _expected_shapes(model: DecoderLM) -> dict[str, tuple[int, ...]]:
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = {name: tuple(t.shape) for name, t in disk_layout(model.state_dict()).items()}
     if model.args.tie_word_embeddings:
         expected.pop("lm_head.weight")  # stored once, as the embedding
     return expected
@@ -166,7 +170,7 @@ def load_native(
 
 
 def _copy_tensors(model: DecoderLM, files: dict[str, Path]) -> None:
-    params = model.state_dict()
+    params = disk_layout(model.state_dict())  # per-expert views fill the stacked MoE tensors
     by_file: dict[Path, list[str]] = {}
     for name, f in files.items():
         if name in params and not (model.args.tie_word_embeddings and name == "lm_head.weight"):
@@ -178,8 +182,9 @@ def _copy_tensors(model: DecoderLM, files: dict[str, Path]) -> None:
 
 
 def native_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
-    """Tensors to write for a native model: HF names, tied head left out (as HF does)."""
-    state = {name: t.detach() for name, t in model.state_dict().items()}
+    """Tensors to write for a native model: HF checkpoint names (one tensor per MoE expert, as
+    views), tied head left out (as HF does)."""
+    state = {name: t.detach() for name, t in disk_layout(model.state_dict()).items()}
     if model.args.tie_word_embeddings:
         state.pop("lm_head.weight")
     return state
@@ -222,8 +227,13 @@ def _split_shards(
 
 def _write_shard(shard: dict[str, torch.Tensor], file: Path) -> None:
     # transformers refuses safetensors files without format=pt metadata.
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in shard.items()}
+    # A view (one MoE expert of a stacked tensor) is cloned: safetensors refuses shared storage.
+    tensors = {name: _own(t.detach().to("cpu")) for name, t in shard.items()}
     save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t._is_view() else t.contiguous()
 
 
 def write_config(cfg: dict, folder: Path, dtype: torch.dtype) -> None:

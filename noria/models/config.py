@@ -23,7 +23,7 @@ from noria.errors import NoriaError
 class UnsupportedModel(NoriaError):
     """A config.json asks for something the native decoder does not implement (the message names the field)."""
 
-NATIVE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+NATIVE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
 """HF ``model_type`` values that the native decoder implements."""
 
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
@@ -35,6 +35,16 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "head_dim": None},
     "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": None},
     "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": None},
+}
+# Qwen3MoeConfig's defaults for its mixture-of-experts fields.
+_MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "router_aux_loss_coef": 0.001,
 }
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -58,8 +68,38 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoeArgs:
+    """Mixture-of-experts layers of a Qwen3-MoE model (HF ``Qwen3MoeConfig`` fields)."""
+
+    num_experts: int
+    """Experts per MoE layer (HF ``num_experts``; transformers 5 also writes ``num_local_experts``)."""
+    top_k: int
+    """Experts each token is sent to (HF ``num_experts_per_tok``)."""
+    intermediate_size: int
+    """Width of one expert's SwiGLU (HF ``moe_intermediate_size``); dense layers use
+    ``ModelArgs.intermediate_size``."""
+    norm_topk_prob: bool
+    """Renormalise the top-k softmax probabilities to sum to 1 (Qwen3-30B-A3B: true)."""
+    decoder_sparse_step: int
+    """Layer i is MoE when ``(i + 1) % decoder_sparse_step == 0`` (and not in ``mlp_only_layers``)."""
+    mlp_only_layers: tuple[int, ...]
+    """Layers that keep a dense MLP whatever ``decoder_sparse_step`` says."""
+    router_aux_loss_coef: float
+    """The config's load-balancing coefficient, kept for the round trip to ``config.json``; the
+    trainer's own weight is ``train.loss.router_aux_coef``."""
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` has an MoE block (transformers' rule)."""
+        return (
+            layer_idx not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+
+@dataclass(frozen=True)
 class ModelArgs:
-    """Shape and numerics of one decoder-only transformer (Llama, Qwen2, Qwen3 dense)."""
+    """Shape and numerics of one decoder-only transformer (Llama, Qwen2, Qwen3 dense, Qwen3-MoE)."""
 
     model_type: str
     """HF family name, one of :data:`NATIVE_FAMILIES`."""
@@ -99,6 +139,15 @@ class ModelArgs:
     """Beginning-of-sequence id, if the config names one."""
     eos_token_ids: tuple[int, ...]
     """End-of-sequence ids (HF allows an int or a list); empty if none."""
+    moe: MoeArgs | None = None
+    """Mixture-of-experts layers (``qwen3_moe``); None for dense families."""
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the decoder layers that have an MoE block, in order (empty when dense)."""
+        if self.moe is None:
+            return ()
+        return tuple(i for i in range(self.num_layers) if self.moe.is_sparse(i))
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> ModelArgs | None:
@@ -128,13 +177,14 @@ class ModelArgs:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(
                 cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
             ),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
+            moe=_parse_moe(cfg, int(cfg["num_hidden_layers"])) if model_type == "qwen3_moe" else None,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -164,6 +214,8 @@ class ModelArgs:
             cfg["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
             cfg["mlp_bias"] = self.mlp_bias
+        if self.moe is not None:
+            cfg.update(_moe_hf_fields(self.moe))
         return cfg
 
     def replace(self, **changes: Any) -> ModelArgs:
@@ -175,7 +227,54 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+
+
+def _parse_moe(cfg: dict[str, Any], num_layers: int) -> MoeArgs:
+    def get(key: str) -> Any:
+        return cfg.get(key, _MOE_DEFAULTS[key])
+
+    # transformers 5 writes num_experts as num_local_experts (an attribute_map alias).
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", _MOE_DEFAULTS["num_experts"])))
+    moe = MoeArgs(
+        num_experts=experts,
+        top_k=int(get("num_experts_per_tok")),
+        intermediate_size=int(get("moe_intermediate_size")),
+        norm_topk_prob=bool(get("norm_topk_prob")),
+        decoder_sparse_step=int(get("decoder_sparse_step")),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        router_aux_loss_coef=float(get("router_aux_loss_coef")),
+    )
+    _check_moe(moe, num_layers)
+    return moe
+
+
+def _check_moe(moe: MoeArgs, num_layers: int) -> None:
+    if moe.decoder_sparse_step < 1:
+        raise UnsupportedModel(f"config field 'decoder_sparse_step' must be >= 1, got {moe.decoder_sparse_step}")
+    if moe.num_experts < 0 or (moe.num_experts > 0 and not 1 <= moe.top_k <= moe.num_experts):
+        raise UnsupportedModel(
+            f"config fields 'num_experts_per_tok' ({moe.top_k}) and 'num_experts' ({moe.num_experts}): "
+            "need 1 <= num_experts_per_tok <= num_experts"
+        )
+    outside = [i for i in moe.mlp_only_layers if not 0 <= i < num_layers]
+    if outside:
+        raise UnsupportedModel(
+            f"config field 'mlp_only_layers' names layers {outside} outside 0..{num_layers - 1}"
+        )
+
+
+def _moe_hf_fields(moe: MoeArgs) -> dict[str, Any]:
+    return {
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.intermediate_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "decoder_sparse_step": moe.decoder_sparse_step,
+        "mlp_only_layers": list(moe.mlp_only_layers),
+        "router_aux_loss_coef": moe.router_aux_loss_coef,
+    }
 
 
 def _rope_parameters(theta: float, scaling: RopeScaling) -> dict[str, Any]:

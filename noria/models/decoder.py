@@ -1,10 +1,10 @@
-"""The native decoder-only transformer: Llama, Qwen2 and Qwen3 dense in one class.
+"""The native decoder-only transformer: Llama, Qwen2, Qwen3 dense and Qwen3-MoE in one class.
 
 :class:`DecoderLM` is the single model definition that the rollout engine and the trainer both
 run, which is what makes their logprobs comparable (bitwise in deterministic mode). Per layer::
 
     x -> RMSNorm -> q,k,v proj (+bias) -> [q/k RMSNorm] -> RoPE -> ctx.attend -> o proj -> + x
-      -> RMSNorm -> SwiGLU MLP -> + x
+      -> RMSNorm -> SwiGLU MLP (MoE layers: noria.models.moe.SparseMoeBlock) -> + x
 
 Parameter names equal transformers' names (``model.embed_tokens.weight``,
 ``model.layers.0.self_attn.q_proj.weight``, ..., ``lm_head.weight``), so HF state dicts map 1:1.
@@ -241,20 +241,28 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block: attention then MLP, each added to the residual stream."""
+    """One pre-norm block: attention then MLP (or, in a sparse layer of a MoE model, the
+    ``noria.models.moe.SparseMoeBlock``), each added to the residual stream."""
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.sparse = layer_idx in args.moe_layers
+        if self.sparse:
+            from noria.models.moe import SparseMoeBlock  # moe builds on this module's linears
+
+            self.mlp = SparseMoeBlock(args, args.moe_layers.index(layer_idx))
+        else:
+            self.mlp = MLP(args)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext, routing=None
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, routing) if self.sparse else self.mlp(h))
 
 
 class DecoderModel(nn.Module):
@@ -272,18 +280,28 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn: AttentionContext | None = None,
+        routing=None,
     ) -> torch.Tensor:
         ctx = attn if attn is not None else CausalContext()
         if positions is None:
             positions = ctx.positions(input_ids.shape[0], input_ids.shape[1], input_ids.device)
+        if routing is not None:
+            self._check_routing(routing, *input_ids.shape)
         h = self.embed_tokens(input_ids)
         # Recomputed per call (a few hundred floats): no buffer to survive .to(dtype), meta
         # init or FSDP sharding, and it stays fp32 whatever the weights are.
         inv_freq = rope_inv_freq(self.args, input_ids.device)
         cos, sin = rope_tables(inv_freq, positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, ctx)
+            h = layer(h, cos, sin, ctx, routing)
         return self.norm(h)
+
+    def _check_routing(self, routing, batch: int, seq_len: int) -> None:
+        moe = self.args.moe
+        if not self.args.moe_layers:
+            raise ValueError(f"routing= given, but this {self.args.model_type} model has no MoE layer")
+        routing.chosen.clear()
+        routing.check_replay(batch, seq_len, len(self.args.moe_layers), moe.top_k, moe.num_experts)
 
 
 class DecoderLM(nn.Module):
@@ -306,7 +324,8 @@ class DecoderLM(nn.Module):
         Attention is not switched here: it is the context's (``PackedContext(deterministic=True)``,
         the engine's deterministic runner)."""
         for module in self.modules():
-            if isinstance(module, (Linear, Embedding, RMSNorm)):
+            # The MoE block and its router (noria.models.moe) carry the same switch.
+            if isinstance(module, (Linear, Embedding, RMSNorm)) or hasattr(type(module), "exact_dtype"):
                 module.exact_dtype = dtype
 
     def tie_weights(self) -> None:
@@ -320,16 +339,20 @@ class DecoderLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn: AttentionContext | None = None,
+        routing=None,
     ) -> torch.Tensor:
-        """Logits [B, T, V] in the model dtype for input_ids [B, T]."""
-        return self.lm_head(self.model(input_ids, positions, attn))
+        """Logits [B, T, V] in the model dtype for input_ids [B, T]. ``routing`` (a
+        ``noria.models.moe.Routing``, MoE models only) replays given routes and records the
+        routers' own."""
+        return self.lm_head(self.model(input_ids, positions, attn, routing))
 
     def hidden_states(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn: AttentionContext | None = None,
+        routing=None,
     ) -> torch.Tensor:
         """Final normed hidden states [B, T, H]; ``lm_head`` of these gives ``forward``'s logits.
         Trainers use this to compute logprobs in vocabulary chunks without [B, T, V] in memory."""
-        return self.model(input_ids, positions, attn)
+        return self.model(input_ids, positions, attn, routing)
