@@ -34,6 +34,12 @@ What blocks on what:
   changes nothing. ``engine.weight_version`` is the component's version.
 - ``submit`` / ``abort``: never (they post a command).
 
+MoE routes (``GenerateRequest.return_routed_experts``): a step with such a request also returns
+the routers' top-k at each sampling position (``ModelRunner.forward_routed``, or the graph's
+routes output), and ``Scheduler.process`` appends each to its token as it is sampled, so a
+token's route is the one its own forward used: never recomputed by a re-prefill after a
+retraction, and from the weight version the token carries.
+
 Callbacks run on the engine thread and must not block (``generate`` and ``stream`` hand results to
 the caller's event loop with ``call_soon_threadsafe``).
 
@@ -94,7 +100,7 @@ class Engine:
         seed: int = 0,
     ) -> None:
         if not isinstance(model, DecoderLM):
-            raise TypeError(f"the engine runs the native DecoderLM (llama/qwen2/qwen3), got {type(model).__name__}")
+            raise TypeError(f"the engine runs the native DecoderLM (llama/qwen2/qwen3/qwen3_moe), got {type(model).__name__}")
         config.validate()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -358,15 +364,19 @@ class Engine:
         """Start a step: a decode step sampled in its CUDA graph is only queued on the device (its
         tokens come back in :meth:`_finish`); any other step runs and samples here."""
         reqs = [c.req for c in chunks if c.sample]
+        routed = any(r.routes is not None for r in reqs)
         if self.runner.samples_in_graph(chunks):
             params = [r.request.sampling for r in reqs]
             if device_sampleable(params, max((r.request.top_logprobs_num for r in reqs), default=0)):
                 temps = [0.0 if p.greedy else float(p.temperature) for p in params]
                 uniforms = draw_uniforms(params, [r.generator for r in reqs], self._generator)
-                launched = self.runner.launch_sampled(chunks, temps, uniforms, feed)
+                launched = self.runner.launch_sampled(chunks, temps, uniforms, feed, routes=routed)
                 return _Step(chunks, launched=launched)
         if feed is not None:
             raise RuntimeError("a step fed on the device must run from a CUDA graph")
+        if routed:
+            logits, routes = self.runner.forward_routed(chunks)
+            return _Step(chunks, done=self._sample(logits, reqs), routes=routes)
         return _Step(chunks, done=self._sample(self.runner.forward(chunks), reqs))
 
     def _follow(self, step: _Step) -> _Step | None:
@@ -396,7 +406,7 @@ class Engine:
     def _finish(self, step: _Step) -> None:
         ids, logprobs, top = step.result()
         dropped = sum(1 for c in step.chunks if c.pending and c.req.state is not ReqState.RUNNING)
-        notify = self.scheduler.process(step.chunks, ids, logprobs, top, self.weight_version)
+        notify = self.scheduler.process(step.chunks, ids, logprobs, top, self.weight_version, step.routes())
         self._stats.record(len(ids) - dropped)
         self._notify(notify)
 
@@ -491,6 +501,8 @@ class Engine:
             raise RequestError(
                 f"prompt has {len(ids)} tokens; the context limit is {self.max_context} (prompt + output)"
             )
+        if req.return_routed_experts and not self.model.args.moe_layers:
+            raise RequestError(f"return_routed_experts: this {self.model.args.model_type} model has no MoE layer")
         if not isinstance(req.top_logprobs_num, int) or not 0 <= req.top_logprobs_num <= vocab:
             raise RequestError(f"top_logprobs_num must be in [0, {vocab}], got {req.top_logprobs_num!r}")
         needed = self._max_total(req)
@@ -535,10 +547,18 @@ class _Step:
     """A launched step: its chunks and, when sampled on the device and not yet waited for, the
     launch handle; else its host results."""
 
-    def __init__(self, chunks: list[Chunk], launched=None, done=None) -> None:
+    def __init__(self, chunks: list[Chunk], launched=None, done=None, routes: torch.Tensor | None = None) -> None:
         self.chunks = chunks
         self.launched = launched
         self._done = done
+        self._routes = routes
+
+    def routes(self) -> torch.Tensor | None:
+        """Host [S, L, k] routes of the sampling chunks when the step captured them; blocks like
+        :meth:`result`."""
+        if self.launched is not None:
+            return self.launched.routes()
+        return self._routes
 
     def result(self) -> tuple[list[int], list[float], list | None]:
         """(ids, logprobs, top logprobs) of the sampling chunks; blocks until the step ends."""

@@ -52,11 +52,13 @@ kernels), so the fast path stays below that with a margin."""
 
 
 def supported(model: DecoderLM) -> bool:
-    """True where the fast path exists: a CPU model whose dtype oneDNN's packed linears run here
-    (fp32 on any x86 CPU; bf16 only where oneDNN has bf16 kernels, see ``noria.hardware``)."""
+    """True where the fast path exists: a dense CPU model whose dtype oneDNN's packed linears run
+    here (fp32 on any x86 CPU; bf16 only where oneDNN has bf16 kernels, see ``noria.hardware``).
+    MoE models run their own modules (their experts are not packed linears)."""
     first = next(model.parameters())
     return (
-        first.device.type == "cpu"
+        not model.args.moe_layers
+        and first.device.type == "cpu"
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hardware.packed_linear_ok(first.dtype)
     )

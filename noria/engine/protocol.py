@@ -4,7 +4,7 @@ These mirror SGLang's native ``/generate`` API so that the HTTP server is a thin
 real SGLang server can stand in for the built-in engine: ``SamplingParams`` uses SGLang's field
 names, and ``GenerateOutput.meta_info()`` produces SGLang's ``meta_info`` dict (``finish_reason``,
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``output_token_logprobs``,
-``weight_version``).
+``weight_version``, ``routed_experts``).
 
 Validation lives here (``SamplingParams.validate``), so every entry point rejects the same bad
 input with the same message before a request reaches the scheduler.
@@ -12,6 +12,7 @@ input with the same message before a request reaches the scheduler.
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -103,6 +104,9 @@ class GenerateRequest:
     """Also return the k most likely tokens and their log-probabilities at every step."""
     routing_key: str | None = None
     """Session routing key (for routers); the engine itself ignores it."""
+    return_routed_experts: bool = False
+    """MoE models: also return, per output token, the experts each MoE layer routed it through
+    (``GenerateOutput.routed_experts``; rollout routing replay)."""
 
 
 @dataclass
@@ -127,6 +131,11 @@ class GenerateOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (not recomputed)."""
+    routed_experts: Any = None
+    """With ``return_routed_experts``: integer tensor [R, L, k] (R output tokens, L MoE layers, top-k;
+    ``noria.models.moe.route_dtype``): row i holds the experts of the forward step that sampled
+    output token i, i.e. the routing of the position before it, recorded when it was sampled (so
+    a retraction's re-prefill or a later weight update never rewrites it). None otherwise."""
 
     @property
     def finished(self) -> bool:
@@ -152,7 +161,38 @@ class GenerateOutput:
         }
         if self.top_logprobs is not None:
             info["output_top_logprobs"] = [[[lp, tid, None] for tid, lp in step] for step in self.top_logprobs]
+        if self.routed_experts is not None:
+            info.update(encode_routes(self.routed_experts))
         return info
+
+
+def encode_routes(routes: Any) -> dict[str, Any]:
+    """SGLang's ``meta_info["routed_experts"]`` (base64 of int32 ids, row-major) for routes
+    [R, L, k], and their shape (``routed_experts_shape``, which SGLang does not send: its rows are
+    every position but the last, prompt included, where Noria's are the output tokens)."""
+    import numpy as np
+
+    array = np.ascontiguousarray(routes.numpy().astype(np.int32))
+    return {"routed_experts": base64.b64encode(array.tobytes()).decode("ascii"), "routed_experts_shape": list(array.shape)}
+
+
+def decode_routes(info: dict[str, Any], completion_tokens: int) -> Any:
+    """The routes of ``meta_info`` as an int32 tensor: [R, L, k] from Noria (``routed_experts_shape``),
+    [R, L * k] from SGLang (its last R rows: the positions that sampled the output); None if absent."""
+    import numpy as np
+    import torch
+
+    data = info.get("routed_experts")
+    if data is None:
+        return None
+    flat = torch.from_numpy(np.frombuffer(base64.b64decode(data), dtype=np.int32).copy())
+    shape = info.get("routed_experts_shape")
+    if shape is not None:
+        return flat.view(*shape)
+    rows = int(info.get("prompt_tokens", 0)) + completion_tokens - 1
+    if rows <= 0 or flat.numel() % rows:
+        raise RequestError(f"routed_experts holds {flat.numel()} ids, not a whole number of {rows} positions")
+    return flat.view(rows, -1)[rows - completion_tokens :]
 
 
 def _is_int(value: Any) -> bool:

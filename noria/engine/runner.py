@@ -54,6 +54,7 @@ from noria.engine.paged_context import DecodeFn, DecodeMeta, PagedAttentionConte
 from noria.engine.scheduler import Chunk
 from noria.models.attention import attention_scale
 from noria.models.decoder import DecoderLM
+from noria.models.moe import Routing
 
 def pick_decode_fn(attention: str, device: torch.device) -> DecodeFn:
     """``torch``: the reference; ``auto``: the C++ kernel on CPU when it builds, the Triton kernel
@@ -81,12 +82,23 @@ def pick_decode_fn(attention: str, device: torch.device) -> DecodeFn:
 class LaunchedStep:
     """A decode step replayed from a CUDA graph and not waited for (``ModelRunner.launch_sampled``)."""
 
-    def __init__(self, ids: torch.Tensor, host: torch.Tensor, event: torch.cuda.Event, n: int) -> None:
+    def __init__(
+        self, ids: torch.Tensor, host: torch.Tensor, event: torch.cuda.Event, n: int, routes: torch.Tensor | None = None
+    ) -> None:
         self.ids = ids
         """Device [S]: the sampled ids (fp64), for the next step's ``feed``; valid until the graph
         replays again."""
         self._host, self._event, self._n = host, event, n
+        self._routes = routes  # pinned host [bucket, L, k], written behind the replay
         self._result: tuple[list[int], list[float]] | None = None
+
+    def routes(self) -> torch.Tensor | None:
+        """Host [S, L, k] routes when the launch copied them (a copy of its own). Blocking like
+        :meth:`result`."""
+        if self._routes is None:
+            return None
+        self._event.synchronize()
+        return self._routes[: self._n].clone()
 
     def result(self) -> tuple[list[int], list[float]]:
         """(ids, logprobs) of every row. Blocking: until the step and its device->host copy end."""
@@ -170,20 +182,37 @@ class ModelRunner:
 
     @torch.no_grad()
     def launch_sampled(
-        self, chunks: list[Chunk], temps: list[float], uniforms: torch.Tensor, feed: torch.Tensor | None = None
+        self, chunks: list[Chunk], temps: list[float], uniforms: torch.Tensor, feed: torch.Tensor | None = None,
+        routes: bool = False,
     ) -> LaunchedStep:
         """A decode step sampled inside its CUDA graph (plain temperature or greedy rows: see
         ``sampling.device_sampleable``; only when :meth:`samples_in_graph`), queued on the device
         without waiting: every chunk's token id and logprob come back by ``result()`` (one
         device->host read of 2 x S numbers). ``feed`` (device [S]): the chunks' input ids, when they
-        are pending (the samples of the step launched just before, see ``Scheduler.follow``)."""
-        ids, host, event = self.graphs.launch(chunks, temps, uniforms, feed)
-        return LaunchedStep(ids, host, event, len(chunks))
+        are pending (the samples of the step launched just before, see ``Scheduler.follow``).
+        ``routes``: also copy the step's MoE routes to the host (``LaunchedStep.routes``)."""
+        ids, host, event, host_routes = self.graphs.launch(chunks, temps, uniforms, feed, routes)
+        return LaunchedStep(ids, host, event, len(chunks), host_routes)
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits [number of sampling chunks, V] in the model's dtype, in chunk order (the sampler
         works in fp32 and widens on the fly: no fp32 copy of the logits)."""
+        return self._forward(chunks, None)
+
+    @torch.no_grad()
+    def forward_routed(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, and the routes of the sampling rows (MoE models): [S, L, k] on the host,
+        row i the experts of the position that gives sampling chunk i its logits."""
+        if self._graph_step(chunks):
+            logits = self.graphs.forward(chunks)
+            return logits, self.graphs.routes(len(chunks)).cpu()
+        routing = Routing()
+        logits = self._forward(chunks, routing)
+        rows = self._to_device(self._last_rows(chunks), torch.long)
+        return logits, routing.routes()[0].index_select(0, rows).cpu()
+
+    def _forward(self, chunks: list[Chunk], routing: Routing | None) -> torch.Tensor:
         if self._graph_step(chunks):
             return self.graphs.forward(chunks)
         ids, positions, slots, ctx = self._prepare(chunks)
@@ -191,7 +220,8 @@ class ModelRunner:
         if self.fast is not None:
             hidden = self.fast.hidden_states(ids, positions, ctx)[0]
             return self.fast.lm_head(hidden.index_select(0, rows))
-        return self.model.lm_head(self.model.hidden_states(ids, positions, attn=ctx)[0].index_select(0, rows))
+        hidden = self.model.hidden_states(ids, positions, attn=ctx, routing=routing)[0]
+        return self.model.lm_head(hidden.index_select(0, rows))
 
     @staticmethod
     def _last_rows(chunks: list[Chunk]) -> list[int]:

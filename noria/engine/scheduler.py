@@ -70,6 +70,9 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    routes: list[torch.Tensor] | None = None
+    """With ``return_routed_experts``: per output token, the [L, k] experts of the step that
+    sampled it (appended then, never recomputed: a re-prefill after a retraction leaves them)."""
     state: ReqState = ReqState.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -85,6 +88,8 @@ class Req:
         self.all_ids = list(self.request.input_ids)
         if self.request.top_logprobs_num > 0:
             self.top_logprobs = []
+        if self.request.return_routed_experts:
+            self.routes = []
 
     @property
     def rid(self) -> str:
@@ -110,6 +115,7 @@ class Req:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len,
             cached_tokens=self.cached_tokens,
+            routed_experts=torch.stack(self.routes) if self.routes else None,
         )
 
 
@@ -364,8 +370,10 @@ class Scheduler:
         logprobs: list[float],
         top: list[list[tuple[int, float]]] | None,
         version: int,
+        routes: torch.Tensor | None = None,
     ) -> list[Req]:
-        """Record a step's samples (in the order of the sampling chunks); return requests to notify."""
+        """Record a step's samples (in the order of the sampling chunks; ``routes`` [S, L, k] on the
+        host when a request of the step asked for them); return requests to notify."""
         notify, row = [], 0
         for chunk in chunks:
             req = chunk.req
@@ -376,6 +384,8 @@ class Scheduler:
             if not chunk.sample:
                 continue
             self._append(req, token_ids[row], logprobs[row], None if top is None else top[row], version)
+            if req.routes is not None:
+                req.routes.append(routes[row].clone())  # a row of its own, not a view of the step's
             row += 1
             reason = self.stops.check(req)
             if reason is not None:

@@ -57,6 +57,7 @@ from noria.engine.weights import (
     parse_dtype,
 )
 from noria.models.checkpoint import tensor_files
+from noria.models.moe import disk_layout, stacked_name
 
 # -------------------------------------------------------------------------------------------- disk
 
@@ -128,10 +129,27 @@ def folder_entries(folder: str | Path) -> list[FileTensor]:
 
 
 def stage_from_folder(stage: WeightStage, folder: str | Path) -> int:
-    """Validate every header entry of ``folder``, then read each tensor into its staging buffer."""
+    """Validate every header entry of ``folder``, then read each tensor into its staging buffer.
+    MoE experts stored one tensor per expert (HF's layout) go into the model's stacked tensors:
+    every piece of a stacked tensor or none (:func:`_check_pieces`); they are copied straight into
+    its staging buffer, or, in another dtype, assembled first (one extra copy of those tensors)."""
     entries = folder_entries(folder)
+    specs = stage.specs()
+    groups: dict[str, list[FileTensor]] = {}
     for e in entries:
-        stage.check(e.name, e.dtype, e.shape)
+        target = stacked_name(e.name)
+        if target is not None and e.name not in specs and target in specs:
+            groups.setdefault(target, []).append(e)
+        else:
+            stage.check(e.name, e.dtype, e.shape)
+    views: dict[str, torch.Tensor] = {}
+    assembled: dict[str, torch.Tensor] = {}
+    for name, pieces in groups.items():
+        _check_pieces(name, specs[name][1], pieces)
+        dest = stage.direct_buffer(name, pieces[0].dtype)
+        if dest is None:
+            dest = assembled[name] = torch.empty(specs[name][1], dtype=pieces[0].dtype)
+        views.update(disk_layout({name: dest}))
     by_file: dict[Path, list[FileTensor]] = {}
     for e in entries:
         by_file.setdefault(e.file, []).append(e)
@@ -139,9 +157,32 @@ def stage_from_folder(stage: WeightStage, folder: str | Path) -> int:
         with _mapped(file) as mm:
             data = _bytes_tensor(mm)
             for e in items:
-                stage.put(e.name, _typed_view(data, e.start, e.end, e.dtype, e.shape))
+                tensor = _typed_view(data, e.start, e.end, e.dtype, e.shape)
+                if e.name in views:
+                    views[e.name].copy_(tensor)
+                else:
+                    stage.put(e.name, tensor)
             del data
+    for name, full in assembled.items():
+        stage.put(name, full)
     return len(entries)
+
+
+def _check_pieces(name: str, shape: tuple[int, ...], pieces: list[FileTensor]) -> None:
+    """The per-expert tensors of stacked ``name`` fit it, in one dtype, and none is missing."""
+    views = disk_layout({name: torch.empty(shape, device="meta")})
+    for e in pieces:
+        view = views.get(e.name)
+        if view is None or tuple(view.shape) != e.shape or e.dtype != pieces[0].dtype:
+            raise WeightUpdateError(
+                f"weight update from disk: expert tensor '{e.name}' ({dtype_name(e.dtype)} {list(e.shape)}) "
+                f"does not fit '{name}' ({list(shape)})"
+            )
+    missing = sorted(set(views) - {e.name for e in pieces})
+    if missing:
+        raise WeightUpdateError(
+            f"weight update from disk: '{missing[0]}' is missing; the experts of '{name}' are updated all together"
+        )
 
 
 def _map_read_only(fd: int, size: int) -> mmap.mmap:

@@ -309,6 +309,16 @@ def grouped_experts(x, idx, weights, gate_up, down) -> torch.Tensor:
 
 
 _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<leaf>gate_up_proj|down_proj)$")
+_PIECE = re.compile(r"^(?P<prefix>.*\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stacked_name(disk_name: str) -> str | None:
+    """The stacked state-dict name a per-expert checkpoint tensor belongs to
+    (``...experts.3.up_proj.weight`` -> ``...experts.gate_up_proj``), or None for another name."""
+    m = _PIECE.match(disk_name)
+    if m is None:
+        return None
+    return f"{m['prefix']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
 
 
 def disk_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

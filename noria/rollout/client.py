@@ -10,7 +10,7 @@ and its two implementations:
 
 Both return ``GenerateOutput`` records: token ids, the log-probability of every sampled token and
 the weight version that produced each token (an SGLang server reports one version per request; it
-is repeated per token).
+is repeated per token), and on request the MoE routes of each output token (``routed_experts``).
 
 Failure: a dead engine (the in-process thread stopped, the server refuses connections or its
 process exited) raises ``EngineFailure`` naming the engine; a request running past
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from noria.engine.protocol import GenerateOutput, GenerateRequest
+from noria.engine.protocol import GenerateOutput, GenerateRequest, decode_routes
 from noria.errors import NoriaError
 from noria.router.client import RoutedClient
 
@@ -116,6 +116,8 @@ class HttpEngineClient:
         }
         if req.rid == "":
             body.pop("rid")
+        if req.return_routed_experts:
+            body["return_routed_experts"] = True
         data = await self._call(self.http.generate(body, routing_key=req.routing_key))
         return output_from_sglang(data, req)
 
@@ -199,6 +201,12 @@ def output_from_sglang(data: dict[str, Any], req: GenerateRequest) -> GenerateOu
     if versions is None:  # SGLang: one version (a string) for the whole request
         version = info.get("weight_version")
         versions = [int(version) if version is not None else -1] * len(ids)
+    routes = decode_routes(info, len(ids)) if req.return_routed_experts else None
+    if req.return_routed_experts and ids and (routes is None or len(routes) != len(ids)):
+        raise EngineFailure(
+            f"engine answered {len(ids)} output ids but no routed_experts for each (is it a MoE model, and an "
+            "SGLang server started with --enable-return-routed-experts?)"
+        )
     return GenerateOutput(
         rid=str(info.get("id", req.rid)),
         output_ids=ids,
@@ -208,4 +216,5 @@ def output_from_sglang(data: dict[str, Any], req: GenerateRequest) -> GenerateOu
         finish_reason=info.get("finish_reason"),
         prompt_tokens=int(info.get("prompt_tokens", len(req.input_ids))),
         cached_tokens=int(info.get("cached_tokens", 0)),
+        routed_experts=routes,
     )

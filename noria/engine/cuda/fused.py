@@ -240,9 +240,12 @@ class FusedDecoder:
         d = a.head_dim
         return d >= 16 and d & (d - 1) == 0 and d <= 256 and a.hidden_size <= 16384
 
-    def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv, attend) -> torch.Tensor:
+    def hidden_states(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv, attend, routing=None
+    ) -> torch.Tensor:
         """Final normed hidden states [N, H] of N decode tokens (ids, positions, slots: [N]);
-        ``attend(layer, q [N, Hq, D], k_pool, v_pool)`` is the paged decode attention."""
+        ``attend(layer, q [N, Hq, D], k_pool, v_pool)`` is the paged decode attention. MoE layers run
+        their own block (grouped expert GEMMs), recording routes in ``routing``."""
         m = self.model.model
         eps = self.eps
         x = m.embed_tokens(ids)
@@ -264,6 +267,9 @@ class FusedDecoder:
             attn = a.o_proj(out.reshape(q.shape[0], -1))
             h = add_rmsnorm(attn, layer.post_attention_layernorm.weight, eps, residual)
             mlp = layer.mlp
-            g, u = fp8.shared_input(h, (mlp.gate_proj, mlp.up_proj))
-            pending = mlp.down_proj(silu_mul(g, u))
+            if layer.sparse:
+                pending = mlp(h.unsqueeze(0), routing)[0]
+            else:
+                g, u = fp8.shared_input(h, (mlp.gate_proj, mlp.up_proj))
+                pending = mlp.down_proj(silu_mul(g, u))
         return add_rmsnorm(pending, m.norm.weight, eps, residual)

@@ -17,7 +17,10 @@ made only of decode chunks (one token per sequence) is therefore run from a grap
   plain sampling step (no top-k/top-p/min-p, no top logprobs) reads back 2 x S numbers and
   nothing else;
 - the graph's logits ``[B, V]`` and samples ``[2, B]`` are returned as views of their first S
-  rows/columns: valid until the next replay (the engine reads them before the next step).
+  rows/columns: valid until the next replay (the engine reads them before the next step);
+- MoE models: the routers' top-k of every row is a graph output as well ([B, L, k], the
+  ``noria.models.moe.Routing`` of the captured forward), copied to the host only for a step
+  whose requests asked for routes.
 
 ``launch`` replays without waiting: the samples are copied to a pinned host buffer behind the
 replay (an event marks the copy), and the next step may take its input ids from them on the device
@@ -36,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from noria.engine.cuda import fused
+from noria.models.moe import Routing
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
@@ -51,6 +55,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], dict] = {}
         self._pool = None
         self._pools_ptr = None
+        self._last: dict | None = None
         from noria.engine.cuda import triton_available
 
         self.device_sampling = triton_available()
@@ -73,22 +78,33 @@ class DecodeGraphs:
         """Replay the step's graph (greedy rows) and return its logits [S, V], a view of the graph's
         buffer valid until the next replay: the caller samples from them."""
         g, n = self._launch(chunks, None, None, None)
+        self._last = g
         return g["logits"][:n]
 
+    def routes(self, n: int) -> torch.Tensor:
+        """MoE models: the routes [n, L, k] of the last :meth:`forward`'s rows (a device view)."""
+        return self._last["routes"][:n]
+
     def launch(
-        self, chunks, temps: list[float], uniforms: torch.Tensor, feed: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        self, chunks, temps: list[float], uniforms: torch.Tensor, feed: torch.Tensor | None = None,
+        routes: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event, torch.Tensor | None]:
         """Replay with the graph's sampler at ``temps`` and ``uniforms`` (``fused.sample_rows``), input
         ids from ``feed`` (device [S]) when the chunks are pending, and without waiting: (sampled ids on the device [S] (fp64; valid until this graph's
         next replay), pinned host copy [2, bucket] of ids and logprobs, event recorded after that
         copy). The host copy alternates between two buffers per graph: it holds this step's values
-        until the graph's second replay after this one."""
+        until the graph's second replay after this one. ``routes`` (MoE models): the graph's routes
+        are copied behind it too, into the 4th value (pinned host [bucket, L, k], same turns)."""
         g, n = self._launch(chunks, temps, uniforms, feed)
         host = g["host_sampled"][g["turn"]]
         host.copy_(g["sampled"], non_blocking=True)
+        host_routes = None
+        if routes:
+            host_routes = g["host_routes"][g["turn"]]
+            host_routes.copy_(g["routes"], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return g["sampled"][0, :n], host, event
+        return g["sampled"][0, :n], host, event, host_routes
 
     def _launch(self, chunks, temps, uniforms, feed):
         ptr = self.kv.k_pools[0].data_ptr()
@@ -171,19 +187,24 @@ class DecodeGraphs:
         def attend(layer: int, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
             return runner.decode_fn(q, k_pool, v_pool, tables, lens, kv.block_size, runner.scale)
 
-        def run() -> torch.Tensor:
+        moe = bool(runner.model.args.moe_layers)
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             lens.copy_(meta[3])  # int64 -> int32 inside the graph
+            # MoE: the routers' choices are a graph output too (a few bytes per row; read back only
+            # when a request asks for them).
+            routing = Routing() if moe else None
             if runner.fused is not None:
-                hidden = runner.fused.hidden_states(meta[0], meta[1], slots, kv, attend)
+                hidden = runner.fused.hidden_states(meta[0], meta[1], slots, kv, attend, routing)
             else:
                 ctx = PagedAttentionContext(
                     kv, positions, slots, DecodeMeta(rows, tables, lens, None), [], runner.decode_fn, runner.scale
                 )
-                hidden = runner.model.hidden_states(ids, positions, attn=ctx)[0]
+                hidden = runner.model.hidden_states(ids, positions, attn=ctx, routing=routing)[0]
             logits = runner.model.lm_head(hidden)
             if self.device_sampling:
                 fused.sample_rows(logits, temps, uniforms, sampled)
-            return logits
+            return logits, (routing.routes()[0] if moe else None)
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -196,10 +217,12 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         # thread_local: weight staging on a caller thread may use the GPU during a capture.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = run()
+            logits, routes = run()
+        host_routes = [torch.zeros(routes.shape, dtype=routes.dtype).pin_memory() for _ in range(2)] if moe else None
         # Every tensor the graph reads or writes stays referenced here: memory freed after capture
         # would be handed to other tensors while replays still use its address.
         return {"graph": graph, "meta": meta, "tables": tables, "lens": lens, "rows": rows, "temps": temps,
                 "host_temps": host_temps, "uniforms": uniforms, "sampled": sampled,
                 "host_meta": host_meta, "host_tables": host_tables, "host_sampled": host_sampled,
-                "held_tables": [[(None, 0)] * size for _ in range(2)], "turn": 0, "logits": logits}
+                "held_tables": [[(None, 0)] * size for _ in range(2)], "turn": 0, "logits": logits,
+                "routes": routes, "host_routes": host_routes}

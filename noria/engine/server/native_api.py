@@ -9,7 +9,9 @@ events), ``/health``, ``/health_generate`` (a real one-token generation), ``/ser
 The weight-update endpoints are :mod:`noria.engine.server.weights_api`.
 
 Responses follow SGLang's shapes (``text``, ``output_ids``, ``meta_info`` with the engine id and the
-weight version that produced the tokens). Blocking: generation is awaited on the event loop; cache
+weight version that produced the tokens; with ``return_routed_experts`` on a MoE model, SGLang's
+``routed_experts``, base64 of int32 ids, with ``routed_experts_shape`` [output tokens, MoE layers,
+top-k]: one row per output token, where SGLang sends one per position). Blocking: generation is awaited on the event loop; cache
 flushes and memory release run in a thread (``EngineServer.blocking``).
 """
 
@@ -52,7 +54,7 @@ class NativeApi:
 
     GENERATE_FIELDS = {
         "text", "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "stream",
-        "return_text_in_logprobs", "routing_key",
+        "return_text_in_logprobs", "routing_key", "return_routed_experts",
     }  # fmt: skip
 
     def __init__(self, server: EngineServer) -> None:
@@ -108,6 +110,7 @@ class NativeApi:
         if top_k < 0:
             raise RequestError(f"top_logprobs_num must be >= 0, got {top_k}")
         key = want(body, "routing_key", str) or None
+        routed = per_item(body.get("return_routed_experts"), n, "return_routed_experts", bool)
         reqs = []
         for i, ids in enumerate(prompts):
             where = f"sampling_params[{i}]" if isinstance(body.get("sampling_params"), list) else "sampling_params"
@@ -116,7 +119,7 @@ class NativeApi:
             reqs.append(GenerateRequest(
                 input_ids=ids, sampling=sampling, rid=rids[i] or "",
                 return_logprob=True if logprobs[i] is None else logprobs[i],
-                top_logprobs_num=top_k, routing_key=key,
+                top_logprobs_num=top_k, routing_key=key, return_routed_experts=bool(routed[i]),
             ))  # fmt: skip
         return reqs, batched
 
