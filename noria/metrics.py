@@ -113,6 +113,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("optimizer_step", "count", "Optimizer steps done so far."),
         ("train/samples", "count", "Samples trained on this step."),
         ("train/skipped_no_samples", "flag", "1 when no sample of the step could be trained on."),
+        ("train/token_staleness_mean", "versions", "Mean over the trained policy tokens of the engines' weight version minus the version that sampled the token."),
+        ("train/token_staleness_max", "versions", "Largest token staleness of the step (a group's staleness is that of its oldest token)."),
         ("critic/value_loss", "loss", "PPO with GAE: the critic's clipped value loss (0.5 * squared error), token mean."),
         ("critic/value_clip_frac", "fraction", "Trained tokens whose value update was clipped (train.critic.value_clip)."),
         ("critic/value_mean", "value", "Mean predicted value over trained tokens."),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from noria.router.sglang_router import free_port
+from noria.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

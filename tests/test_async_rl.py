@@ -15,7 +15,7 @@ import time
 import pytest
 
 from noria.config import ConfigError, load_config
-from noria.launch.local import Job
+from noria.launch.local import LocalJob
 from noria.loop import rl_loop
 from noria.rollout.buffer import staleness_of
 from test_rl_loop import read_jsonl, rl_args
@@ -33,7 +33,7 @@ def async_args(model, **extra):
 
 def run_spied(config, run_dir, resume=None):
     """Run the loop with random generate and train latencies; returns [(version at train time, groups)]."""
-    job = Job.build(config, str(run_dir), resume, False)
+    job = LocalJob.build(config, str(run_dir), resume, False)
     trained = []
     rng = random.Random(0)
     real_generate, real_train = job.client.generate, job.train
@@ -43,7 +43,7 @@ def run_spied(config, run_dir, resume=None):
         return await real_generate(req)
 
     def slow_train(groups):
-        trained.append((job.version, list(groups)))
+        trained.append((job.weight_version, list(groups)))
         time.sleep(rng.random() * 0.2)
         return real_train(groups)
 

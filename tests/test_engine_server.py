@@ -391,7 +391,7 @@ def test_oversized_body_is_413_and_not_held_in_memory(server, http):
 
 def test_join_toward_an_unreachable_master_is_bounded(http):
     from noria.engine.weight_sources import JOIN_TIMEOUT_S
-    from noria.router.sglang_router import free_port
+    from noria.net import free_port
 
     assert JOIN_TIMEOUT_S <= 60
     body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,

@@ -14,7 +14,7 @@ from engine_server_util import routed_engines
 
 from noria.engine.protocol import GenerateOutput, GenerateRequest, SamplingParams
 from noria.router import ROUTING_HEADER, LocalRouter, MissingRoutingKey, RoutedClient
-from noria.router.sglang_router import free_port
+from noria.net import free_port
 
 LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
 ONE = {"max_new_tokens": 1}

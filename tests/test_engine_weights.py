@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import socket
+from noria.net import free_port
 
 import pytest
 import torch
@@ -91,7 +91,7 @@ def test_update_from_gloo_broadcast(model):
     expected_model = load_model_copy(model, tensors)
     expected = make_engine(expected_model).generate_batch([REQ])[0]
     engine = make_engine(model)
-    port = _free_port()
+    port = free_port()
     proc = mp.get_context("spawn").Process(target=_trainer_rank0, args=(port, tensors))
     proc.start()
     engine.weights.join_group("127.0.0.1", port, 1, 2, "sync-test", backend="gloo")
@@ -147,12 +147,6 @@ def load_model_copy(model, tensors: dict[str, torch.Tensor]):
         for name, t in tensors.items():
             clone.state_dict()[name].copy_(t)
     return clone
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_deterministic_logprobs_do_not_depend_on_40_neighbours_with_a_real_vocab():

@@ -16,7 +16,7 @@ import torch
 
 from noria.config import load_config
 from noria.launch.env import MULTICAST_OFF
-from noria.launch.local import Job
+from noria.launch.local import LocalJob
 from noria.loop import rl_loop
 from test_async_rl import async_args
 from test_rl_loop import read_jsonl
@@ -27,7 +27,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 def run_async(model, run_dir, engine: str, trainer: str) -> tuple[list[dict], str, torch.device, torch.device]:
     args = {"rollout.engine_device": engine, "train.device": trainer, "sync.transport": "broadcast", "sync.verify": True,
             "train.max_steps": 3, "rollout.max_staleness": 1}  # fmt: skip
-    job = Job.build(load_config(None, async_args(model, **args)), str(run_dir), None, False)
+    job = LocalJob.build(load_config(None, async_args(model, **args)), str(run_dir), None, False)
     try:
         asyncio.run(job.run(rl_loop))
         backend = job.sync.transport_impl.backend

@@ -60,12 +60,12 @@ def test_run_engine_takes_weights_only_from_the_run(tiny_model_dir, tmp_path):
     import httpx
 
     from noria.config import load_config
-    from noria.launch.local import Job
+    from noria.launch.local import LocalJob
     from noria.loop import rl_loop
     from noria.rollout import EngineFailure
 
     config = load_config(None, rl_args(tiny_model_dir, **{"rollout.placement": "disaggregated", "train.max_steps": 3}))
-    job = Job.build(config, str(tmp_path / "run"), None, False)
+    job = LocalJob.build(config, str(tmp_path / "run"), None, False)
     try:
         url, pid = job.client.base_url, job.engine_process.pid
         update = {"model_path": str(tiny_model_dir), "weight_version": 0}

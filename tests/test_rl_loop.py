@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from noria.config import ConfigError, load_config
 from noria.errors import NoriaError
-from noria.launch.local import Job, run_rl
+from noria.launch.local import LocalJob, run_rl
 from noria.rollout import EngineFailure
 
 TESTS = Path(__file__).parent
@@ -160,7 +160,7 @@ def test_disaggregated_engine_process(tiny_model_dir, tmp_path):
 
 def test_engine_process_that_dies_stops_the_run_naming_it(tiny_model_dir, tmp_path):
     config = load_config(None, rl_args(tiny_model_dir, **{"rollout.placement": "disaggregated", "train.max_steps": 3}))
-    job = Job.build(config, str(tmp_path / "run"), None, False)
+    job = LocalJob.build(config, str(tmp_path / "run"), None, False)
     try:
         job.engine_process.kill()
         job.engine_process.wait()

@@ -18,7 +18,7 @@ from noria.config import EngineConfig, SyncConfig
 from noria.engine import Engine, GenerateRequest, RequestError, SamplingParams, WeightUpdateError
 from noria.engine.weight_sources import create_update_group, flat_offsets, send_broadcast
 from noria.models import load_model
-from noria.router.sglang_router import free_port
+from noria.net import free_port
 from noria.sync import WeightSyncError, build_sync, bucketize, resolve_transport
 from noria.sync.disk import write_safetensors
 from noria.sync.targets import HttpEngine, LocalTarget

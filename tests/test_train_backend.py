@@ -91,17 +91,31 @@ def test_save_load_step_is_bitwise_equal_to_uninterrupted(tiny_model_dir, tmp_pa
     kw = {"param_dtype": "bfloat16", "optim": {"schedule": "cosine", "warmup_steps": 1, "total_steps": 4}}
     run = make_backend(tiny_model_dir, **kw)
     run.train_step(b1)
-    folder = run.save(checkpoint_dir(tmp_path, run.step), extra={"cursor": 17})
+    folder = run.save(checkpoint_dir(tmp_path, run.optimizer_steps), extra={"cursor": 17})
     m_run = run.train_step(b2)
 
     resumed = make_backend(tiny_model_dir, **kw)
     assert resumed.load(latest_checkpoint(tmp_path)) == {"cursor": 17}
-    assert (resumed.step, resumed.weight_version) == (1, 1)
+    assert resumed.optimizer_steps == 1
     m_res = resumed.train_step(b2)
     assert m_res["loss"] == m_run["loss"] and m_res["lr"] == m_run["lr"]
     for (name, t), (_, u) in zip(weights(run).items(), weights(resumed).items()):
         assert torch.equal(t, u), name
-    assert json.loads((folder / "trainer_state.json").read_text())["step"] == 1
+    assert json.loads((folder / "trainer_state.json").read_text())["optimizer_steps"] == 1
+
+
+def test_checkpoint_of_the_old_field_names_still_loads(tiny_model_dir, tmp_path):
+    # Before issue 20 the count was "step" and a mirrored "weight_version" sat beside it.
+    run = make_backend(tiny_model_dir)
+    run.train_step(_batch(1))
+    folder = run.save(checkpoint_dir(tmp_path, 1), extra={"cursor": 3})
+    state_file = folder / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["step"] = state.pop("optimizer_steps")
+    state["weight_version"] = 1
+    state_file.write_text(json.dumps(state))
+    resumed = make_backend(tiny_model_dir)
+    assert resumed.load(folder) == {"cursor": 3} and resumed.optimizer_steps == 1
 
 
 def test_uncommitted_checkpoint_is_refused(tiny_model_dir, tmp_path):
@@ -127,7 +141,7 @@ def test_nonfinite_step_raises_and_applies_nothing(tiny_model_dir):
     before = weights(backend)
     with pytest.raises(NonFiniteError, match="step 1"):
         backend.train_step(_batch())
-    assert backend.step == 0
+    assert backend.optimizer_steps == 0
     for name, t in weights(backend).items():
         assert torch.equal(t, before[name])
 

@@ -112,7 +112,7 @@ def test_ppo_train_updates_policy_and_critic(tiny_model_dir):
     critic.init(tiny_model_dir)
     before_policy, before_head = weights(policy), critic.policy.value_head.weight.detach().clone()
     parts = ppo_train(policy, critic, samples_with_rewards(), cfg, steps=2)
-    assert len(parts) == 2 and policy.step == 2 and critic.step == 2
+    assert len(parts) == 2 and policy.optimizer_steps == 2 and critic.optimizer_steps == 2
     for m in parts:
         assert {"loss", "grad_norm", "critic/value_loss", "critic/grad_norm"} <= m.keys()
         assert m["skipped"] == 0.0 and m["critic/skipped"] == 0.0
@@ -135,7 +135,7 @@ def test_critic_checkpoint_round_trip_and_contract(tiny_model_dir, tmp_path):
     fresh = CriticBackend(critic_config())
     fresh.init(tiny_model_dir)
     fresh.load(tmp_path / "ckpt")
-    assert torch.equal(fresh.compute_values(batch), saved) and fresh.step == 1
+    assert torch.equal(fresh.compute_values(batch), saved) and fresh.optimizer_steps == 1
     with pytest.raises(TrainError, match="not sent to rollout engines"):
         next(iter(critic.state_dict_for_sync(1 << 20)))
     with pytest.raises(TrainError, match="value head"):

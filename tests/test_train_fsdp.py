@@ -10,7 +10,7 @@ FSDP units) matches too. About 15 s on 2 cores.
 from __future__ import annotations
 
 import os
-import socket
+from noria.net import free_port
 
 import pytest
 import torch
@@ -22,12 +22,6 @@ from train_util import make_backend, pg_loss, random_samples, weights
 
 
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "down_proj"]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch():
@@ -90,7 +84,7 @@ def _worker(rank: int, world: int, port: int, model_dir, out_dir) -> None:
 
 
 def test_fsdp2_two_gloo_ranks_match_single_process(tiny_model_dir, tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), tiny_model_dir, tmp_path), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), tiny_model_dir, tmp_path), nprocs=2, join=True)
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)
 
     torch.set_num_threads(1)

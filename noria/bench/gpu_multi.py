@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from noria.net import free_port
 
 
 @dataclass(frozen=True)
@@ -364,12 +365,6 @@ def spawn_ranks(fn, world: int, spec: dict, out: Path) -> dict:
 
     mp.spawn(fn, args=(world, free_port(), spec, str(out)), nprocs=world, join=True)
     return json.loads(out.read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------ rl part

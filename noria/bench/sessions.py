@@ -61,7 +61,7 @@ class KeylessClient:
 
 def start_engine(model: str, log_dir: Path, name: str) -> tuple[subprocess.Popen, str]:
     from noria.launch.local import wait_healthy
-    from noria.router.sglang_router import free_port
+    from noria.net import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "noria", "serve", "--model", model, "--port", str(port), "--engine-id", name]

@@ -296,7 +296,7 @@ class _Server:
     def __init__(self, folder: Path, device: str = "cpu") -> None:
         import httpx
 
-        from noria.router.sglang_router import free_port
+        from noria.net import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -384,7 +384,7 @@ def _gloo_broadcast(sent: dict, bucket_bytes: int, repeats: int) -> Iterator[Cal
     import torch
 
     from noria.engine.weight_sources import create_update_group
-    from noria.router.sglang_router import free_port
+    from noria.net import free_port
     from noria.sync import bucketize
 
     sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in bucketize(sent, bucket_bytes)]

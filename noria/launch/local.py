@@ -1,4 +1,5 @@
-"""The local launcher: builds an RL ``Job`` on one machine and runs ``noria.loop.rl_loop`` on it.
+"""The local launcher: builds an RL job on one machine (``LocalJob``, a ``noria.loop.Job``) and runs
+``noria.loop.rl_loop`` on it.
 
 What it owns: turning a ``RunConfig`` into running parts, and the parts' per-step bookkeeping:
 
@@ -12,7 +13,10 @@ What it owns: turning a ``RunConfig`` into running parts, and the parts' per-ste
   buffer, and the run folder (config.yaml, metrics.jsonl, eval.jsonl, checkpoints/, final/);
 - the rollout scheduler (``noria.rollout.scheduler``), a background task on the loop's event loop
   that keeps trajectories in flight and fills the buffer while the trainer computes in a thread.
-  ``rollout.max_staleness`` bounds how far it runs ahead (0: synchronous RL).
+  ``rollout.max_staleness`` bounds how far it runs ahead (0: synchronous RL);
+- the weight version (``weight_version``, the number of completed syncs): this job owns it; the
+  scheduler reads it through a callable, the buffer gets it per take, checkpoints store it once.
+  The training step is ``noria.train.rl_step`` (every launcher runs the same one).
 
 Weight updates: a disaggregated engine is paused around each push (``rollout.pause_mode``: retract
 or in place); a colocated one is already paused, its KV memory released, for the trainer's turn.
@@ -32,8 +36,8 @@ here before any model loads, so a bad input costs seconds, not a model load.
 
 Resume (``--resume RUN_DIR``): the last committed checkpoint restores weights, AdamW, RNG, the data
 cursor (with the prompts of groups that were still generating put back first), the buffer's waiting
-groups, the step, the group counter, the count of trained groups and the weight version; the engine, started from the
-base model, receives the checkpoint's weights under that version before the first rollout, and
+groups, the step, the group counter, the count of trained groups and the weight version; the engine, started from
+the base model, receives the checkpoint's weights under that version before the first rollout, and
 metrics lines after the checkpoint are dropped so the resumed run repeats exactly the same steps.
 
 Not guaranteed: RL on several trainer processes (``train.world_size`` > 1) and several engines
@@ -46,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import secrets
 import signal
 import subprocess
@@ -67,7 +70,8 @@ from noria.rollout import EngineFailure, HttpEngineClient, LocalEngineClient, Ro
 from noria.rollout.buffer import DropStreak, build_buffer, prompt_to_dict, resolve_filters
 from noria.rollout.generate import generate_one, run_rollout  # run_rollout: the plug-in layers (noria.agent)
 from noria.rollout.scheduler import RolloutScheduler
-from noria.types import Group, Prompt, Sample, Status
+from noria.train.rl_step import on_device, rl_step
+from noria.types import Group, Prompt, Status
 
 SERVE_READY_TIMEOUT_S = 600.0
 
@@ -76,7 +80,7 @@ def run_rl(config: RunConfig, run_dir: str | None = None, resume: str | None = N
     """``noria train`` for ``train.algorithm: rl``: build the job, run the loop, clean up."""
     from noria.loop import rl_loop
 
-    job = Job.build(config, run_dir, resume, progress)
+    job = LocalJob.build(config, run_dir, resume, progress)
     try:
         asyncio.run(job.run(rl_loop))
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (noria.launch.lifecycle): say where the run stands
@@ -88,14 +92,15 @@ def run_rl(config: RunConfig, run_dir: str | None = None, resume: str | None = N
     return job.folder
 
 
-class Job:
-    """The parts of one RL run and the calls the loop makes on them (see ``noria.loop``)."""
+class LocalJob:
+    """The parts of one RL run on this machine and the calls the loop makes on them: a
+    ``noria.loop.Job`` (the protocol documents each call)."""
 
     # ------------------------------------------------------------------------------------ build
 
     @classmethod
-    def build(cls, config: RunConfig, run_dir: str | None, resume: str | None, progress: bool | None) -> Job:
-        from noria.train.run import check_run_folder, resolve_run_dir
+    def build(cls, config: RunConfig, run_dir: str | None, resume: str | None, progress: bool | None) -> LocalJob:
+        from noria.run_folder import check_run_folder, resolve_run_dir
 
         check_supported(config)
         folder = resolve_run_dir(config, run_dir, resume)
@@ -114,7 +119,8 @@ class Job:
         self.reward = resolve_reward(config)
         self.step = 0
         self.next_group_id = 0
-        self.version = 0
+        self.weight_version = 0
+        """The number of completed weight syncs: the version the engines serve (``noria.loop.Job``)."""
         self.total_steps = 0
         self.trained_groups = 0
         r = config.rollout
@@ -212,7 +218,7 @@ class Job:
 
     async def run(self, loop_fn: Any) -> None:
         with sigterm_cancels_task():  # SIGTERM stops the loop at an await, like Ctrl-C
-            if self.step > 0 or self.version > 0:  # resumed: the engine still serves the base model
+            if self.step > 0 or self.weight_version > 0:  # resumed: the engine still serves the base model
                 await self.sync_weights(advance=False)
             await loop_fn(self)
         self.log.close()
@@ -248,7 +254,7 @@ class Job:
         self.scheduler = RolloutScheduler(
             ctx, self.next_prompt, self.buffer, self.reward, n_samples=r.n_samples, groups_per_step=r.prompts_per_step,
             max_staleness=r.max_staleness, max_in_flight=r.max_in_flight or r.prompts_per_step * r.n_samples,
-            granularity=granularity(r), next_group_id=self.next_group_id, version=self.version,
+            granularity=granularity(r), next_group_id=self.next_group_id, version=lambda: self.weight_version,
             trained=self.trained_groups, **rollout_plugin(r),
         )  # fmt: skip
         self.scheduler.start()
@@ -268,7 +274,7 @@ class Job:
         start = time.perf_counter()
         groups: list[Group] = []
         while True:
-            taken = self.buffer.take(n - len(groups), self.version)
+            taken = self.buffer.take(n - len(groups), self.weight_version)
             scheduler.on_taken(len(taken))  # at once: the scheduler's staleness bound counts them
             if taken:
                 self.drops.trained()
@@ -278,7 +284,7 @@ class Job:
             await scheduler.wait_change()
         if not groups and self.step == 0:
             raise NoriaError(f"the data ran out before one group could be trained: {self.drops.describe()}")
-        check_served_versions(groups, self.version)
+        check_served_versions(groups, self.weight_version)
         self.trained_groups += len(groups)
         self.timer["wait"] = time.perf_counter() - start
         return sorted(groups, key=lambda g: g.group_id)
@@ -301,50 +307,19 @@ class Job:
             self.scheduler.hold(False)
 
     def train(self, groups: list[Group]) -> dict[str, float]:
-        """``steps_per_rollout`` optimizer steps on the groups' trainable samples."""
-        with on_device(self.backend.device):
-            return self._train(groups)
-
-    def _train(self, groups: list[Group]) -> dict[str, float]:
-        from noria.train import pack_samples
-        from noria.train.algorithms import compute_advantages
-
-        t0 = time.perf_counter()
-        cfg = self.config.train
-        kept = [trainable(g) for g in groups]
-        kept = [g for g in kept if g]
-        samples = [s for g in kept for s in g]
-        if not samples:
-            return {"time/train_s": time.perf_counter() - t0, "train/skipped_no_samples": 1.0}
-        k = cfg.steps_per_rollout
-        if self.critic is not None:
-            from noria.train.critic import ppo_train
-
-            parts = ppo_train(self.backend, self.critic, samples, cfg, k)
-        else:
-            advantages = compute_advantages(cfg.loss, [[s.reward for s in g] for g in kept])
-            flat_adv = [a for per_group in advantages for a in per_group]
-            size = math.ceil(len(samples) / k)
-            slices = [(samples[i : i + size], flat_adv[i : i + size]) for i in range(0, len(samples), size)]
-            batches = [pack_samples(s, a) for s, a in slices]
-            old = [self.backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
-            parts = [self.backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
-        out = average(parts)
-        out["optimizer_step"] = out.pop("step", float(self.backend.step))
-        out["train/samples"] = float(len(samples))
-        out["time/train_s"] = time.perf_counter() - t0
-        return out
+        """``steps_per_rollout`` optimizer steps on the groups' trainable samples (``noria.train.rl_step``)."""
+        return rl_step(self.backend, groups, self.config.train, self.weight_version, self.critic)
 
     async def sync_weights(self, advance: bool = True) -> dict[str, float]:
-        """Push the trainer's weights to the engines as the next version (or the current one on resume)."""
-        version = self.version + 1 if advance else self.version
+        """Push the trainer's weights to the engines as the next version (or, resuming, the current
+        one), then count the sync: ``weight_version`` changes here and nowhere else."""
+        version = self.weight_version + 1 if advance else self.weight_version
         bucket = self.config.sync.bucket_mb << 20
         async with self.generation_paused():
             metrics = await asyncio.to_thread(self.push, version, bucket)
-        self.version = version
-        self.backend.weight_version = version
+        self.weight_version = version
         if self.scheduler is not None:
-            self.scheduler.on_version(version)
+            self.scheduler.on_new_version()
         return metrics
 
     def push(self, version: int, bucket_bytes: int) -> dict[str, float]:
@@ -367,10 +342,10 @@ class Job:
 
     def end_step(self, groups: list[Group], train: dict[str, float], sync: dict[str, float]) -> None:
         self.step += 1
-        row = {"step": self.step, "version": self.version}
+        row = {"step": self.step, "version": self.weight_version}
         row.update(group_metrics(groups))
         row.update(self.scheduler.metrics())
-        row.update(self.buffer.metrics(self.version))
+        row.update(self.buffer.metrics(self.weight_version))
         row.update(train)
         row.update(sync)
         row["groups/trained"] = float(len(groups))
@@ -399,17 +374,17 @@ class Job:
         except EngineFailure:
             raise
         except Exception as e:  # an evaluation failure never stops training
-            self.log.write_eval({"step": self.step, "version": self.version, "skipped": f"{type(e).__name__}: {e}"})
+            self.log.write_eval({"step": self.step, "version": self.weight_version, "skipped": f"{type(e).__name__}: {e}"})
             return
         samples = [s for g in result.groups for s in g.samples]
         try:
             check_scored(samples, f"evaluation at step {self.step}")
         except NoriaError as e:  # logged (and printed) as skipped; an evaluation never stops training
-            self.log.write_eval({"step": self.step, "version": self.version, "skipped": str(e)}, samples)
+            self.log.write_eval({"step": self.step, "version": self.weight_version, "skipped": str(e)}, samples)
             return
         row = {
             "step": self.step,
-            "version": self.version,
+            "version": self.weight_version,
             "accuracy": accuracy(samples),
             "n_prompts": len(result.groups),
             "n_answers": len(samples),
@@ -441,14 +416,14 @@ class Job:
             "rl_step": self.step,
             "next_group_id": next_group_id,
             "trained_groups": self.trained_groups,
-            "version": self.version,
+            "weight_version": self.weight_version,
             "data": data,
             "buffer": self.buffer.state_dict(),
         }
 
     def restore(self) -> None:
+        from noria.run_folder import keep_metrics_through
         from noria.train import latest_checkpoint
-        from noria.train.run import keep_metrics_through
 
         ckpt = latest_checkpoint(self.folder)
         if ckpt is not None:
@@ -458,8 +433,8 @@ class Job:
             self.step = int(extra["rl_step"])
             self.next_group_id = int(extra["next_group_id"])
             self.trained_groups = int(extra.get("trained_groups", self.step * self.config.rollout.prompts_per_step))
-            self.version = int(extra["version"])
-            self.backend.weight_version = self.version
+            # "version": the key of checkpoints written before the weight version had one owner.
+            self.weight_version = int(extra["weight_version"] if "weight_version" in extra else extra["version"])
             self.source.load_state_dict(extra["data"])
             self.buffer.load_state_dict(extra["buffer"])
         for name in ("metrics.jsonl", "eval.jsonl"):
@@ -553,16 +528,6 @@ def build_weight_sync(config: RunConfig, target: Any, folder: Path) -> Any:
     return build_sync(cfg, [target], run_dir=folder, source=model_path(config.model.path))
 
 
-def on_device(device: Any) -> contextlib.AbstractContextManager:
-    """The trainer's CUDA device as the current one for the calling thread (worker threads start on
-    cuda:0; code that means "the current device" then means the trainer's, e.g. on cuda:1)."""
-    if getattr(device, "type", "cpu") != "cuda":
-        return contextlib.nullcontext()
-    import torch
-
-    return torch.cuda.device(device)
-
-
 def engine_device(config: RunConfig) -> str:
     """The device of the ``noria serve`` engine the run starts: ``rollout.engine_device`` or ``model.device``."""
     return config.rollout.engine_device or config.model.device
@@ -587,29 +552,6 @@ def check_served_versions(groups: list[Group], pushed: int) -> None:
             f"group {group.group_id} was generated with weight version {served}, but this run has pushed versions up to "
             f"{pushed} only: the engine took weights from elsewhere; stopping rather than train on them"
         )
-
-
-def trainable(group: Group) -> list[Sample]:
-    """The samples of ``group`` that can be trained on: generated to the end and scored."""
-    return [s for s in group.samples if s.status in (Status.COMPLETED, Status.TRUNCATED) and s.reward is not None]
-
-
-def average(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Mean of each metric over optimizer steps (max / min for extrema, the last value for counters)."""
-    if len(parts) == 1:
-        return dict(parts[0])
-    out: dict[str, float] = {}
-    for key in parts[0]:
-        values = [p[key] for p in parts if key in p]
-        if key.endswith("_max"):
-            out[key] = max(values)
-        elif key.endswith("_min"):
-            out[key] = min(values)
-        elif key in ("step", "lr"):
-            out[key] = values[-1]
-        else:
-            out[key] = sum(values) / len(values)
-    return out
 
 
 def group_metrics(groups: list[Group]) -> dict[str, float]:
@@ -646,7 +588,7 @@ def start_server(path: Path, config: RunConfig, folder: Path) -> tuple[subproces
     """``noria serve`` on a free loopback port as a child process that dies with this one, behind a
     per-run API key (in its environment, not on its command line); waits until it answers /health.
     Returns (process, url, key)."""
-    from noria.router.sglang_router import free_port
+    from noria.net import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "noria", "serve", "--model", str(path), "--port", str(port)]

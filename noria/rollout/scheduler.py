@@ -20,7 +20,8 @@ frees its places when the group is done, whatever the granularity.
 Admission (staleness, AReaL's rule): a group started now is trained after every group already
 trained, waiting or in flight, so it is admitted only while
 ``trained + waiting + in flight < (version + max_staleness + 1) * groups_per_step``, ``version``
-being the weights the engines serve. With ``max_staleness`` 0 that is exactly synchronous RL: one
+being the weights the engines serve, read from its owner (the job's ``weight_version``) through the
+``version`` callable; ``on_new_version`` only wakes the worker. With ``max_staleness`` 0 that is exactly synchronous RL: one
 step's groups, then nothing until the trainer has taken them and pushed new weights. The bound is
 on admission; the buffer still checks every group's real staleness on take (groups finish out of
 order), and a stale group is dropped there.
@@ -73,7 +74,7 @@ class RolloutScheduler:
         max_in_flight: int,
         granularity: str,
         next_group_id: int = 0,
-        version: int = 0,
+        version: Callable[[], int] = lambda: 0,
         trained: int = 0,
         generate: GenerateFn = generate_one,
         rollout_group: GroupRollout | None = None,
@@ -84,7 +85,9 @@ class RolloutScheduler:
         self.generate, self.rollout_group = generate, rollout_group
         self.n_samples, self.groups_per_step, self.max_staleness = n_samples, groups_per_step, max_staleness
         self.max_in_flight, self.granularity = max_in_flight, granularity
-        self.next_group_id, self.version, self.trained = next_group_id, version, trained
+        self.next_group_id, self.trained = next_group_id, trained
+        self.version = version
+        """The weight version the engines serve, read from its owner (``noria.loop.Job.weight_version``)."""
         self.in_flight = 0  # trajectories holding a place
         self.pending: dict[int, Prompt] = {}  # groups started and not yet put, by id
         self.error: BaseException | None = None
@@ -119,9 +122,8 @@ class RolloutScheduler:
         self._held = held
         self._notify()
 
-    def on_version(self, version: int) -> None:
-        """The engines now serve ``version`` (admission moves)."""
-        self.version = version
+    def on_new_version(self) -> None:
+        """The engines serve a new weight version now (admission moves)."""
         self._notify()
 
     async def wait_change(self) -> None:
@@ -151,7 +153,7 @@ class RolloutScheduler:
 
     def _admissible(self) -> bool:
         places = self.max_in_flight - self.in_flight >= self.n_samples and not self._held
-        bound = (self.version + self.max_staleness + 1) * self.groups_per_step
+        bound = (self.version() + self.max_staleness + 1) * self.groups_per_step
         return places and self.trained + len(self.buffer) + len(self.pending) < bound
 
     async def _run(self) -> None:

@@ -22,7 +22,6 @@ sent to a worker directly are invisible to it.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,16 +32,11 @@ from typing import IO, Any
 import httpx
 
 from noria.errors import NoriaError
+from noria.net import free_port
 
 
 class RouterError(NoriaError):
     """sglang-router is missing, exited, or did not become ready in time."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class SglangRouter:

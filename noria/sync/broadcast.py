@@ -159,7 +159,7 @@ class BroadcastTransport(Transport):
             return
         self._drop_group()
         from noria.engine.weight_sources import create_update_group
-        from noria.router.sglang_router import free_port
+        from noria.net import free_port
 
         port = free_port(MASTER_ADDRESS)
         name = f"noria-sync-{uuid.uuid4().hex[:8]}"

@@ -84,10 +84,10 @@ LossFn = Callable[[LossInputs], tuple[torch.Tensor, Metrics]]
 class TrainBackend(Protocol):
     """What the loop needs from a trainer; see the module docstring for the call order."""
 
-    step: int
-    """Optimizer steps applied so far (skipped non-finite steps do not count)."""
-    weight_version: int
-    """Version of the current weights; +1 per applied step (what engines report back)."""
+    optimizer_steps: int
+    """Optimizer steps applied so far (skipped non-finite steps do not count). Not the weight
+    version engines serve: that is the number of completed weight syncs, owned by the RL job
+    (``noria.loop.Job.weight_version``)."""
 
     def init(self, model_path: str | Path, total_steps: int | None = None) -> None:
         """Load the policy (and reference/teacher when configured), build optimizer and schedule."""
@@ -111,7 +111,7 @@ class TrainBackend(Protocol):
         ...
 
     def save(self, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Write a committed checkpoint (model, optimizer, schedule, RNG, step, version, extra)."""
+        """Write a committed checkpoint (model, optimizer, schedule, RNG, optimizer steps, extra)."""
         ...
 
     def load(self, folder: str | Path) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Layout of one checkpoint folder (``run_dir/checkpoints/step-000010``)::
 
     __0_0.distcp ... .metadata    DCP: model + optimizer state, each rank writes its own shards
-    trainer_state.json            step, weight_version, extra (the loop's data cursor, ...)
+    trainer_state.json            optimizer_steps, extra (the loop's data cursor, the RL weight version, ...)
     rng-<rank>.pt                 torch / cuda / python / numpy RNG states of each rank, as plain
                                   tensors and numbers (loaded with ``weights_only=True``: a run
                                   folder is data, never code)
@@ -13,7 +13,7 @@ Write order: every rank writes into a hidden sibling ``.step-000010.partial``; a
 rank 0 writes ``COMMITTED`` and renames the folder into place, then all ranks meet again. A crash at
 any point leaves either the previous checkpoints only, or a hidden partial folder that
 ``latest_checkpoint`` ignores. The schedule has no state of its own: the LR is a function of
-``step`` (``noria.train.optim.lr_at``).
+the optimizer step count (``noria.train.optim.lr_at``).
 
 Not guaranteed: durability against power loss (no fsync), and multi-node runs need a folder all
 ranks share.

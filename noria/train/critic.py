@@ -175,12 +175,15 @@ def gae_targets(cfg: LossConfig, batch: TrainBatch, values: torch.Tensor, reward
     return flat_adv, flat_ret
 
 
-def ppo_train(policy: FSDPBackend, critic: CriticBackend, samples: list[Sample], cfg: TrainConfig, steps: int) -> list[dict[str, float]]:
+def ppo_train(
+    policy: FSDPBackend, critic: CriticBackend, samples: list[Sample], cfg: TrainConfig, steps: int, batch: TrainBatch | None = None
+) -> list[dict[str, float]]:
     """PPO with GAE on one rollout step's samples: ``steps`` optimizer steps of policy and critic.
 
     Values, advantages and returns come from the critic before any update (the usual PPO order);
-    with ``steps`` > 1 the policy's pre-update logprobs are the ``old`` ones of every slice."""
-    batch = pack_samples(samples)
+    with ``steps`` > 1 the policy's pre-update logprobs are the ``old`` ones of every slice.
+    ``batch``: ``pack_samples(samples)`` when the caller has packed them already."""
+    batch = pack_samples(samples) if batch is None else batch
     values = critic.compute_values(batch)
     advantages, returns = gae_targets(cfg.loss, batch, values, [s.reward for s in samples])
     batch = dataclasses.replace(batch, advantages=advantages)

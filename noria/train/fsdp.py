@@ -247,8 +247,9 @@ class FSDPBackend:
         self.seed = seed
         self.compute_dtype = DTYPES[hardware.resolve_dtype(cfg.param_dtype, cfg.device)]
         self.distributed = cfg.backend == "fsdp2"
-        self.step = 0
-        self.weight_version = 0
+        self.optimizer_steps = 0
+        """Optimizer steps applied so far (skipped non-finite steps do not count); only the backend
+        changes it. Not the weight version the engines serve (the loop's count of syncs)."""
         self.nonfinite_streak = 0
 
     # ------------------------------------------------------------------------------------ init
@@ -271,7 +272,7 @@ class FSDPBackend:
         self.lm = lm
         self.policy = self._wrap(lm, train=True)
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
-        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, total_steps))
+        set_lr(self.optimizer, lr_at(self.optimizer_steps, self.cfg.optim, total_steps))
         self.frozen: dict[str, nn.Module] = {}
         if self.cfg.loss.kl_coef > 0 and self.cfg.algorithm == "rl":
             self.frozen["reference"] = self._load_frozen(model_path)
@@ -472,24 +473,23 @@ class FSDPBackend:
         return bool(bad.item() == 0)
 
     def _apply_or_skip(self, finite: bool, grad_norm: torch.Tensor) -> dict[str, float]:
-        lr = lr_at(self.step, self.cfg.optim, self.total_steps)
+        lr = lr_at(self.optimizer_steps, self.cfg.optim, self.total_steps)
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_streak += 1
             if self.nonfinite_streak > self.cfg.max_nonfinite_skips:
                 raise NonFiniteError(
-                    f"step {self.step + 1}: non-finite loss or grad norm on at least one rank "
+                    f"step {self.optimizer_steps + 1}: non-finite loss or grad norm on at least one rank "
                     f"({self.nonfinite_streak} consecutive, train.max_nonfinite_skips is "
                     f"{self.cfg.max_nonfinite_skips}); no update was applied"
                 )
-            return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 1.0, "step": float(self.step)}
+            return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 1.0, "step": float(self.optimizer_steps)}
         self.nonfinite_streak = 0
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.weight_version += 1
-        return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0, "step": float(self.step)}
+        self.optimizer_steps += 1
+        return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0, "step": float(self.optimizer_steps)}
 
     def _reduce_metrics(self, sums: dict[str, list[float]]) -> dict[str, float]:
         if self.distributed:
@@ -582,10 +582,9 @@ class FSDPBackend:
     # ------------------------------------------------------------------------ checkpoints
 
     def save(self, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Committed DCP checkpoint of policy, optimizer, RNG, step, weight version and ``extra``."""
+        """Committed DCP checkpoint of policy, optimizer, RNG, optimizer steps and ``extra``."""
         state = {
-            "step": self.step,
-            "weight_version": self.weight_version,
+            "optimizer_steps": self.optimizer_steps,
             "nonfinite_streak": self.nonfinite_streak,
             "world_size": self.world,
             "extra": extra or {},
@@ -595,8 +594,9 @@ class FSDPBackend:
     def load(self, folder: str | Path) -> dict[str, Any]:
         """Restore a committed checkpoint written by ``save``; returns its ``extra``."""
         state = load_checkpoint(folder, self.policy, self.optimizer)
-        self.step = int(state["step"])
-        self.weight_version = int(state["weight_version"])
+        # Checkpoints before the rename store the count as "step" (and a mirrored weight_version,
+        # which the RL job's own "weight_version" supersedes).
+        self.optimizer_steps = int(state["optimizer_steps"] if "optimizer_steps" in state else state["step"])
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
-        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, self.total_steps))
+        set_lr(self.optimizer, lr_at(self.optimizer_steps, self.cfg.optim, self.total_steps))
         return dict(state.get("extra", {}))

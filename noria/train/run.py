@@ -1,4 +1,7 @@
-"""``noria train``: the supervised fine-tuning job (``train.algorithm: sft``) and its run folder.
+"""``noria train`` for ``train.algorithm: sft``: the supervised fine-tuning job.
+
+RL (``train.algorithm: rl``) is ``noria.launch.local.run_rl`` (the loop of ``noria.loop``); both
+write the same run folder, whose name and resume checks are ``noria.run_folder``.
 
 The loop (``run_sft``), one optimizer step per pass::
 
@@ -8,7 +11,7 @@ The loop (``run_sft``), one optimizer step per pass::
       -> metrics.jsonl line (+ progress bar or plain line) -> every save_every steps: checkpoint
     after the last step: RUN_DIR/final/ (HF folder: transformers and ``noria eval`` load it)
 
-Run folder (DESIGN.md section 7)::
+Run folder (``noria.run_folder``)::
 
     RUN_DIR/config.yaml                  the resolved config
     RUN_DIR/metrics.jsonl                one line per optimizer step (rank 0 writes)
@@ -24,8 +27,8 @@ Distributed (``train.backend: fsdp2``, ``train.world_size`` > 1): under torchrun
 every rank runs the loop; otherwise ``train`` spawns ``world_size`` local ranks itself on a free
 loopback port. Data is validated once, before any rank starts or any model loads.
 
-Not guaranteed: the RL loop (``train.algorithm: rl``) comes with the rollout loop; bitwise-equal
-losses after a resume hold on one process (not across a change of world size).
+Not guaranteed: bitwise-equal losses after a resume hold on one process (not across a change of
+world size).
 """
 
 from __future__ import annotations
@@ -33,25 +36,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from noria.config import RunConfig, save_config, to_dict
+from noria.config import RunConfig, save_config
 from noria.data import PromptSource
 from noria.errors import NoriaError
+from noria.net import free_port
+from noria.run_folder import check_run_folder, keep_metrics_through, resolve_run_dir
 from noria.train.checkpoint import checkpoint_dir, latest_checkpoint
 from noria.train.sft import SFTDataError, chat_sample, read_chat_jsonl
 from noria.types import Prompt, Sample
-
-RESUME_MAY_CHANGE = ("run_dir", "train.max_steps")
-"""Config keys a resumed run may set differently from the saved config."""
-
 
 @dataclass
 class SFTData:
@@ -66,7 +63,7 @@ class SFTData:
 def train(config: RunConfig, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None) -> Path:
     """The ``noria train`` job: validate data, then run the loop (spawning ranks if needed)."""
     if config.train.algorithm == "rl":
-        raise NoriaError("train.algorithm rl: the RL loop is not available yet (it comes with the rollout loop); use train.algorithm sft")
+        raise NoriaError("train.algorithm rl runs through noria.launch.local.run_rl (noria train picks it), not the SFT job")
     data = prepare_sft(config)
     if config.train.backend == "single":
         return run_sft(config, data, run_dir, resume, progress)
@@ -146,29 +143,21 @@ def run_sft(config: RunConfig, data: SFTData, run_dir: str | None, resume: str |
     if rank == 0:
         config.run_dir = str(folder)
         save_config(config, folder / "config.yaml")
-    log = StepLog(folder / "metrics.jsonl", rank == 0, steps, backend.step, progress)
-    while backend.step < steps and not source.exhausted:
+    log = StepLog(folder / "metrics.jsonl", rank == 0, steps, backend.optimizer_steps, progress)
+    while backend.optimizer_steps < steps and not source.exhausted:
         rows = source.next_batch(config.train.global_batch)
         metrics = backend.train_step(pack_samples([data.samples[r.index] for r in rows]))
         log.write(step_row(metrics, source.epoch))
-        if config.train.save_every and backend.step % config.train.save_every == 0:
-            backend.save(checkpoint_dir(folder, backend.step), extra={"data": source.state_dict()})
+        if config.train.save_every and backend.optimizer_steps % config.train.save_every == 0:
+            backend.save(checkpoint_dir(folder, backend.optimizer_steps), extra={"data": source.state_dict()})
     log.close()
     backend.export_hf(folder / "final")
     if rank == 0:
-        print(f"noria train: {backend.step} steps; model in {folder / 'final'}", file=sys.stderr)
+        print(f"noria train: {backend.optimizer_steps} steps; model in {folder / 'final'}", file=sys.stderr)
     return folder
 
 
 # ------------------------------------------------------------------------------- run folder
-
-
-def resolve_run_dir(config: RunConfig, run_dir: str | None, resume: str | None) -> Path:
-    """The run folder: --resume, else --run-dir, else config.run_dir, else runs/<name>-<time>."""
-    if resume is not None and run_dir is not None and Path(run_dir).resolve() != Path(resume).resolve():
-        raise NoriaError(f"--run-dir {run_dir} and --resume {resume} name different run folders")
-    folder = resume or run_dir or config.run_dir or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return Path(folder)
 
 
 def agree_run_dir(config: RunConfig, run_dir: str | None, resume: str | None) -> Path:
@@ -181,14 +170,6 @@ def agree_run_dir(config: RunConfig, run_dir: str | None, resume: str | None) ->
     return Path(folder[0])
 
 
-def check_run_folder(folder: Path, config: RunConfig, resume: bool) -> None:
-    """A fresh run needs a folder without a run in it; a resumed one, the same config as saved."""
-    if resume:
-        check_same_config(folder, config)
-    elif (folder / "metrics.jsonl").exists() or latest_checkpoint(folder) is not None:
-        raise NoriaError(f"run folder {folder} already holds a run: continue it with --resume {folder}, or pick another --run-dir")
-
-
 def restore(backend: Any, source: PromptSource, folder: Path) -> None:
     """Continue the run in ``folder`` from its last committed checkpoint (or from step 0 if none)."""
     ckpt = latest_checkpoint(folder)
@@ -196,46 +177,8 @@ def restore(backend: Any, source: PromptSource, folder: Path) -> None:
         extra = backend.load(ckpt)
         source.load_state_dict(extra["data"])
     if backend.rank == 0:
-        keep_metrics_through(folder / "metrics.jsonl", backend.step)
-        print(f"noria train: resuming {folder} at step {backend.step} ({ckpt or 'no checkpoint yet'})", file=sys.stderr)
-
-
-def check_same_config(folder: Path, config: RunConfig) -> None:
-    """Raise unless ``config`` equals the run's saved config outside ``RESUME_MAY_CHANGE``."""
-    saved_file = folder / "config.yaml"
-    if not saved_file.is_file():
-        raise NoriaError(f"--resume {folder}: no config.yaml there, so it is not a run folder")
-    saved, now = flatten(yaml.safe_load(saved_file.read_text())), flatten(to_dict(config))
-    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k not in RESUME_MAY_CHANGE)
-    if changed:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
-        raise NoriaError(f"--resume {folder}: the config differs from the run's config.yaml ({detail})")
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested sections -> ``{"a.b": value}``."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and key != "task_args":
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def keep_metrics_through(path: Path, step: int) -> None:
-    """Drop metrics lines of steps after ``step`` (and a line cut short by a crash)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("step", math.inf) <= step:
-            kept.append(line + "\n")
-    path.write_text("".join(kept))
+        keep_metrics_through(folder / "metrics.jsonl", backend.optimizer_steps)
+        print(f"noria train: resuming {folder} at step {backend.optimizer_steps} ({ckpt or 'no checkpoint yet'})", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -329,10 +272,3 @@ def barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

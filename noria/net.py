@@ -1,0 +1,21 @@
+"""Local networking helpers shared by every part that opens a port (a leaf: imports nothing of Noria).
+
+``free_port`` is how the engine server started by a run, the weight-sync rendezvous, the router,
+the SFT runner's ranks and the benchmarks pick a port. Loopback by default: every Noria server and
+rendezvous binds 127.0.0.1 unless told otherwise.
+
+Not guaranteed: the port is free when this returns, not when the caller binds it (another process
+may take it in between; callers that cannot retry bind it themselves and pass the socket on, as the
+weight-sync store does).
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free on ``host`` (loopback by default)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,87 @@
+"""The run folder of ``noria train`` (RL and SFT alike): where a run's files go, and the resume checks.
+
+A run writes everything it produces into one folder: ``noria train CONFIG --run-dir DIR`` (default
+``runs/<config name>-<time>``) holds the resolved config (``config.yaml``), ``metrics.jsonl``,
+``checkpoints/``, sampled trajectories (``rollouts/``, RL) and the final model (``final/``);
+``--resume DIR`` continues it. This module owns the folder's name and the checks before a run
+touches it:
+
+- a fresh run refuses a folder that already holds a run (metrics or a committed checkpoint);
+- a resumed run needs the same config as saved, except ``RESUME_MAY_CHANGE`` (a run may be
+  extended); the error names the keys that differ;
+- after a resume, metrics lines written past the checkpoint are dropped
+  (``keep_metrics_through``), so the resumed run repeats exactly the steps it lost.
+
+Not guaranteed: two runs started at once on one folder are not detected (nothing is locked).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from noria.config import RunConfig, to_dict
+from noria.errors import NoriaError
+from noria.train.checkpoint import latest_checkpoint
+
+RESUME_MAY_CHANGE = ("run_dir", "train.max_steps")
+"""Config keys a resumed run may set differently from the saved config."""
+
+
+def resolve_run_dir(config: RunConfig, run_dir: str | None, resume: str | None) -> Path:
+    """The run folder: --resume, else --run-dir, else config.run_dir, else runs/<name>-<time>."""
+    if resume is not None and run_dir is not None and Path(run_dir).resolve() != Path(resume).resolve():
+        raise NoriaError(f"--run-dir {run_dir} and --resume {resume} name different run folders")
+    folder = resume or run_dir or config.run_dir or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(folder)
+
+
+def check_run_folder(folder: Path, config: RunConfig, resume: bool) -> None:
+    """A fresh run needs a folder without a run in it; a resumed one, the same config as saved."""
+    if resume:
+        check_same_config(folder, config)
+    elif (folder / "metrics.jsonl").exists() or latest_checkpoint(folder) is not None:
+        raise NoriaError(f"run folder {folder} already holds a run: continue it with --resume {folder}, or pick another --run-dir")
+
+
+def check_same_config(folder: Path, config: RunConfig) -> None:
+    """Raise unless ``config`` equals the run's saved config outside ``RESUME_MAY_CHANGE``."""
+    saved_file = folder / "config.yaml"
+    if not saved_file.is_file():
+        raise NoriaError(f"--resume {folder}: no config.yaml there, so it is not a run folder")
+    saved, now = flatten(yaml.safe_load(saved_file.read_text())), flatten(to_dict(config))
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k not in RESUME_MAY_CHANGE)
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
+        raise NoriaError(f"--resume {folder}: the config differs from the run's config.yaml ({detail})")
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections -> ``{"a.b": value}``."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "task_args":
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def keep_metrics_through(path: Path, step: int) -> None:
+    """Drop metrics lines of steps after ``step`` (and a line cut short by a crash)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", math.inf) <= step:
+            kept.append(line + "\n")
+    path.write_text("".join(kept))

@@ -1,0 +1,130 @@
+"""The RL training step: one rollout step's groups -> ``train.steps_per_rollout`` optimizer steps.
+
+Every launcher runs this same step (``noria.loop.Job.train`` calls it; on several trainer ranks,
+every rank calls it with the same groups and the backend splits the work)::
+
+    groups --trainable (completed or truncated, and scored)--> samples
+      GRPO family (train.loss.advantage != gae):
+        advantages per group (noria.train.algorithms, by name) -> K slices of samples, in order
+        -> pack each slice -> K > 1: every slice's logprobs under the weights BEFORE the first update
+           (the "old" policy of the ratio) -> K backend.train_step calls
+      PPO with GAE (advantage: gae): noria.train.critic.ppo_train (the critic gives per-token
+        advantages; K slices likewise, policy and critic stepped together)
+    -> metrics: the mean over the K optimizer steps (extrema kept, counters last), the samples
+       trained, token staleness, the time taken
+
+With K = 1 there is no recomputation: the policy that generated is the one being trained, and the
+backend uses the current logprobs (detached) as the old ones. Off-policy correction against the
+rollout engine's logprobs is the objective's job (``train.loss.off_policy``).
+
+Blocking: the whole step runs on the calling thread (the loop calls it through
+``asyncio.to_thread``); under FSDP2 every rank must call it with the same groups. On CUDA the
+calling thread's current device is made the trainer's (``on_device``).
+
+Not guaranteed: a step with no trainable sample trains nothing; it reports
+``train/skipped_no_samples`` instead (the buffer already drops groups without one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from noria.config import TrainConfig
+from noria.types import Group, Sample, Status, TrainBatch
+
+
+def rl_step(backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any = None) -> dict[str, float]:
+    """``cfg.steps_per_rollout`` optimizer steps of ``backend`` (and ``critic`` for PPO with GAE) on the
+    groups' trainable samples; ``weight_version`` is the version the engines serve (for the
+    staleness metric). Returns the step's metrics (see the module docstring)."""
+    with on_device(backend.device):
+        return _rl_step(backend, groups, cfg, weight_version, critic)
+
+
+def _rl_step(backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any) -> dict[str, float]:
+    from noria.train import pack_samples
+    from noria.train.algorithms import compute_advantages
+
+    t0 = time.perf_counter()
+    kept = [g for g in (trainable(g) for g in groups) if g]
+    samples = [s for g in kept for s in g]
+    if not samples:
+        return {"time/train_s": time.perf_counter() - t0, "train/skipped_no_samples": 1.0}
+    k = cfg.steps_per_rollout
+    if critic is not None:
+        from noria.train.critic import ppo_train
+
+        batch = pack_samples(samples)
+        parts = ppo_train(backend, critic, samples, cfg, k, batch=batch)
+        batches = [batch]
+    else:
+        advantages = compute_advantages(cfg.loss, [[s.reward for s in g] for g in kept])
+        flat_adv = [a for per_group in advantages for a in per_group]
+        size = math.ceil(len(samples) / k)
+        slices = [(samples[i : i + size], flat_adv[i : i + size]) for i in range(0, len(samples), size)]
+        batches = [pack_samples(s, a) for s, a in slices]
+        old = [backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
+        parts = [backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
+    out = average(parts)
+    out["optimizer_step"] = out.pop("step", float(backend.optimizer_steps))
+    out["train/samples"] = float(len(samples))
+    out.update(token_staleness(batches, weight_version))
+    out["time/train_s"] = time.perf_counter() - t0
+    return out
+
+
+def trainable(group: Group) -> list[Sample]:
+    """The samples of ``group`` that can be trained on: generated to the end and scored."""
+    return [s for s in group.samples if s.status in (Status.COMPLETED, Status.TRUNCATED) and s.reward is not None]
+
+
+def average(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each metric over optimizer steps (max / min for extrema, the last value for counters)."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: dict[str, float] = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts if key in p]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        elif key in ("step", "lr"):
+            out[key] = values[-1]
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def token_staleness(batches: Sequence[TrainBatch], weight_version: int) -> dict[str, float]:
+    """Over the trained policy tokens (``TrainBatch.weight_versions`` >= 0): mean and largest
+    ``weight_version`` minus the version that sampled the token. Group staleness (the buffer's)
+    looks at a group's oldest token; this shows how much of a batch is old when rollouts span
+    several versions (asynchronous RL, partial rollouts)."""
+    lags = []
+    for b in batches:
+        if b.weight_versions is None:
+            continue
+        versions = b.weight_versions[(b.loss_mask > 0) & (b.weight_versions >= 0)]
+        lags.append((weight_version - versions).clamp(min=0))
+    n = sum(int(x.numel()) for x in lags)
+    if n == 0:
+        return {}
+    return {
+        "train/token_staleness_mean": float(sum(float(x.sum()) for x in lags) / n),
+        "train/token_staleness_max": float(max(int(x.max()) for x in lags if x.numel())),
+    }
+
+
+def on_device(device: Any) -> contextlib.AbstractContextManager:
+    """The trainer's CUDA device as the current one for the calling thread (worker threads start on
+    cuda:0; code that means "the current device" then means the trainer's, e.g. on cuda:1)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)
