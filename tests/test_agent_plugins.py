@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from noria.agent.plugins import PluginError, load_plugin
+from noria.plugins import PluginError, load_plugin
 from noria.config import EngineConfig, RewardConfig, RolloutConfig
 from noria.rollout import LocalEngineClient, RolloutContext
 from noria.rollout.generate import run_rollout

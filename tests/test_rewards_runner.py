@@ -16,6 +16,7 @@ import pytest
 import reward_plugins
 
 from noria.config import RewardConfig
+from noria.plugins import PluginError
 from noria.rewards import get_reward, register_reward, score, score_async, score_groups
 from noria.types import Group, Prompt, Sample, Status
 
@@ -122,13 +123,13 @@ def test_score_async_inside_a_loop_and_sync_score_refused_there():
 
 
 def test_registry_errors():
-    with pytest.raises(ValueError, match="unknown reward 'nope'.*exact_match"):
+    with pytest.raises(PluginError, match="reward.name: unknown reward 'nope'.*exact_match"):
         get_reward("nope")
-    with pytest.raises(ModuleNotFoundError):
+    with pytest.raises(PluginError, match="reward.name: cannot import 'no_such_module_xyz'.*ModuleNotFoundError"):
         get_reward("no_such_module_xyz:fn")
-    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+    with pytest.raises(PluginError, match="reward.name: module 'reward_plugins' has no 'missing'"):
         get_reward("reward_plugins:missing")
-    with pytest.raises(ValueError, match="not a function"):
+    with pytest.raises(PluginError, match="reward.name: 'reward_plugins:NOT_CALLABLE' names a int, not a function"):
         get_reward("reward_plugins:NOT_CALLABLE")
     with pytest.raises(ValueError, match="already registered"):
         register_reward("numeric", reward_plugins.raises)

@@ -1,4 +1,4 @@
-"""The three nested rollout plug-in layers (DESIGN.md section 3), loaded by import path ``pkg.module:fn``.
+"""The three nested rollout plug-in layers, loaded by import path ``pkg.module:fn`` (``noria.plugins``).
 
 =================  ==========================================  ==============================
 layer              signature                                   who records the tokens
@@ -8,7 +8,8 @@ generate function  ``async (ctx, sample) -> Sample``           it does
 agent function     ``async (ctx, prompt, base_url) -> dict``   the session server
 =================  ==========================================  ==============================
 
-Contracts (pinned by ``tests/test_agent_plugins.py``):
+Contracts (signatures checked at load by ``noria.plugins.load_plugin`` and pinned by
+``tests/test_plugin_contracts.py``; behaviour by ``tests/test_agent_plugins.py``):
 
 - rollout function: ``prompts`` is a list of ``(Prompt, prompt ids)``; ``ctx.first_group_id`` is
   the id of the first group and ``ctx.sampling.n_samples`` the group size. It returns one
@@ -30,38 +31,13 @@ Contracts (pinned by ``tests/test_agent_plugins.py``):
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from noria.errors import NoriaError
+from noria.plugins import PluginError
 from noria.types import Sample, Status
 
 AgentFn = Callable[[Any, Any, str], Awaitable[dict[str, Any]]]
-
-
-class PluginError(NoriaError):
-    """A plug-in import path does not name a usable function."""
-
-
-def load_plugin(path: str, layer: str) -> Callable[..., Any]:
-    """The async function at ``pkg.module:name``; ``layer`` names the config field in errors."""
-    module_name, sep, name = path.partition(":")
-    if not sep or not module_name or not name:
-        raise PluginError(f"{layer}: {path!r} is not an import path of the form pkg.module:fn")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise PluginError(f"{layer}: cannot import {module_name!r} ({e})") from e
-    fn = module
-    for part in name.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise PluginError(f"{layer}: module {module_name!r} has no {name!r}")
-    if not inspect.iscoroutinefunction(fn) and not inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-        raise PluginError(f"{layer}: {path} must be an async function (async def)")
-    return fn
 
 
 def agent_generate(agent_fn: AgentFn, timeout_s: float = 600.0) -> Callable[[Any, Sample], Awaitable[Sample]]:
@@ -71,7 +47,7 @@ def agent_generate(agent_fn: AgentFn, timeout_s: float = 600.0) -> Callable[[Any
         server = ctx.session_server
         if server is None:
             raise PluginError("agent functions need ctx.session_server (run_rollout starts it)")
-        seed = None if ctx.greedy else sample_seed_of(ctx, sample)
+        seed = None if ctx.greedy else ctx.seed_for(sample)
         session = server.open(f"g{sample.group_id}-s{sample.index}-{id(sample):x}", seed=seed)
         prompt = ctx.prompts.get(sample.group_id)
         result: dict[str, Any] = {}
@@ -91,12 +67,6 @@ def agent_generate(agent_fn: AgentFn, timeout_s: float = 600.0) -> Callable[[Any
         return finish(session, sample, result if not failure else {}, failure)
 
     return generate
-
-
-def sample_seed_of(ctx: Any, sample: Sample) -> int:
-    from noria.rollout.generate import sample_seed
-
-    return sample_seed(ctx.seed, sample.group_id, sample.index)
 
 
 def finish(session: Any, sample: Sample, result: dict[str, Any], failure: str) -> Sample:

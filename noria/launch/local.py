@@ -147,10 +147,7 @@ class LocalJob:
         from noria.rewards.registry import get_reward
 
         cfg = self.config
-        try:
-            get_reward(self.reward.name)  # an unknown reward or import path fails here
-        except (ValueError, ImportError) as e:
-            raise NoriaError(f"reward.name: {e}") from e
+        get_reward(self.reward.name)  # an unknown reward or a bad import path fails here (PluginError)
         self.tokenizer = load_tokenizer(model_path(cfg.model.path))
         train = render_prompts(load_prompts(cfg.data, "train"), self.tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
         kept, dropped = drop_long(train, cfg.data.max_prompt_tokens)
@@ -496,7 +493,7 @@ def rollout_plugin(rollout: Any) -> dict[str, Any]:
     if getattr(rollout, "rollout_fn", "") or getattr(rollout, "agent_fn", ""):
         return {"rollout_group": run_rollout}
     if getattr(rollout, "generate_fn", ""):
-        from noria.agent.plugins import load_plugin
+        from noria.plugins import load_plugin
 
         return {"generate": load_plugin(rollout.generate_fn, "rollout.generate_fn")}
     return {"generate": generate_one}

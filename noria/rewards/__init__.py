@@ -6,14 +6,13 @@
   the sample failed (never a silent 0) and are counted for metrics.
 """
 
-from noria.rewards.registry import REWARDS, get_reward, load_by_path, register_reward, resolve_reward
+from noria.rewards.registry import REWARDS, get_reward, register_reward, resolve_reward
 from noria.rewards.runner import ScoreCounts, score, score_async, score_groups, score_groups_async
 
 __all__ = [
     "REWARDS",
     "ScoreCounts",
     "get_reward",
-    "load_by_path",
     "register_reward",
     "resolve_reward",
     "score",

@@ -1,23 +1,25 @@
 """Reward functions by name: the built-ins, and user functions loaded by import path ``pkg.module:fn``.
 
-The contract (pinned by tests/test_rewards_runner.py): a reward is
+The contract (the plug point ``reward.name`` of ``noria.plugins``, pinned by
+tests/test_plugin_contracts.py and tests/test_rewards_runner.py): a reward is
 ``fn(response: str, label, metadata: dict, **kwargs) -> float | bool``, plain or ``async def``;
 ``kwargs`` come from ``RewardConfig.kwargs``. It returns a finite number; it raises when it cannot
 score (the runner then marks the sample failed with the error). A response that is simply wrong
-scores 0.0.
+scores 0.0. An unknown name, or an import path that cannot be loaded or does not take
+``(response, label, metadata)``, is a ``PluginError`` naming ``reward.name``.
 
-Not guaranteed: a user function's signature is checked only when it is called (an unexpected
-keyword argument becomes a failed sample naming the TypeError).
+Not guaranteed: the keyword arguments of ``reward.kwargs`` are checked only when the function is
+called (an unexpected one becomes a failed sample naming the TypeError).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from noria.rewards.builtin import exact_match, format_reward, numeric
 from noria.rewards.countdown import countdown_reward
+from noria.plugins import PluginError, load_plugin
 from noria.rewards.math_reward import math_reward
 
 RewardFn = Callable[..., Any]
@@ -43,28 +45,13 @@ def register_reward(name: str, fn: RewardFn) -> RewardFn:
 
 
 def get_reward(name: str) -> RewardFn:
-    """The reward registered as ``name``, or the function at import path ``pkg.module:fn``."""
+    """The reward registered as ``name``, or the function at import path ``pkg.module:fn``
+    (``noria.plugins.load_plugin``, plug point ``reward.name``); ``PluginError`` otherwise."""
     if ":" in name:
-        return load_by_path(name)
+        return load_plugin(name, "reward.name")
     if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; registered: {', '.join(sorted(REWARDS))}, or use pkg.module:fn")
+        raise PluginError(f"reward.name: unknown reward {name!r}; registered: {', '.join(sorted(REWARDS))}, or use pkg.module:fn")
     return REWARDS[name]
-
-
-def load_by_path(path: str) -> RewardFn:
-    """Import ``pkg.module:attr`` (``attr`` may be dotted) and check that it is callable."""
-    module_name, _, attr_path = path.partition(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"reward import path {path!r} must look like pkg.module:function")
-    module = importlib.import_module(module_name)
-    obj: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward import path {path!r}: {obj.__name__!r} has no attribute {part!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward import path {path!r} names a {type(obj).__name__}, not a function")
-    return obj
 
 
 def resolve_reward(config: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The group buffer between rollout and trainer: ``put(group)``, ``take(n, version)``, ``metrics(version)``.
+"""The group buffer between rollout and trainer: the ``Buffer`` protocol and ``GroupBuffer``, the built-in one.
 
 What it owns: finished groups waiting to be trained on, in arrival order, and the count of groups
 it dropped, by reason. A group is dropped where the information exists:
@@ -7,7 +7,7 @@ it dropped, by reason. A group is dropped where the information exists:
 - on put, a filter's reason: ``zero_reward_variance`` (dynamic sampling: every reward equal, so
   every advantage is 0), ``over_length`` (a sample hit the token limit), or a user filter's;
 - on take, ``stale``: the trainer's version minus the group's oldest policy-token version exceeds
-  ``max_staleness`` (DESIGN.md section 1).
+  ``max_staleness``.
 
 A dropped group goes to ``on_drop(group, reason)`` (the job returns its prompt to the data source or
 discards it, by ``rollout.buffer.on_drop``). ``DropStreak`` is how the job notices that nothing can be
@@ -18,9 +18,11 @@ while the buffer holds ``capacity`` groups, until a ``take`` frees room; ``take`
 returns what is there, at most ``n``; the caller waits for the producer). Capacity is a multiple of
 the training batch (``rollout.buffer.capacity_batches``).
 
-Replacing it: ``rollout.buffer.impl: pkg.module:Class``; the class is built with the keyword
-arguments of ``GroupBuffer.__init__`` and needs the same methods: ``put``, ``take``, ``metrics``,
-``__len__``, ``state_dict``, ``load_state_dict`` (tests/test_async_buffer.py is the contract).
+Replacing it: ``rollout.buffer.impl: pkg.module:Class``, a class meeting the :class:`Buffer`
+protocol: built with the keyword arguments ``capacity``, ``max_staleness``, ``filters`` and
+``on_drop``, with ``async put``, ``take``, ``metrics``, ``__len__``, ``state_dict`` and
+``load_state_dict`` (checked at load by ``noria.plugins``; behaviour pinned by
+tests/test_async_buffer.py and tests/test_plugin_contracts.py).
 
 Checkpoints: ``state_dict`` holds the waiting groups and the counters, so a resumed run neither
 trains a group twice nor loses one.
@@ -30,12 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from noria.errors import NoriaError
+from noria.plugins import load_plugin
 from noria.types import Group, Prompt, Sample, Status
 
 TRAINABLE = (Status.COMPLETED, Status.TRUNCATED)
@@ -62,22 +64,48 @@ DROP_REASONS: tuple[str, ...] = ("no_trainable_sample", *FILTERS, "stale")
 """Every reason the buffer itself drops a group for (``buffer/dropped/<reason>``); a user filter adds its own."""
 
 
-def load_object(path: str, key: str) -> Any:
-    """``pkg.module:name`` -> the object; the error names the config ``key``."""
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise NoriaError(f"{key}: cannot load {path!r}: {type(e).__name__}: {e}") from e
-
-
 def resolve_filters(names: Sequence[str]) -> list[GroupFilter]:
     """The filters named in ``rollout.buffer.filters`` (registered names or import paths)."""
-    return [FILTERS[n] if n in FILTERS else load_object(n, "rollout.buffer.filters") for n in names]
+    return [FILTERS[n] if n in FILTERS else load_plugin(n, "rollout.buffer.filters") for n in names]
+
+
+class Buffer(Protocol):
+    """Everything the loop's job and the rollout scheduler use of a buffer (``rollout.buffer.impl``).
+
+    Built as ``cls(capacity=..., max_staleness=..., filters=[...], on_drop=hook)``: ``capacity`` in
+    groups, ``max_staleness`` in weight versions, ``filters`` applied on put (each ``filter(group)``
+    gives None or a drop reason), ``on_drop(group, reason)`` called for every group dropped. Calls
+    come from one asyncio event loop; none needs to be thread-safe."""
+
+    async def put(self, group: Group) -> bool:
+        """Store a finished group; may wait while the buffer is full (the scheduler awaits it).
+        False when the group was dropped instead (``on_drop`` was called)."""
+        ...
+
+    def take(self, n: int, version: int) -> list[Group]:
+        """At most ``n`` groups to train at trainer ``version``, never waiting; a group staler than
+        ``max_staleness`` is dropped, never returned. Every group is returned at most once."""
+        ...
+
+    def metrics(self, version: int) -> dict[str, float]:
+        """Figures for the step's metrics line (``buffer/...``), at trainer ``version``."""
+        ...
+
+    def __len__(self) -> int:
+        """Groups waiting (the scheduler's admission counts them)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-able) holding every waiting group, for checkpoints."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (on a buffer built with the same arguments)."""
+        ...
 
 
 class GroupBuffer:
-    """A bounded FIFO of groups with drops on put and staleness on take; see the module docstring."""
+    """A bounded FIFO of groups with drops on put and staleness on take; the built-in :class:`Buffer`."""
 
     def __init__(
         self,
@@ -205,9 +233,9 @@ def failure_example(group: Group) -> str:
     return f"group {group.group_id}: {bad.status.value}: {bad.status_reason}" if bad else ""
 
 
-def build_buffer(impl: str, **kwargs: Any) -> Any:
+def build_buffer(impl: str, **kwargs: Any) -> Buffer:
     """The built-in ``GroupBuffer``, or the class at import path ``impl`` (``rollout.buffer.impl``)."""
-    cls = load_object(impl, "rollout.buffer.impl") if impl else GroupBuffer
+    cls = load_plugin(impl, "rollout.buffer.impl") if impl else GroupBuffer
     return cls(**kwargs)
 
 

@@ -10,7 +10,7 @@ or ``agent_fn``; see ``noria.agent.plugins``); with none, ``rollout_groups`` wit
 An agent function runs behind a session server started for the step (``noria.agent.session``).
 Samples a plug-in already scored keep their reward; the others are scored by the reward runner.
 
-``generate_one(ctx, sample)`` is the default generate function (DESIGN.md section 3): it sends the
+``generate_one(ctx, sample)`` is the default generate function (``noria.plugins``): it sends the
 sample's ``prompt_ids`` to the engine and records the engine's own tokens, log-probabilities and
 weight versions, so the trainer sees exactly what was sampled. Every sample of a step is in flight
 at once; the engine batches them continuously.
@@ -34,6 +34,7 @@ from typing import Any
 
 from noria.config import RewardConfig, RolloutConfig
 from noria.engine.protocol import GenerateRequest, SamplingParams
+from noria.plugins import PluginError, load_plugin
 from noria.rewards.runner import ScoreCounts, score_async
 from noria.rollout.client import EngineClient
 from noria.types import Group, Prompt, Sample, Status
@@ -58,6 +59,11 @@ class RolloutContext:
     """The prompt record of each group id in the current rollout call (agent functions receive it)."""
     session_server: Any = None
     """The session server agent functions talk to (set by ``run_rollout`` when ``rollout.agent_fn`` is set)."""
+
+    def seed_for(self, sample: Sample) -> int:
+        """The sampling seed of ``sample`` (``sample_seed`` of the run seed, its group id and index):
+        plug-ins that start their own requests (agent sessions) draw the same seeds as the built-in."""
+        return sample_seed(self.seed, sample.group_id, sample.index)
 
 
 @dataclass
@@ -86,7 +92,7 @@ def sampling_params(ctx: RolloutContext, sample: Sample) -> SamplingParams:
         top_k=cfg.top_k,
         min_p=cfg.min_p,
         stop=list(cfg.stop),
-        seed=sample_seed(ctx.seed, sample.group_id, sample.index),
+        seed=ctx.seed_for(sample),
     )
 
 
@@ -159,7 +165,7 @@ async def run_rollout(
     reward: RewardConfig,
 ) -> RolloutResult:
     """One rollout call through the plug-in layer the config names (rollout, generate or agent function)."""
-    from noria.agent.plugins import agent_generate, load_plugin
+    from noria.agent.plugins import agent_generate
 
     ctx = dataclasses.replace(ctx, prompts={}, session_server=None)  # callers may share one ctx across calls
     cfg = ctx.sampling
@@ -198,8 +204,6 @@ async def custom_rollout(
 
 def check_groups(groups: Sequence[Group], first_group_id: int, n_prompts: int) -> None:
     """Raise ``PluginError`` naming the first broken rule of the rollout-function contract."""
-    from noria.agent.plugins import PluginError
-
     if len(groups) != n_prompts:
         raise PluginError(f"rollout function returned {len(groups)} groups for {n_prompts} prompts")
     for i, g in enumerate(groups):

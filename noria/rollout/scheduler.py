@@ -45,10 +45,10 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from noria.config import RewardConfig
 from noria.rewards.runner import ScoreCounts, score_groups_async
+from noria.rollout.buffer import Buffer
 from noria.rollout.generate import GenerateFn, RolloutContext, RolloutResult, generate_one
 from noria.types import Group, Prompt, Sample
 
@@ -65,7 +65,7 @@ class RolloutScheduler:
         self,
         ctx: RolloutContext,
         next_prompt: PromptFeed,
-        buffer: Any,
+        buffer: Buffer,
         reward: RewardConfig,
         *,
         n_samples: int,

@@ -1,0 +1,140 @@
+"""Plug points loaded by import path ``pkg.module:name``: the one loader, its error, and each point's contract.
+
+Every object a config names by import path goes through :func:`load_plugin`, which imports it,
+checks it against the contract of its plug point, and raises :class:`PluginError` (naming the
+config key and the path) when it cannot be used. The plug points:
+
+=========================  =====================================================  ============================
+config key                 contract (what the caller passes)                      built-in default
+=========================  =====================================================  ============================
+``rollout.rollout_fn``     ``async fn(ctx, prompts) -> list[Group]``              (none: the built-in rollout)
+``rollout.generate_fn``    ``async fn(ctx, sample) -> Sample``                    ``noria.rollout.generate:generate_one``
+``rollout.agent_fn``       ``async fn(ctx, prompt, base_url) -> dict``            (none)
+``reward.name``            ``fn(response, label, metadata, **kwargs) -> float``   ``noria.rewards.builtin:exact_match``
+                           (plain or async)
+``rollout.buffer.filters`` ``fn(group) -> None | str`` (plain, not async)         ``noria.rollout.buffer:zero_reward_variance``
+``rollout.buffer.impl``    a class built as ``cls(capacity=, max_staleness=,      ``noria.rollout.buffer:GroupBuffer``
+                           filters=, on_drop=)`` with the methods of
+                           ``noria.rollout.buffer.Buffer``
+=========================  =====================================================  ============================
+
+What is checked at load (before any model loads): the path's form, the import, the attribute
+(``name`` may be dotted), that it is callable (a class for ``rollout.buffer.impl``), async or not
+where the point requires it, and that it accepts the arguments its caller passes (the signature of
+the default, recorded in :data:`PLUG_POINTS`; ``tests/test_plugin_contracts.py`` pins each default to
+its record and runs a user's own path through the same checks:
+``NORIA_CONTRACT_ROLLOUT_GENERATE_FN=my.mod:fn pytest tests/test_plugin_contracts.py``).
+
+Not guaranteed: what a plug-in does when called (its return values are checked by its caller: the
+rollout function's groups by ``noria.rollout.generate.check_groups``, rewards by the reward runner),
+nor the reward's ``**kwargs`` (``reward.kwargs``), which are checked when it is called.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from noria.errors import NoriaError
+
+
+class PluginError(NoriaError):
+    """A plug-in cannot be used: the message names the config key and the import path."""
+
+
+@dataclass(frozen=True)
+class PlugPoint:
+    """The contract of one plug point (see the module docstring's table)."""
+
+    params: tuple[str, ...]
+    """What the caller passes, in order: positional arguments of a function, keyword arguments of a
+    class's constructor. The default's leading parameters carry these names."""
+    is_async: bool | None
+    """True: must be ``async def``; False: must not be; None: either."""
+    kind: str = "function"
+    """``function`` or ``class``."""
+    default: str = ""
+    """Import path of the built-in default ("" where the built-in is not a plug-in itself)."""
+    methods: tuple[str, ...] = ()
+    """A class's methods the callers use (``put`` is async)."""
+
+
+BUFFER_METHODS = ("put", "take", "metrics", "__len__", "state_dict", "load_state_dict")
+
+PLUG_POINTS: dict[str, PlugPoint] = {
+    "rollout.rollout_fn": PlugPoint(("ctx", "prompts"), True),
+    "rollout.generate_fn": PlugPoint(("ctx", "sample"), True, default="noria.rollout.generate:generate_one"),
+    "rollout.agent_fn": PlugPoint(("ctx", "prompt", "base_url"), True),
+    "reward.name": PlugPoint(("response", "label", "metadata"), None, default="noria.rewards.builtin:exact_match"),
+    "rollout.buffer.filters": PlugPoint(("group",), False, default="noria.rollout.buffer:zero_reward_variance"),
+    "rollout.buffer.impl": PlugPoint(
+        ("capacity", "max_staleness", "filters", "on_drop"), None, "class", "noria.rollout.buffer:GroupBuffer", BUFFER_METHODS
+    ),
+}
+
+
+def load_plugin(path: str, key: str) -> Any:
+    """The object at ``pkg.module:name``, checked against plug point ``key``'s contract (any other
+    ``key`` is only imported and checked for form); raises :class:`PluginError`."""
+    obj = import_path(path, key)
+    point = PLUG_POINTS.get(key)
+    if point is not None:
+        check_contract(obj, point, path, key)
+    return obj
+
+
+def import_path(path: str, key: str) -> Any:
+    """Import ``pkg.module:name`` (``name`` may be dotted); errors name ``key`` and ``path``."""
+    module_name, sep, name = path.partition(":")
+    if not sep or not module_name or not name:
+        raise PluginError(f"{key}: {path!r} is not an import path of the form pkg.module:name")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PluginError(f"{key}: cannot import {module_name!r} for {path!r} ({type(e).__name__}: {e})") from e
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{key}: module {module_name!r} has no {name!r} ({path!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_contract(obj: Any, point: PlugPoint, path: str, key: str) -> None:
+    """Raise :class:`PluginError` unless ``obj`` can stand at ``point`` (module docstring)."""
+    if point.kind == "class":
+        _check_class(obj, point, path, key)
+        return
+    if not callable(obj) or inspect.isclass(obj):
+        raise PluginError(f"{key}: {path!r} names a {type(obj).__name__}, not a function")
+    is_async = inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(getattr(obj, "__call__", None))
+    if point.is_async is True and not is_async:
+        raise PluginError(f"{key}: {path} must be an async function (async def)")
+    if point.is_async is False and is_async:
+        raise PluginError(f"{key}: {path} must be a plain function (not async def): its caller does not await it")
+    _check_call(obj, point.params, {}, path, key)
+
+
+def _check_class(obj: Any, point: PlugPoint, path: str, key: str) -> None:
+    if not inspect.isclass(obj):
+        raise PluginError(f"{key}: {path!r} names a {type(obj).__name__}, not a class")
+    missing = [m for m in point.methods if not callable(getattr(obj, m, None))]
+    if missing:
+        raise PluginError(f"{key}: class {path} lacks {', '.join(missing)} (needs {', '.join(point.methods)})")
+    if "put" in point.methods and not inspect.iscoroutinefunction(obj.put):
+        raise PluginError(f"{key}: {path}.put must be async (async def): the rollout awaits it and it may wait for room")
+    _check_call(obj, (), {p: None for p in point.params}, path, key)
+
+
+def _check_call(obj: Any, args: tuple[str, ...], kwargs: dict[str, Any], path: str, key: str) -> None:
+    """Whether ``obj`` accepts the caller's arguments (by signature, without calling it)."""
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: its call will tell
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        given = ", ".join([*args, *(f"{k}=" for k in kwargs)])
+        raise PluginError(f"{key}: {path}{signature} cannot be called as ({given}): {e}") from e

@@ -1,0 +1,152 @@
+"""Contract tests of every plug point (noria.plugins.PLUG_POINTS), as slime's tests/plugin_contracts do.
+
+Per plug point: the built-in default still has the signature its record says callers use; a
+plug-in that meets the contract loads (and, where that needs no engine, behaves as its caller
+expects); one that breaks it is refused at load with an error naming the config key and the path.
+
+Check your own plug-in against its point without running a job::
+
+    NORIA_CONTRACT_ROLLOUT_GENERATE_FN=my_pkg.gen:generate pytest tests/test_plugin_contracts.py
+
+(the variable is ``NORIA_CONTRACT_`` + the config key in capitals, dots as underscores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+
+import pytest
+
+from noria.plugins import PLUG_POINTS, PluginError, load_plugin
+from noria.types import Group, Prompt, Sample, Status
+
+EXAMPLES = {
+    "rollout.rollout_fn": "agent_plugins:constant_rollout",
+    "rollout.generate_fn": "agent_plugins:env_step_generate",
+    "rollout.agent_fn": "agent_plugins:two_turn_agent",
+    "reward.name": "reward_plugins:length_at_least",
+    "rollout.buffer.filters": "test_async_buffer:drop_odd",
+    "rollout.buffer.impl": "test_async_buffer:ListBuffer",
+}
+"""A plug-in per point that meets its contract (the tests' own, used by the behaviour tests too)."""
+
+BROKEN = {
+    "rollout.rollout_fn": ("test_plugin_contracts:rollout_without_prompts", "cannot be called as \\(ctx, prompts\\)"),
+    "rollout.generate_fn": ("agent_plugins:not_async", "must be an async function"),
+    "rollout.agent_fn": ("test_plugin_contracts:agent_without_url", "cannot be called as \\(ctx, prompt, base_url\\)"),
+    "reward.name": ("test_plugin_contracts:reward_of_response_only", "cannot be called as \\(response, label, metadata\\)"),
+    "rollout.buffer.filters": ("test_plugin_contracts:async_filter", "must be a plain function"),
+    "rollout.buffer.impl": ("test_plugin_contracts:BufferWithoutState", "lacks state_dict, load_state_dict"),
+}
+"""A plug-in per point that breaks its contract, and what the error must say."""
+
+
+def user_path(key: str) -> str:
+    return os.environ.get("NORIA_CONTRACT_" + key.upper().replace(".", "_"), EXAMPLES[key])
+
+
+def test_every_plug_point_is_covered():
+    assert set(PLUG_POINTS) == set(EXAMPLES) == set(BROKEN)
+
+
+@pytest.mark.parametrize("key", [k for k, p in PLUG_POINTS.items() if p.default])
+def test_the_default_has_the_signature_its_callers_use(key):
+    point = PLUG_POINTS[key]
+    default = load_plugin(point.default, key)
+    target = default.__init__ if point.kind == "class" else default
+    names = [n for n in inspect.signature(target).parameters if n != "self"]
+    assert tuple(names[: len(point.params)]) == point.params, f"{point.default}{inspect.signature(target)}"
+
+
+@pytest.mark.parametrize("key", list(PLUG_POINTS))
+def test_a_plugin_that_meets_the_contract_loads_and_behaves(key):
+    path = user_path(key)
+    obj = load_plugin(path, key)
+    BEHAVIOUR.get(key, lambda obj, path: None)(obj, path)
+
+
+@pytest.mark.parametrize("key", list(PLUG_POINTS))
+def test_a_plugin_that_breaks_the_contract_is_refused_naming_key_and_path(key):
+    path, why = BROKEN[key]
+    with pytest.raises(PluginError, match=f"^{key}: .*{why}") as e:
+        load_plugin(path, key)
+    assert path.split(":")[1] in str(e.value)
+
+
+def test_bad_paths_name_the_key():
+    with pytest.raises(PluginError, match="rollout.generate_fn: 'no_colon' is not an import path"):
+        load_plugin("no_colon", "rollout.generate_fn")
+    with pytest.raises(PluginError, match="rollout.buffer.impl: cannot import 'no_such_module_xyz'"):
+        load_plugin("no_such_module_xyz:Buf", "rollout.buffer.impl")
+    with pytest.raises(PluginError, match="rollout.buffer.impl: 'test_async_buffer:drop_odd' names a function, not a class"):
+        load_plugin("test_async_buffer:drop_odd", "rollout.buffer.impl")
+
+
+# ------------------------------------------------------------------------------ behaviour (no engine needed)
+
+
+def _group(rewards=(1.0, 0.0), gid=3) -> Group:
+    samples = tuple(
+        Sample([1, 2], [3, 4], [1, 1], [-0.5, -0.5], [0, 0], reward=r, status=Status.COMPLETED, group_id=gid, index=i)
+        for i, r in enumerate(rewards)
+    )
+    return Group(group_id=gid, prompt=Prompt("p", "l", {}, gid, "test"), samples=samples)
+
+
+def _reward_behaves(fn, path):
+    out = fn("some answer", "label", {})
+    out = asyncio.run(out) if inspect.isawaitable(out) else out
+    assert isinstance(out, (int, float, bool)), f"{path} returned {type(out).__name__}"
+
+
+def _filter_behaves(fn, path):
+    out = fn(_group())
+    assert out is None or isinstance(out, str), f"{path} returned {type(out).__name__}, not None or a reason"
+
+
+def _buffer_behaves(cls, path):
+    from test_async_buffer import test_contract_of_any_buffer
+
+    test_contract_of_any_buffer(path)
+
+
+BEHAVIOUR = {"reward.name": _reward_behaves, "rollout.buffer.filters": _filter_behaves, "rollout.buffer.impl": _buffer_behaves}
+"""The generate, rollout and agent functions need an engine: tests/test_agent_plugins.py runs them."""
+
+
+# ------------------------------------------------------------------------------ contract breakers
+
+
+async def rollout_without_prompts(ctx):
+    return []
+
+
+async def agent_without_url(ctx, prompt):
+    return {}
+
+
+def reward_of_response_only(response):
+    return 0.0
+
+
+async def async_filter(group):
+    return None
+
+
+class BufferWithoutState:
+    def __init__(self, capacity, max_staleness=0, filters=(), on_drop=None):
+        pass
+
+    async def put(self, group):
+        return True
+
+    def take(self, n, version):
+        return []
+
+    def metrics(self, version):
+        return {}
+
+    def __len__(self):
+        return 0
