@@ -260,3 +260,22 @@ def test_resume_loads_the_rng_file_as_data_never_runs_code(tiny_model_dir, tmp_p
     with pytest.raises(CheckpointError, match="rng-0.pt"):
         backend.load(folder)
     assert not marker.exists()
+
+
+def test_sync_buckets_and_checkpoint_shards_are_cut_by_one_rule(tiny_model_dir, tmp_path):
+    from noria.models.checkpoint import INDEX_FILE, save_tensors
+    from noria.sync import bucketize
+
+    backend = make_backend(tiny_model_dir)
+    limit = 30_000
+    buckets = [[n for n, _ in b] for b in backend.state_dict_for_sync(limit)]
+    state = dict(backend._full_tensors(backend.compute_dtype))
+    assert buckets == [[n for n, _ in b] for b in bucketize(state, limit)] and len(buckets) > 2
+    for names in buckets:  # at most the limit, unless one tensor alone is larger
+        nbytes = sum(state[n].numel() * state[n].element_size() for n in names)
+        assert nbytes <= limit or len(names) == 1
+    assert [n for names in buckets for n in names] == list(state)  # every tensor once, in order
+    save_tensors(state, tmp_path, max_shard_bytes=limit)
+    weight_map = json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"]
+    shards = [[n for n in state if weight_map[n] == f] for f in sorted(set(weight_map.values()))]
+    assert shards == buckets

@@ -26,7 +26,7 @@ import json
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -211,18 +211,32 @@ def save_tensors(
 def _split_shards(
     state: dict[str, torch.Tensor], max_shard_bytes: int | None
 ) -> list[dict[str, torch.Tensor]]:
-    # Greedy in state-dict order, so each layer's tensors stay together; a tensor larger than the
-    # limit gets a shard of its own rather than an error.
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    # In state-dict order, so each layer's tensors stay together (see ``bucketize``).
+    if max_shard_bytes is None or not state:
+        return [dict(state)]
+    return [dict(bucket) for bucket in bucketize(state, max_shard_bytes)]
+
+
+Bucket = list[tuple[str, torch.Tensor]]
+"""``(name, tensor)`` pairs travelling together: a weight-sync bucket or a checkpoint shard."""
+
+
+def bucketize(named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], max_bytes: int) -> Iterator[Bucket]:
+    """Tensors in order, in buckets of at most ``max_bytes`` (a larger tensor goes alone rather than
+    failing). The one bucketing loop: checkpoint shards here, the trainer's weight-sync buckets
+    (``FSDPBackend.state_dict_for_sync``) and ``noria.sync.bucketize`` are this function. Lazy: a
+    bucket is built only when asked for, so a stream of gathered tensors is never held whole."""
+    bucket: Bucket = []
     size = 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    return shards
+    for name, t in named.items() if isinstance(named, dict) else named:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
 
 
 def _write_shard(shard: dict[str, torch.Tensor], file: Path) -> None:

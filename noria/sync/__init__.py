@@ -47,7 +47,8 @@ from typing import Any
 from noria.config import SyncConfig
 from noria.sync.errors import WeightSyncError
 from noria.sync.targets import HttpEngine, LocalTarget, as_target
-from noria.sync.weight_sync import Transport, WeightSync, bucketize
+from noria.models.checkpoint import bucketize
+from noria.sync.weight_sync import Transport, WeightSync
 
 TRANSPORTS = ("ipc", "broadcast", "disk")
 

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from noria.errors import NoriaError
+from noria.models.checkpoint import Bucket
 from noria.sync.errors import WeightSyncError
 from noria.sync.targets import HttpEngine, LocalTarget, Specs
 
-Bucket = list[tuple[str, torch.Tensor]]
 
 
 class Transport:
@@ -251,22 +251,6 @@ def for_each(pool: concurrent.futures.ThreadPoolExecutor, items: list[Any], fn: 
         if f.exception() is not None:
             raise f.exception()
     return [f.result() for f in futures]
-
-
-def bucketize(named: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor goes alone),
-    like ``FSDPBackend.state_dict_for_sync``."""
-    bucket: Bucket = []
-    size = 0
-    for name, t in named.items() if isinstance(named, dict) else named:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
 
 
 def target_kind(target: Any) -> str:

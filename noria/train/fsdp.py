@@ -71,6 +71,7 @@ from torch.utils.checkpoint import checkpoint
 from noria import hardware
 from noria.config import TrainConfig
 from noria.models import DecoderLM, PackedContext, load_model, save_model
+from noria.models.checkpoint import bucketize
 from noria.train.backend import (
     LossFn,
     LossInputs,
@@ -544,18 +545,11 @@ class FSDPBackend:
             tensors = adapter_tensors(self._raw_tensors(), self.compute_dtype)
         else:
             tensors = self._full_tensors(self.compute_dtype)
-        bucket, size = [], 0
-        for name, t in tensors:
-            if self.rank != 0:
-                continue
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += nbytes
-        if bucket:
-            yield bucket
+        if self.rank != 0:
+            for _ in tensors:  # the gathers are collective: every rank runs them to the end
+                pass
+            return
+        yield from bucketize(tensors, bucket_bytes)
 
     def export_hf(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
         """Write an HF folder (weights in ``dtype``, default the compute dtype, plus tokenizer files)."""
