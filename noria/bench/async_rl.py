@@ -99,6 +99,27 @@ def figures(run: Path) -> dict[str, float]:
     }
 
 
+def add_arguments(parser) -> None:
+    """``noria bench async``'s arguments."""
+    parser.description = ("`noria train` twice with the engine as its own noria serve process: max_staleness 0 against "
+                          "--staleness, the same steps; 10% of responses are 8x the median length (EOS ignored). Idle "
+                          "fractions: lower is better.")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    parser.add_argument("--steps", type=int, default=8, help="rollout steps per side (the first is not timed)")
+    parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step")
+    parser.add_argument("--n-samples", type=int, default=4, help="answers per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="length of the long responses (the others: an eighth)")
+    parser.add_argument("--staleness", type=int, default=4, help="rollout.max_staleness of the asynchronous side")
+    parser.add_argument("--work-dir", help="folder for the configs and run folders (default a new temp folder)")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    run(args.model, args.steps, args.prompts_per_step, args.n_samples, args.max_new_tokens, args.staleness,
+        args.json, work_dir=args.work_dir)
+    return 0
+
+
 def run(
     model: str = "smollm2-135m-instruct",
     steps: int = 8,

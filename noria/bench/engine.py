@@ -35,6 +35,26 @@ from noria.bench import print_table, write_json
 VLLM_VERSION = "0.32.0"
 
 
+def add_arguments(parser) -> None:
+    """``noria bench engine``'s arguments."""
+    parser.description = ("Greedy, ignore_eos, identical prompts for every engine; the bound is the bf16 matmul rate of "
+                          "the same shapes measured in the run.")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    parser.add_argument("--batches", default="1,8,32,128", help="comma-separated batch sizes")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
+    parser.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu (empty for none)")
+    parser.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    batches = [int(b) for b in args.batches.split(",")]
+    peers = [p for p in args.peers.split(",") if p]
+    run(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype)
+    return 0
+
+
 def run(
     model: str,
     batches: list[int],

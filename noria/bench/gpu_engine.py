@@ -33,6 +33,28 @@ from noria.bench import print_table, write_json
 from noria.bench.gpu_common import copy_bandwidth, device_name, random_model
 
 
+def add_arguments(parser) -> None:
+    """``noria bench gpu-engine``'s arguments."""
+    parser.description = "CUDA: decode tokens/s of the engine vs HF generate and the bandwidth bound."
+    parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b", help="random-init Qwen3 sizes: qwen3-0.6b, qwen3-1.7b")
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--hf-new-tokens", type=int, default=128, help="new tokens of the HF generate peer")
+    parser.add_argument("--peers", default="hf_generate",
+                        help="comma list: hf_generate, noria_no_overlap (the engine with engine.overlap off), or empty")
+    parser.add_argument("--no-deterministic", action="store_true", help="skip the deterministic-mode row")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    models = [m for m in args.models.split(",") if m]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    peers = tuple(p for p in args.peers.split(",") if p)
+    run(models, batches, args.prompt_len, args.new_tokens, args.hf_new_tokens, peers, not args.no_deterministic, args.json)
+    return 0
+
+
 def run(
     models: list[str], batches: list[int], prompt_len: int = 512, new_tokens: int = 512, hf_new_tokens: int = 128,
     peers: tuple[str, ...] = ("hf_generate",), deterministic: bool = True, json_path: str | None = None,

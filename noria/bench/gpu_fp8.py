@@ -28,6 +28,21 @@ from noria.bench.gpu_common import device_name, random_model
 TIS_CAP = 2.0
 
 
+def add_arguments(parser) -> None:
+    """``noria bench gpu-fp8``'s arguments."""
+    parser.description = "CUDA (Hopper): FP8 vs bf16 rollout, decode speed and logprob mismatch (TIS)."
+    parser.add_argument("--model", default="qwen3-1.7b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    run(args.model, args.batch, args.prompt_len, args.new_tokens, args.json)
+    return 0
+
+
 def run(model: str = "qwen3-1.7b", batch: int = 256, prompt_len: int = 512, new_tokens: int = 256,
         json_path: str | None = None) -> list[dict]:
     from noria.bench.gpu_engine import _engine, _prompts

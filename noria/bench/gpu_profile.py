@@ -23,6 +23,23 @@ from noria.bench import print_table, write_json
 from noria.bench.gpu_common import copy_bandwidth, cuda_median_s, device_name, random_model
 
 
+def add_arguments(parser) -> None:
+    """``noria bench gpu-profile``'s arguments."""
+    parser.description = "CUDA: decode kernel vs bandwidth (tile sweep) and one decode step's breakdown."
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--context", type=int, default=768)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the attention kernel's tile sweep")
+    parser.add_argument("--no-unfused", action="store_true", help="skip the steps without the fused decoder")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    run([int(b) for b in args.batches.split(",") if b], args.context, args.model, args.json,
+        sweep=not args.no_sweep, unfused=not args.no_unfused)
+    return 0
+
+
 def run(batches=(64, 256), context: int = 768, model: str = "qwen3-0.6b", json_path: str | None = None,
         sweep: bool = True, unfused: bool = True) -> list[dict]:
     bandwidth = copy_bandwidth()

@@ -17,6 +17,21 @@ from noria.bench import write_json
 from noria.bench.gpu_common import device_name, random_model, write_model_folder
 
 
+def add_arguments(parser) -> None:
+    """``noria bench gpu-sync``'s arguments."""
+    parser.description = "CUDA: weight push to a colocated engine (CUDA IPC) vs a device copy."
+    parser.add_argument("--model", default="qwen3-1.7b")
+    parser.add_argument("--transports", default="ipc,ipc_shm")
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    run(args.model, tuple(t for t in args.transports.split(",") if t), args.bucket_mb, args.repeats, args.json)
+    return 0
+
+
 def run(model: str = "qwen3-1.7b", transports: tuple[str, ...] = ("ipc", "ipc_shm"), bucket_mb: int = 512,
         repeats: int = 3, json_path: str | None = None, work_dir: str | None = None) -> list[dict]:
     from noria.bench import sync

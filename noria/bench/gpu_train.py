@@ -25,6 +25,27 @@ from noria.bench import print_table, write_json
 from noria.bench.gpu_common import bf16_matmul_rate, device_name, random_model, write_model_folder
 
 
+def add_arguments(parser) -> None:
+    """``noria bench gpu-train``'s arguments."""
+    parser.description = "CUDA: tokens/s and MFU of one RL step on a random Qwen3-shaped model."
+    parser.add_argument("--model", default="qwen3-1.7b")
+    parser.add_argument("--sequences", type=int, default=24)
+    parser.add_argument("--min-len", type=int, default=512)
+    parser.add_argument("--max-len", type=int, default=1536)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing")
+    parser.add_argument("--compile", action="store_true", help="train.compile: torch.compile each decoder layer")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    run(args.model, args.sequences, args.min_len, args.max_len, args.steps, args.warmup,
+        args.micro_batch_tokens, not args.no_checkpointing, compile=args.compile, json_path=args.json)
+    return 0
+
+
 def run(model: str = "qwen3-1.7b", sequences: int = 24, min_len: int = 512, max_len: int = 1536, steps: int = 3,
         warmup: int = 1, micro_batch_tokens: int = 8192, activation_checkpointing: bool = True, compile: bool = False,
         json_path: str | None = None, work_dir: str | None = None) -> list[dict]:

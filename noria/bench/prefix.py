@@ -107,6 +107,24 @@ CASES = {
 }
 
 
+def add_arguments(parser) -> None:
+    """``noria bench prefix``'s arguments."""
+    parser.description = ("Concurrent sessions, each turn's prompt extending the previous turn's prompt and answer; TTFT "
+                          "and prefix-cache hit rate on one engine (cache on vs off) and on two engines in process "
+                          "(session-sticky routing vs random routing).")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    parser.add_argument("--sessions", type=int, default=8, help="concurrent sessions")
+    parser.add_argument("--turns", type=int, default=6, help="turns per session")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per turn")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    run(args.model, args.sessions, args.turns, args.new_tokens, args.json, args.dtype)
+    return 0
+
+
 def run(
     model: str,
     sessions: int,

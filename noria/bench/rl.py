@@ -72,6 +72,31 @@ PEERS = ("trl",)
 TRL_MISSING = "TRL is not installed: `pip install -e '.[cpu,bench]'` (or run with --peers '' for Noria alone)"
 
 
+def add_arguments(parser) -> None:
+    """``noria bench rl``'s arguments."""
+    parser.description = ("The same model, task (arithmetic +), numeric reward, group size, prompts per step (the same "
+                          "prompts in the same order), lr, temperature and max new tokens for the same number of steps: "
+                          "`noria train` and TRL's GRPOTrainer on the CPU (HF generate, bf16 autocast, beta 0), each in a "
+                          "subprocess; then greedy accuracy of the base model and of both final models with `noria eval` "
+                          "on the same test prompts. step_s is the mean over steps after the first.")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per side (one rollout each)")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step")
+    parser.add_argument("--n-samples", type=int, default=8, help="answers per prompt (the GRPO group, TRL's num_generations)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per answer at most")
+    parser.add_argument("--lr", type=float, default=5e-6, help="learning rate (constant)")
+    parser.add_argument("--eval-limit", type=int, default=100, help="test prompts for the accuracy")
+    parser.add_argument("--peers", default="trl", help="comma-separated peers: trl (empty for Noria alone)")
+    parser.add_argument("--work-dir", help="folder for the config, run folders and eval outputs (default a new temp folder)")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    run(args.model, args.steps, args.prompts_per_step, args.n_samples, args.max_new_tokens, args.lr,
+        args.eval_limit, args.json, peers=[p for p in args.peers.split(",") if p], work_dir=args.work_dir)
+    return 0
+
+
 def run(
     model: str = "smollm2-135m-instruct",
     steps: int = 4,

@@ -85,6 +85,27 @@ def case_name(case: str, device: str) -> str:
     }[case]
 
 
+def add_arguments(parser) -> None:
+    """``noria bench sync``'s arguments."""
+    parser.description = ("Every tensor of a bf16 model pushed as a new version through noria.sync to an engine in this "
+                          "process or a noria serve subprocess; the primitive moves the same bytes (memcpy, gloo "
+                          "broadcast, safetensors write+read). Best of --repeats after a warm-up.")
+    parser.add_argument("--models", default="smollm2-135m-instruct,random-llama-1b",
+                        help="comma-separated catalog names, model folders, random-llama-1b (random 1.1B Llama) or random-smollm2-135m")
+    parser.add_argument("--transports", default="ipc,ipc_shm,broadcast,disk", help="comma-separated cases")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size of the push")
+    parser.add_argument("--repeats", type=int, default=3, help="timed pushes per case (after one warm-up)")
+    parser.add_argument("--device", default="cpu", help="where the trainer's tensors and the engines are (cpu, cuda)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads of the trainer and the engine server (default: torch's)")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    run([m for m in args.models.split(",") if m], [t for t in args.transports.split(",") if t],
+        args.bucket_mb, args.repeats, args.json, device=args.device, threads=args.threads)
+    return 0
+
+
 def run(
     models: list[str] | tuple[str, ...] = ("smollm2-135m-instruct", RANDOM_1B),
     transports: list[str] | tuple[str, ...] = TRANSPORT_CASES,

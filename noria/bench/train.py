@@ -52,6 +52,30 @@ PEERS = ("hf_padded", "trl")
 CLIP_LOW, CLIP_HIGH, LR, MAX_NORM = 0.2, 0.28, 1e-6, 1.0
 
 
+def add_arguments(parser) -> None:
+    """``noria bench train``'s arguments."""
+    parser.description = ("The same sequences (seeded lengths, random ids, half prompt half response) go through one "
+                          "GRPO-style optimizer step (forward, backward, AdamW) in Noria's backend and in each peer, every "
+                          "side in a fresh subprocess; tokens/s counts real tokens, memory is the peak RSS growth of the "
+                          "step; the bound is 6 * params * tokens/s at the bf16 GEMM rate measured in the run.")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or model folder")
+    parser.add_argument("--sequences", type=int, default=32, help="sequences per step")
+    parser.add_argument("--min-len", type=int, default=64, help="shortest sequence (tokens)")
+    parser.add_argument("--max-len", type=int, default=512, help="longest sequence (tokens)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per side (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="Noria's packed tokens per micro-batch")
+    parser.add_argument("--peers", default="hf_padded,trl", help="comma-separated peers: hf_padded, trl (empty for none)")
+    parser.add_argument("--json", help="write the figures to this JSON file")
+
+
+def main(args) -> int:
+    peers = [p for p in args.peers.split(",") if p]
+    run(args.model, args.sequences, args.min_len, args.max_len, args.steps, peers, args.json,
+        micro_batch_tokens=args.micro_batch_tokens, warmup=args.warmup)
+    return 0
+
+
 def run(
     model: str,
     sequences: int = 32,
