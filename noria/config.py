@@ -255,7 +255,22 @@ class RolloutConfig:
         "resumed from their partial tokens under the new weights) or in_place (generation pauses, the weights change, "
         "generation continues with its KV cache).",
     )
+    routing_replay: bool = option(
+        False,
+        "MoE models: the engine records the experts each policy token was routed to (per MoE layer) and the trainer's "
+        "MoE layers use them, with gate weights from its own router (rollout routing replay, R3). Implies record_routes.",
+    )
+    record_routes: bool = option(
+        False,
+        "MoE models: record the engine's routes and log moe/route_mismatch without replaying them (the trainer routes "
+        "by itself); routing_replay records them anyway.",
+    )
     buffer: BufferConfig = option(factory=lambda: BufferConfig(), help="The group buffer between rollout and trainer.")
+
+    @property
+    def wants_routes(self) -> bool:
+        """Whether rollout asks the engine for routes (``routing_replay`` or ``record_routes``)."""
+        return self.routing_replay or self.record_routes
 
     def validate(self) -> None:
         _check_sampling("rollout", self.temperature, self.top_p, self.top_k, self.min_p, self.max_new_tokens)
@@ -401,8 +416,15 @@ class LossConfig:
     gamma: float = option(1.0, "GAE / REINFORCE++ discount.")
     lam: float = option(0.95, "GAE lambda.")
     value_coef: float = option(0.5, "PPO with GAE: weight of the value loss.")
+    router_aux_coef: float = option(
+        0.0,
+        "MoE models: weight of the routers' load-balancing loss (transformers' load_balancing_loss_func over every MoE "
+        "layer; k at perfect balance). 0 (RL's usual choice) computes none.",
+    )
 
     def validate(self) -> None:
+        if self.router_aux_coef < 0:
+            raise ConfigError(f"train.loss.router_aux_coef must be >= 0, got {self.router_aux_coef}")
         if self.clip_low < 0 or self.clip_high < 0:
             raise ConfigError("train.loss.clip_low and clip_high must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1:

@@ -121,6 +121,12 @@ METRICS: tuple[Metric, ...] = tuple(
         ("critic/explained_variance", "1", "1 - Var(returns - values) / Var(returns): 1 is a perfect critic, 0 no better than a constant."),
         ("critic/*", "varies", "The critic's optimizer-step figures (loss, grad_norm, lr, skipped, ...): same meaning as the policy's names."),
     ])
+    + _table("moe", [
+        ("moe/route_mismatch", "fraction", "MoE (rollout.routing_replay / record_routes): (policy token, MoE layer) pairs whose experts "
+         "in the trainer's forward differ from the engine's; 0 with replay."),
+        ("moe/router_disagreement", "fraction", "MoE: the same for the trainer router's own top-k (what it would choose), replay or not."),
+        ("moe/router_aux_loss", "loss", "MoE (train.loss.router_aux_coef > 0): the routers' load-balancing loss, k at perfect balance."),
+    ])
     + _table("time", [
         ("time/reward_s", "s", "Reward scoring of the groups finished since the last step (each group is scored when "
          "its samples finish, while others still generate: it overlaps the rollout stage, not adds to it)."),

@@ -75,7 +75,11 @@ class Sample:
     session_id: str | None = None
     """Session (multi-turn conversation) id, also the routing key; None for single-turn work."""
     routed_experts: Any = None
-    """Optional MoE routing record (layers x tokens x top-k expert ids) for routing replay."""
+    """MoE routes (``rollout.routing_replay`` / ``record_routes``), or None: an integer tensor
+    [R, L, k] (L MoE layers, top-k; int8 up to 128 experts, else int16), row i the experts of the
+    forward that sampled response token i (the position before it); rows of non-policy tokens
+    hold -1. From an SGLang server: [R, L * k], reshaped by the trainer. Memory: R * L * k bytes in
+    int8 (a 32k-token, 48-layer, top-8 sample: 12 MiB)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data (prompt metadata, reward details, timings)."""
 
@@ -147,6 +151,13 @@ class TrainBatch:
     seq_ids: Any = None
     """LongTensor [N] or None: the original sequence each token belongs to (shared prefix tokens: the
     first sequence of their block), non-decreasing; None means the packed sequence index."""
+    routed_experts: Any = None
+    """Integer tensor [N, L, k] (or [N, L * k]) or None: the engine's MoE routes of each policy token,
+    aligned like every per-token tensor here to the token they PREDICTED (row t: the experts of
+    the forward at position t - 1); -1 rows elsewhere."""
+    replay_routes: bool = False
+    """The trainer's MoE layers use ``routed_experts`` (``rollout.routing_replay``); else they route by
+    themselves and only measure the mismatch."""
 
     @property
     def n_tokens(self) -> int:

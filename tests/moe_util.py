@@ -29,18 +29,19 @@ def tiny_moe_args(vocab: int = 300, experts: int = 8, top_k: int = 2, layers: in
 
 
 def tiny_moe_folder(root: Path, name: str = "moe", tokenizer_dir: Path | None = None, router_scale: float = 1.0,
-                    seed: int = 0, **kw) -> Path:
-    """Save a random tiny Qwen3-MoE (fp32 weights that bf16 cannot hold exactly) under root/name."""
+                    seed: int = 0, std: float = 0.15, **kw) -> Path:
+    """Save a random tiny Qwen3-MoE (fp32 weights that bf16 cannot hold exactly) under root/name;
+    ``std`` 0.02 is transformers' init (a near-uniform policy to start RL from)."""
     torch.manual_seed(seed)
     model = DecoderLM(tiny_moe_args(**kw))
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
+                p.copy_(1 + (0.1 if std > 0.05 else 0.0) * torch.randn_like(p))
             elif pname.endswith("mlp.gate.weight"):
-                p.copy_(router_scale * 0.3 * torch.randn_like(p))
+                p.copy_(router_scale * 2 * std * torch.randn_like(p))
             else:
-                p.copy_(0.15 * torch.randn_like(p))
+                p.copy_(std * torch.randn_like(p))
     out = save_model(model, root / name)
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():

@@ -86,6 +86,8 @@ class Session:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routes: list[Any] = field(default_factory=list)
+    """Per response token, its MoE route [L, k] (policy tokens, when the server asks for routes) or None."""
     turns: int = 0
     last_finish: str | None = None
     cached_tokens: int = 0
@@ -115,7 +117,7 @@ class Session:
                 raise HistoryMismatch(history_diff(messages, self.messages))
             self.rerenders += 1
             self.dropped_policy_tokens += sum(self.loss_mask)
-            self.response_ids, self.loss_mask, self.logprobs, self.versions = [], [], [], []
+            self.response_ids, self.loss_mask, self.logprobs, self.versions, self.routes = [], [], [], [], []
             self.prompt_ids = []
             return self.input_ids(messages, tools, kwargs)
         appended = messages[known:]
@@ -133,10 +135,12 @@ class Session:
             self.loss_mask += [0] * len(ids)
             self.logprobs += [0.0] * len(ids)
             self.versions += [-1] * len(ids)
+            self.routes += [None] * len(ids)
         else:
             self.loss_mask += [1] * len(ids)
             self.logprobs += [float(x) for x in out.logprobs]
             self.versions += [int(v) for v in out.weight_versions]
+            self.routes += list(out.routed_experts) if out.routed_experts is not None else [None] * len(ids)
 
     def record(self, out: GenerateOutput) -> dict[str, Any]:
         """Record the engine's turn; return the OpenAI choice for it."""
@@ -166,6 +170,7 @@ class Session:
         sample.loss_mask = list(self.loss_mask)
         sample.rollout_logprobs = list(self.logprobs)
         sample.weight_versions = list(self.versions)
+        sample.routed_experts = self.routed_experts()
         sample.session_id = self.id
         sample.response_text = self.fmt.tokenizer.decode(self.response_ids, skip_special_tokens=False)
         sample.metadata.update({
@@ -177,6 +182,15 @@ class Session:
             "dropped_policy_tokens": self.dropped_policy_tokens,
         })  # fmt: skip
         return sample
+
+    def routed_experts(self) -> Any:
+        """The routes of the response [R, L, k], -1 rows for tokens without one; None if none has."""
+        known = next((r for r in self.routes if r is not None), None)
+        if known is None:
+            return None
+        import torch
+
+        return torch.stack([r if r is not None else torch.full_like(known, -1) for r in self.routes])
 
     def request_sampling(self, body: dict[str, Any]) -> SamplingParams:
         cap = self.sampling.max_new_tokens
@@ -243,6 +257,7 @@ class SessionServer:
         max_total_tokens: int | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        routes: bool = False,
     ) -> None:
         if on_mismatch not in ("error", "rerender"):
             raise ValueError(f"on_mismatch must be 'error' or 'rerender', got {on_mismatch!r}")
@@ -251,6 +266,8 @@ class SessionServer:
         self.sampling = sampling
         self.on_mismatch: OnMismatch = on_mismatch
         self.max_total_tokens = max_total_tokens
+        self.routes = routes
+        """Ask the engine for each policy token's MoE route (``rollout.routing_replay`` / ``record_routes``)."""
         self.host, self.port = host, port
         self.sessions: dict[str, Session] = {}
         self.runner: web.AppRunner | None = None
@@ -364,7 +381,8 @@ class SessionServer:
         kwargs = dict(body.get("chat_template_kwargs") or {})
         ids = session.input_ids(messages, body.get("tools"), kwargs)
         sampling = session.request_sampling(body)
-        out = await session_generate(self.engine, GenerateRequest(list(ids), sampling, routing_key=session.id))
+        req = GenerateRequest(list(ids), sampling, routing_key=session.id, return_routed_experts=self.routes)
+        out = await session_generate(self.engine, req)
         return session.record(out), out
 
     async def show(self, request: web.Request) -> web.Response:

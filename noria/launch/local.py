@@ -305,7 +305,8 @@ class LocalJob:
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """``steps_per_rollout`` optimizer steps on the groups' trainable samples (``noria.train.rl_step``)."""
-        return rl_step(self.backend, groups, self.config.train, self.weight_version, self.critic)
+        cfg = self.config
+        return rl_step(self.backend, groups, cfg.train, self.weight_version, self.critic, cfg.rollout.routing_replay)
 
     async def sync_weights(self, advance: bool = True) -> dict[str, float]:
         """Push the trainer's weights to the engines as the next version (or, resuming, the current

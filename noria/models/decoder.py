@@ -301,6 +301,7 @@ class DecoderModel(nn.Module):
         if not self.args.moe_layers:
             raise ValueError(f"routing= given, but this {self.args.model_type} model has no MoE layer")
         routing.chosen.clear()
+        routing.used.clear()
         routing.check_replay(batch, seq_len, len(self.args.moe_layers), moe.top_k, moe.num_experts)
 
 

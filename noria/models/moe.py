@@ -54,7 +54,6 @@ equality of bits on CUDA rests on the Triton linear (measured on an H200 by
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -77,32 +76,45 @@ def route_dtype(num_experts: int) -> torch.dtype:
     return torch.int32
 
 
-@dataclass
 class Routing:
     """Routing of one forward call of a MoE :class:`~noria.models.decoder.DecoderLM`: what to
     replay (input) and what the routers chose (output). Pass it as ``routing=``; MoE layers fill
     it in order. L below is the number of MoE layers, k the experts per token, N = B * T.
+
+    A plain class, not a dataclass: FSDP2 rebuilds dataclass arguments of a forward (casting their
+    tensors), which would leave the caller's record empty.
     """
 
-    replay: torch.Tensor | None = None
-    """Integer [B, T, L, k] expert ids each token must use per MoE layer (any integer dtype); a
-    token whose row holds :data:`NO_ROUTE` routes by its own router there. None: no replay."""
-    aux: bool = False
-    """Accumulate the load-balancing statistics for :meth:`aux_loss` (costs [k, E] per layer)."""
-    chosen: list[torch.Tensor] = field(default_factory=list)
-    """Output: per MoE layer, the router's own top-k [N, k] in :func:`route_dtype` (under replay
-    too: what it would have chosen), in descending probability."""
-    shape: tuple[int, int] | None = None
-    """Output: (B, T) of the call."""
-    _counts: torch.Tensor | None = None  # [k, E] routes used, summed over layers
-    _probs: torch.Tensor | None = None  # [E] router probabilities, summed over layers (with grad)
-    _rows: int = 0  # tokens x layers accumulated
+    def __init__(self, replay: torch.Tensor | None = None, aux: bool = False) -> None:
+        self.replay = replay
+        """Integer [B, T, L, k] expert ids each token must use per MoE layer (any integer dtype); a
+        token whose row holds :data:`NO_ROUTE` routes by its own router there. None: no replay."""
+        self.aux = aux
+        """Accumulate the load-balancing statistics for :meth:`aux_loss` (costs [k, E] per layer)."""
+        self.chosen: list[torch.Tensor] = []
+        """Output: per MoE layer, the router's own top-k [N, k] in :func:`route_dtype` (under replay
+        too: what it would have chosen), in descending probability."""
+        self.used: list[torch.Tensor] = []
+        """Output: per MoE layer, the experts the layer computed with [N, k] (the replayed ones where
+        given, else the own ones), ascending."""
+        self.shape: tuple[int, int] | None = None
+        """Output: (B, T) of the call."""
+        self._counts: torch.Tensor | None = None  # [k, E] routes used, summed over layers
+        self._probs: torch.Tensor | None = None  # [E] router probabilities, summed over layers (with grad)
+        self._rows = 0  # tokens x layers accumulated
 
     def routes(self) -> torch.Tensor:
         """The captured own routes, [B, T, L, k] in :func:`route_dtype`."""
-        if not self.chosen or self.shape is None:
+        return self._stacked(self.chosen)
+
+    def used_routes(self) -> torch.Tensor:
+        """The routes the layers computed with, [B, T, L, k] in :func:`route_dtype`."""
+        return self._stacked(self.used)
+
+    def _stacked(self, per_layer: list[torch.Tensor]) -> torch.Tensor:
+        if not per_layer or self.shape is None:
             raise ValueError("no routes captured: the forward ran no MoE layer with this Routing")
-        return torch.stack(self.chosen, dim=1).view(*self.shape, len(self.chosen), -1)
+        return torch.stack(per_layer, dim=1).view(*self.shape, len(per_layer), -1)
 
     def replay_rows(self, layer: int, n_tokens: int) -> torch.Tensor | None:
         """Replayed ids of MoE layer ``layer`` as [N, k], or None without replay."""
@@ -172,10 +184,11 @@ class Router(nn.Module):
         _uniform_init(self.weight, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, E] for x [N, H]."""
-        if self.exact_dtype is not None:
-            return row_chunked_linear(x.float(), self.weight.float())
-        return F.linear(x.float(), self.weight.float())
+        """fp32 logits [N, E] for x [N, H] (autocast would make them bf16: it is off here)."""
+        if self.exact_dtype is not None:  # the weight as the engine holds it (the trainer's are fp32 masters)
+            return row_chunked_linear(x.float(), self.weight.to(self.exact_dtype).float())
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
 
 
 class Experts(nn.Module):
@@ -232,6 +245,7 @@ class SparseMoeBlock(nn.Module):
         if routing is not None:
             routing.shape = (shape[0], shape[1])
             routing.chosen.append(own.to(self.route_dtype))
+            routing.used.append(used.to(self.route_dtype))
             if routing.aux:
                 routing.add_aux(used, probs)
         out = self._experts(flat, used, weights)
@@ -279,7 +293,8 @@ def loop_experts(x, idx, weights, gate_up, down, linear) -> torch.Tensor:
         rows = token[start : start + n]
         g, u = linear(x.index_select(0, rows), gate_ups[e]).chunk(2, dim=-1)
         y = linear(F.silu(g) * u, downs[e])
-        out.index_add_(0, rows, y * slot_weights[start : start + n, None].to(y.dtype))
+        # Under autocast y is bf16 while x (the residual stream) is fp32: added in x's dtype, as HF.
+        out.index_add_(0, rows, (y * slot_weights[start : start + n, None].to(y.dtype)).to(out.dtype))
         start += n
     return out
 
@@ -305,7 +320,7 @@ def grouped_experts(x, idx, weights, gate_up, down) -> torch.Tensor:
     g, u = h.chunk(2, dim=-1)
     y = torch._grouped_mm((F.silu(g) * u).contiguous(), down.transpose(1, 2), offs=offs)
     y = y * weights.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, token, y)
+    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
 _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<leaf>gate_up_proj|down_proj)$")

@@ -31,6 +31,7 @@ trains a group twice nor loses one.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -259,6 +260,8 @@ def group_to_dict(group: Group) -> dict[str, Any]:
     for s in group.samples:
         row = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
         row["status"] = s.status.value
+        if s.routed_experts is not None:
+            row["routed_experts"] = routes_to_dict(s.routed_experts)
         samples.append(row)
     return {"group_id": group.group_id, "prompt": prompt, "samples": samples}
 
@@ -271,5 +274,23 @@ def group_from_dict(data: dict[str, Any]) -> Group:
     for row in data["samples"]:
         row = dict(row)
         row["status"] = Status(row["status"])
+        if row.get("routed_experts") is not None:
+            row["routed_experts"] = routes_from_dict(row["routed_experts"])
         samples.append(Sample(**row))
     return Group(group_id=int(data["group_id"]), prompt=Prompt(**prompt), samples=tuple(samples))
+
+
+def routes_to_dict(routes: torch.Tensor) -> dict[str, Any]:
+    """MoE routes as plain JSON data (checkpoints keep the buffer in JSON): dtype, shape and the
+    raw bytes in base64, so they cost their compact size (int8: one byte per id), not a list."""
+    t = routes.detach().to("cpu").contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": base64.b64encode(t.numpy().tobytes()).decode("ascii")}
+
+
+def routes_from_dict(data: dict[str, Any]) -> torch.Tensor:
+    import torch
+
+    dtype = getattr(torch, data["dtype"])
+    raw = bytearray(base64.b64decode(data["data"]))
+    return torch.frombuffer(raw, dtype=dtype).view(*data["shape"]) if raw else torch.empty(data["shape"], dtype=dtype)

@@ -12,7 +12,8 @@ Samples a plug-in already scored keep their reward; the others are scored by the
 
 ``generate_one(ctx, sample)`` is the default generate function (``noria.plugins``): it sends the
 sample's ``prompt_ids`` to the engine and records the engine's own tokens, log-probabilities and
-weight versions, so the trainer sees exactly what was sampled. Every sample of a step is in flight
+weight versions (and MoE routes, with ``rollout.routing_replay`` / ``record_routes``), so the
+trainer sees exactly what was sampled. Every sample of a step is in flight
 at once; the engine batches them continuously.
 
 Seeds: each sample's sampling seed is a pure function of (run seed, group id, sample index), so a
@@ -98,13 +99,17 @@ def sampling_params(ctx: RolloutContext, sample: Sample) -> SamplingParams:
 
 async def generate_one(ctx: RolloutContext, sample: Sample) -> Sample:
     """The default generate function: one single-turn trajectory from the engine."""
-    req = GenerateRequest(input_ids=list(sample.prompt_ids), sampling=sampling_params(ctx, sample))
+    req = GenerateRequest(
+        input_ids=list(sample.prompt_ids), sampling=sampling_params(ctx, sample),
+        return_routed_experts=getattr(ctx.sampling, "wants_routes", False),
+    )  # fmt: skip
     out = await ctx.engine.generate(req)
     reason = (out.finish_reason or {}).get("type")
     sample.response_ids = list(out.output_ids)
     sample.loss_mask = [1] * len(out.output_ids)
     sample.rollout_logprobs = [float(x) for x in out.logprobs]
     sample.weight_versions = list(out.weight_versions)
+    sample.routed_experts = out.routed_experts
     sample.response_text = ctx.tokenizer.decode(out.output_ids, skip_special_tokens=True)
     sample.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(reason, Status.ABORTED)
     if sample.status is Status.ABORTED:
@@ -182,7 +187,8 @@ async def run_rollout(
     generate = agent_generate(load_plugin(agent_fn, "rollout.agent_fn"), getattr(cfg, "agent_timeout_s", 600.0))
     base = sampling_params(ctx, Sample(prompt_ids=[]))
     on_mismatch = getattr(cfg, "session_on_mismatch", "error")
-    async with SessionServer(ctx.engine, ctx.tokenizer, base, on_mismatch=on_mismatch) as server:
+    routes = getattr(cfg, "wants_routes", False)
+    async with SessionServer(ctx.engine, ctx.tokenizer, base, on_mismatch=on_mismatch, routes=routes) as server:
         ctx.session_server = server
         return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward, generate)
 

@@ -37,6 +37,10 @@ Reference model (``loss.kl_coef > 0``): a frozen copy in the compute dtype, shar
 policy under FSDP2; on CUDA it waits on the CPU and visits the GPU only for
 ``compute_logprobs(which="reference")``. A teacher (``train.teacher``) is handled the same way.
 
+MoE (``noria.train.moe``): with ``TrainBatch.routed_experts`` every forward replays the engine's
+routes (``replay_routes``) or measures against them (``moe/route_mismatch``), and
+``train.loss.router_aux_coef`` adds the routers' load-balancing loss.
+
 LoRA (``train.lora.enabled``): peft adapters are injected before sharding; base weights are
 frozen inside the same FSDP units and only adapters reach AdamW (``noria.train.lora``).
 
@@ -84,6 +88,7 @@ from noria.train.backend import (
 )
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
 from noria.train.logprobs import token_logprobs
+from noria.train.moe import aux_loss_term, micro_batch_routing, route_metrics
 from noria.train.lora import adapter_tensors, apply_lora, lora_scaling, merge_lora
 from noria.train.optim import build_optimizer, lr_at, set_lr
 from noria.train.packing import (
@@ -149,10 +154,14 @@ class LogprobModel(nn.Module):
         self.deterministic = deterministic
         self.temperature = temperature
 
-    def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False, prefix_lens=None, seq_ids=None, want=None):
+    def forward(
+        self, input_ids, positions, cu_seqlens, with_entropy: bool = False, prefix_lens=None, seq_ids=None, want=None,
+        routing=None,
+    ):
         """``prefix_lens`` / ``seq_ids``: a shared-prefix batch (``TrainBatch``); ``want`` (bool [N]):
-        compute only these tokens' logprobs (the LM head skips the rest, which get 0)."""
-        hidden = packed_hidden(self.lm, input_ids, positions, cu_seqlens, prefix_lens, seq_ids, self.deterministic)
+        compute only these tokens' logprobs (the LM head skips the rest, which get 0); ``routing``:
+        MoE routes to replay and record (``noria.train.moe``)."""
+        hidden = packed_hidden(self.lm, input_ids, positions, cu_seqlens, prefix_lens, seq_ids, self.deterministic, routing)
         pairs = None
         if prefix_lens is not None or want is not None:
             pairs = wanted_sources(cu_seqlens, positions, prefix_lens, want)
@@ -161,11 +170,14 @@ class LogprobModel(nn.Module):
         )
 
 
-def packed_hidden(lm: nn.Module, input_ids, positions, cu_seqlens, prefix_lens=None, seq_ids=None, deterministic=False):
+def packed_hidden(
+    lm: nn.Module, input_ids, positions, cu_seqlens, prefix_lens=None, seq_ids=None, deterministic=False, routing=None
+):
     """Final hidden states [N, H] of a packed batch (plain or shared-prefix sequences)."""
     shared = shared_layout(cu_seqlens, prefix_lens, seq_ids)
     ctx = PackedContext(torch.diff(cu_seqlens).tolist(), deterministic=deterministic, shared=shared)
-    return lm.hidden_states(input_ids[None], positions[None], ctx)[0]
+    moe = {} if routing is None else {"routing": routing}  # only MoE models take it
+    return lm.hidden_states(input_ids[None], positions[None], ctx, **moe)[0]
 
 
 def wanted_sources(cu_seqlens, positions, prefix_lens=None, want=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +320,7 @@ class FSDPBackend:
         if self.deterministic and isinstance(lm, DecoderLM):
             lm.set_exact_numerics(self.compute_dtype)  # frozen models too: ref_kl is 0 at step 0
         elif self.deterministic and train:
-            raise TrainError(f"deterministic mode runs the native models (llama, qwen2, qwen3), not {type(lm).__name__}")
+            raise TrainError(f"deterministic mode runs the native models (llama, qwen2, qwen3, qwen3_moe), not {type(lm).__name__}")
         if train and self.cfg.compile and not self.deterministic:
             for layer in decoder_layers(lm):
                 compile_layer(layer)
@@ -342,12 +354,14 @@ class FSDPBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def _forward(self, model: nn.Module, mb: TrainBatch, with_entropy: bool, trained_only: bool = False):
+    def _forward(self, model: nn.Module, mb: TrainBatch, with_entropy: bool, trained_only: bool = False, routing=None):
         d = self.device
         want = (mb.loss_mask > 0).to(d) if trained_only else None
+        moe = {} if routing is None else {"routing": routing}  # heads of dense models (the critic's) take none
         with self._autocast():
             return model(
-                mb.input_ids.to(d), mb.positions.to(d), mb.cu_seqlens.to(d), with_entropy, mb.prefix_lens, mb.seq_ids, want
+                mb.input_ids.to(d), mb.positions.to(d), mb.cu_seqlens.to(d), with_entropy, mb.prefix_lens, mb.seq_ids, want,
+                **moe,
             )
 
     def _share(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
@@ -391,7 +405,9 @@ class FSDPBackend:
         plan = plan_for_rank(batch, self.cfg.micro_batch_tokens, self.rank, self.world)
         with ctx:
             for (a, b), scale in zip(plan.ranges, plan.scales):
-                out_lp, out_ent = self._forward(model, slice_batch(batch, a, b), with_entropy, trained_only)
+                mb = slice_batch(batch, a, b)
+                moe = micro_batch_routing(getattr(model, "lm", self.lm), mb, self.device, False, which == "current")
+                out_lp, out_ent = self._forward(model, mb, with_entropy, trained_only, moe and moe.routing)
                 if scale == 0:  # padding micro-batch: run for the collectives, keep nothing
                     continue
                 lo, hi = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
@@ -453,12 +469,20 @@ class FSDPBackend:
         mb = batch_to(slice_batch(batch, a, b), self.device)
         lo, hi = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
         want_entropy = self.cfg.algorithm == "rl" and self.cfg.loss.entropy_coef > 0
-        lp, ent = self._forward(self.policy, mb, want_entropy, trained_only=True)
+        aux_coef = self.cfg.loss.router_aux_coef
+        moe = micro_batch_routing(self.lm, mb, self.device, aux=aux_coef > 0)
+        lp, ent = self._forward(self.policy, mb, want_entropy, trained_only=True, routing=moe and moe.routing)
         d = self.device
         old = lp.detach() if old_logprobs is None else old_logprobs[lo:hi].to(d)
         ref = None if ref_logprobs is None else ref_logprobs[lo:hi].to(d)
         inputs = LossInputs(mb, lp, old, ref, ent, seq_index(mb).to(d), total_tokens, total_seqs)
-        return self.loss_fn(inputs)
+        loss, metrics = self.loss_fn(inputs)
+        if moe is not None:
+            metrics = {**metrics, **route_metrics(moe)}
+            if aux_coef > 0:
+                term, aux_metrics = aux_loss_term(moe, aux_coef, mb.n_tokens, batch.n_tokens)
+                loss, metrics = loss + term, {**metrics, **aux_metrics}
+        return loss, metrics
 
     def _clip_grads(self) -> torch.Tensor:
         params = [p for p in self.policy.parameters() if p.grad is not None]

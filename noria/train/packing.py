@@ -11,6 +11,9 @@ describes, i.e. the token that is PREDICTED. ``loss_mask[t]``, ``rollout_logprob
 position ``t - 1`` (see ``noria.train.logprobs``). The first token of each sequence has no
 prediction, so its mask is 0 even if it is a policy token (a sample with an empty prompt).
 
+MoE routes (``routed_experts``) follow the same alignment; ``replay_rows`` moves them to the
+position whose forward used them, which is what the model's ``Routing(replay=...)`` takes.
+
 Not guaranteed: micro-batches keep the sequence order of the batch; they are not balanced by
 attention cost (sum of L^2), only by token count.
 """
@@ -18,6 +21,7 @@ attention cost (sum of L^2), only by token count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +33,9 @@ Advantage = float | Sequence[float]
 """One number for the whole response, or one per response token (GAE-style)."""
 
 
-def pack_groups(groups: Sequence[Group], advantages: Sequence[Sequence[Advantage]] | None = None) -> TrainBatch:
+def pack_groups(
+    groups: Sequence[Group], advantages: Sequence[Sequence[Advantage]] | None = None, replay_routes: bool = False
+) -> TrainBatch:
     """Pack every sample of every group, in order; ``advantages[g][i]`` belongs to sample i of group g."""
     samples = [s for g in groups for s in g.samples]
     flat = None
@@ -37,11 +43,14 @@ def pack_groups(groups: Sequence[Group], advantages: Sequence[Sequence[Advantage
         if len(advantages) != len(groups) or any(len(a) != len(g.samples) for a, g in zip(advantages, groups)):
             raise ValueError("advantages must have one entry per sample of each group")
         flat = [a for per_group in advantages for a in per_group]
-    return pack_samples(samples, flat)
+    return pack_samples(samples, flat, replay_routes)
 
 
-def pack_samples(samples: Sequence[Sample], advantages: Sequence[Advantage] | None = None) -> TrainBatch:
-    """Pack samples (prompt + response per sequence) into flat tensors; see the module docstring."""
+def pack_samples(
+    samples: Sequence[Sample], advantages: Sequence[Advantage] | None = None, replay_routes: bool = False
+) -> TrainBatch:
+    """Pack samples (prompt + response per sequence) into flat tensors; see the module docstring.
+    Samples with MoE routes give ``routed_experts`` (``replay_routes``: the trainer uses them)."""
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
     if advantages is not None and len(advantages) != len(samples):
@@ -64,7 +73,33 @@ def pack_samples(samples: Sequence[Sample], advantages: Sequence[Advantage] | No
         advantages=torch.tensor(cols["adv"], dtype=torch.float32),
         sample_ids=torch.arange(len(samples), dtype=torch.long),
         weight_versions=torch.tensor(cols["ver"], dtype=torch.long),
+        routed_experts=pack_routes(samples, cols["mask"]),
+        replay_routes=replay_routes,
     )
+
+
+def pack_routes(samples: Sequence[Sample], mask: list[int]) -> torch.Tensor | None:
+    """[N, ...] routes of the packed tokens (``TrainBatch.routed_experts``): each sample's response
+    rows where the token is trained, -1 elsewhere; None when no sample has routes."""
+    routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not routed:
+        return None
+    tail = tuple(routed[0].shape[1:])
+    dtype = functools.reduce(torch.promote_types, (r.dtype for r in routed))
+    out = torch.full((len(mask), *tail), -1, dtype=dtype)
+    offset = 0
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        if s.routed_experts is not None:
+            if tuple(s.routed_experts.shape) != (r, *tail):
+                raise ValueError(
+                    f"sample {i}: routed_experts has shape {tuple(s.routed_experts.shape)}, expected {(r, *tail)} "
+                    "(one row per response token, like the other samples)"
+                )
+            out[offset + p : offset + p + r] = s.routed_experts
+        offset += p + r
+    out[torch.tensor(mask) == 0] = -1  # prompt and environment tokens route by themselves
+    return out
 
 
 def _check_sample(i: int, s: Sample) -> None:
@@ -187,6 +222,8 @@ def share_prefixes(batch: TrainBatch, min_prefix: int = MIN_SHARED_PREFIX) -> tu
         weight_versions=take(batch.weight_versions),
         prefix_lens=torch.tensor([p for _, _, p in blocks], dtype=torch.int32),
         seq_ids=torch.tensor(seq_ids, dtype=torch.long),
+        routed_experts=take(batch.routed_experts),
+        replay_routes=batch.replay_routes,
     )
     return shared, keep_t, torch.tensor(index, dtype=torch.long)
 
@@ -282,13 +319,35 @@ def slice_batch(batch: TrainBatch, start: int, end: int) -> TrainBatch:
         weight_versions=cut(batch.weight_versions),
         prefix_lens=None if batch.prefix_lens is None else batch.prefix_lens[start:end],
         seq_ids=cut(batch.seq_ids),
+        routed_experts=cut(batch.routed_experts),
+        replay_routes=batch.replay_routes,
     )
 
 
 def batch_to(batch: TrainBatch, device: torch.device | str) -> TrainBatch:
     """The same batch with every tensor on ``device``."""
     moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    return TrainBatch(**{k: None if v is None else v.to(device) for k, v in moved.items()})
+    return TrainBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+def replay_rows(batch: TrainBatch) -> torch.Tensor | None:
+    """``routed_experts`` moved to the position whose forward each route belongs to: [N, ...], row t
+    the route of the forward at position t (the one predicting ``prediction_sources``' target),
+    -1 where none was recorded. With shared prefixes, several tokens are predicted from a
+    prefix's last position; the first of them with a route gives it its route."""
+    routes = batch.routed_experts
+    if routes is None:
+        return None
+    src, dst = prediction_sources(batch.cu_seqlens, batch.positions, batch.prefix_lens)
+    src, dst = src.to(routes.device), dst.to(routes.device)
+    has = routes.reshape(len(routes), -1)[dst, 0] >= 0
+    src, order = torch.sort(src[has], stable=True)
+    dst = dst[has][order]
+    first = torch.ones_like(src, dtype=torch.bool)
+    first[1:] = src[1:] != src[:-1]
+    out = torch.full_like(routes, -1)
+    out[src[first]] = routes[dst[first]]
+    return out
 
 
 @dataclass(frozen=True)

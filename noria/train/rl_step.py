@@ -37,15 +37,21 @@ from noria.config import TrainConfig
 from noria.types import Group, Sample, Status, TrainBatch
 
 
-def rl_step(backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any = None) -> dict[str, float]:
+def rl_step(
+    backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any = None,
+    replay_routes: bool = False,
+) -> dict[str, float]:
     """``cfg.steps_per_rollout`` optimizer steps of ``backend`` (and ``critic`` for PPO with GAE) on the
     groups' trainable samples; ``weight_version`` is the version the engines serve (for the
-    staleness metric). Returns the step's metrics (see the module docstring)."""
+    staleness metric); ``replay_routes``: the MoE layers use the samples' recorded routes
+    (``rollout.routing_replay``). Returns the step's metrics (see the module docstring)."""
     with on_device(backend.device):
-        return _rl_step(backend, groups, cfg, weight_version, critic)
+        return _rl_step(backend, groups, cfg, weight_version, critic, replay_routes)
 
 
-def _rl_step(backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any) -> dict[str, float]:
+def _rl_step(
+    backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any, replay_routes: bool
+) -> dict[str, float]:
     from noria.train import pack_samples
     from noria.train.algorithms import compute_advantages
 
@@ -58,7 +64,7 @@ def _rl_step(backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_ver
     if critic is not None:
         from noria.train.critic import ppo_train
 
-        batch = pack_samples(samples)
+        batch = pack_samples(samples, replay_routes=replay_routes)
         parts = ppo_train(backend, critic, samples, cfg, k, batch=batch)
         batches = [batch]
     else:
@@ -66,7 +72,7 @@ def _rl_step(backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_ver
         flat_adv = [a for per_group in advantages for a in per_group]
         size = math.ceil(len(samples) / k)
         slices = [(samples[i : i + size], flat_adv[i : i + size]) for i in range(0, len(samples), size)]
-        batches = [pack_samples(s, a) for s, a in slices]
+        batches = [pack_samples(s, a, replay_routes) for s, a in slices]
         old = [backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
         parts = [backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
     out = average(parts)
