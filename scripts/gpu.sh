@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU tests and benchmarks in one call (one CUDA GPU; see issue 9 and DESIGN section 6).
+# The GPU tests and benchmarks in one call (one CUDA GPU; see issue 9).
 # Each part runs even if an earlier one failed; the exit status is non-zero if any failed.
 # JSON figures go to $RESULTS (default benchmarks/results/), logs beside them; with $OUT set
 # (the device tool) both are copied there as well.
 #   PARTS="tests engine train sync" scripts/gpu.sh
+#   PARTS=moe scripts/gpu.sh; PARTS=moe-train scripts/gpu.sh   (Qwen3-MoE: GPU tests, noria bench gpu-moe)
 #   PARTS=multi scripts/gpu.sh                  (2 GPUs; LAYOUT=one-gpu on one, see noria bench gpu-multi --help)
 set -u
 cd "$(dirname "$0")/.."
@@ -32,6 +33,11 @@ for p in $PARTS; do
     train) part gpu-train ${T_TRAIN:-300} $PY -m noria bench gpu-train --json "$RESULTS/gpu-train.json" ${TRAIN_ARGS:-} ;;
     sync) part gpu-sync ${T_SYNC:-300} $PY -m noria bench gpu-sync --json "$RESULTS/gpu-sync.json" ${SYNC_ARGS:-} ;;
     rl) part gpu-rl ${T_RL:-420} $PY -m noria bench gpu-rl --json "$RESULTS/gpu-rl.json" ${RL_ARGS:---prompts 8,64 --new-tokens 32,256} ;;
+    moe)  # issue 23: Qwen3-MoE on one GPU: tests, then decode vs HF generate and the route capture overhead
+      part gpu-moe-tests ${T_MOE_TESTS:-200} $PY -m pytest -q -p no:cacheprovider tests/test_models_moe_gpu.py tests/test_models_moe.py
+      part gpu-moe ${T_MOE:-360} $PY -m noria bench gpu-moe --parts decode,capture --json "$RESULTS/gpu-moe.json" ${MOE_ARGS:-} ;;
+    moe-train)  # issue 23: one RL step of the same Qwen3-MoE shape, tokens/s and MFU on active parameters
+      part gpu-moe-train ${T_MOE_TRAIN:-540} $PY -m noria bench gpu-moe --parts train --json "$RESULTS/gpu-moe-train.json" ${MOE_TRAIN_ARGS:-} ;;
     fp8) part gpu-fp8 ${T_FP8:-300} $PY -m noria bench gpu-fp8 --json "$RESULTS/gpu-fp8.json" ${FP8_ARGS:-} ;;
     multi)  # issue 10: needs 2 GPUs (LAYOUT=one-gpu runs the same code on one); NVLink multicast off in every process
       export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}

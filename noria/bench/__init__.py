@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sync": ("sync", "seconds and GB/s of a weight push per transport (ipc, shared memory, gloo broadcast, disk) vs the raw primitive"),
     "gpu-engine": ("gpu_engine", "CUDA: decode tokens/s of the engine vs HF generate and the bandwidth bound"),
     "gpu-train": ("gpu_train", "CUDA: tokens/s and MFU of one RL step on a random Qwen3-shaped model"),
+    "gpu-moe": ("gpu_moe", "CUDA: Qwen3-MoE decode vs HF generate, route capture overhead, RL-step tokens/s and MFU"),
     "gpu-sync": ("gpu_sync", "CUDA: weight push to a colocated engine (CUDA IPC) vs a device copy"),
     "gpu-fp8": ("gpu_fp8", "CUDA (Hopper): FP8 vs bf16 rollout, decode speed and logprob mismatch (TIS)"),
     "gpu-profile": ("gpu_profile", "CUDA: decode kernel vs bandwidth (tile sweep) and one decode step's breakdown"),

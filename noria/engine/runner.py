@@ -54,7 +54,7 @@ from noria.engine.paged_context import DecodeFn, DecodeMeta, PagedAttentionConte
 from noria.engine.scheduler import Chunk
 from noria.models.attention import attention_scale
 from noria.models.decoder import DecoderLM
-from noria.models.moe import Routing
+from noria.models.moe import Routing, graph_capturable
 
 def pick_decode_fn(attention: str, device: torch.device) -> DecodeFn:
     """``torch``: the reference; ``auto``: the C++ kernel on CPU when it builds, the Triton kernel
@@ -154,7 +154,8 @@ class ModelRunner:
         self.graphs = None
         self.fused = None
         """CUDA: the fused decode forward the graphs capture (``noria.engine.cuda.fused``), or None."""
-        if self.device.type == "cuda" and not deterministic and cuda_graphs:
+        # MoE: only the grouped expert path (bf16) runs without host synchronisation inside a graph.
+        if self.device.type == "cuda" and not deterministic and cuda_graphs and graph_capturable(model):
             from noria.engine.cuda import triton_available
             from noria.engine.cuda.fused import FusedDecoder
             from noria.engine.cuda.graphs import DecodeGraphs

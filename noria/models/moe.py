@@ -311,6 +311,19 @@ def grouped_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bo
     )
 
 
+def graph_capturable(model: nn.Module) -> bool:
+    """Whether a CUDA graph can hold ``model``'s MoE layers: each runs the grouped path (the loop
+    reads per-expert counts on the host, which a capture forbids). True for a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    return all(
+        hasattr(torch, "_grouped_mm")
+        and b.experts.gate_up_proj.dtype == b.experts.down_proj.dtype == torch.bfloat16
+        and b.experts.gate_up_proj.shape[-1] % 8 == 0
+        and b.experts.down_proj.shape[-1] % 8 == 0
+        for b in blocks
+    )
+
+
 def grouped_experts(x, idx, weights, gate_up, down) -> torch.Tensor:
     """All experts in two ``torch._grouped_mm`` calls over the (token, slot) pairs sorted by
     expert; no host synchronisation. x [N, H], idx/weights [N, k] -> [N, H]."""

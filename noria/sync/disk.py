@@ -2,9 +2,10 @@
 
 What the folder is: ``DIR/v00000012/`` holding ``model.safetensors`` (one bucket) or
 ``model-0000k-of-0000n.safetensors`` shards (one per bucket) with ``model.safetensors.index.json``,
-HF tensor names, ``format: pt`` metadata, plus ``config.json`` and the tokenizer files of
-``source`` when one is given. So an external SGLang or vLLM server can load it like any HF
-checkpoint (``/update_weights_from_disk``, ``reload_weights``).
+HF tensor names (MoE experts one tensor each, as HF checkpoints hold them), ``format: pt``
+metadata, plus ``config.json`` and the tokenizer files of ``source`` when one is given. So an
+external SGLang or vLLM server can load it like any HF checkpoint (``/update_weights_from_disk``,
+``reload_weights``).
 
 How data moves::
 
@@ -76,7 +77,7 @@ class DiskTransport(Transport):
         tmp = self.folder / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            parts = [write_safetensors(tmp / f"part-{k}.safetensors", bucket) for k, bucket in enumerate(buckets)]
+            parts = [write_safetensors(tmp / f"part-{k}.safetensors", hf_layout(bucket)) for k, bucket in enumerate(buckets)]
             _name_shards(tmp, parts)
             self._companions(tmp)
             _publish(tmp, final)
@@ -98,6 +99,14 @@ class DiskTransport(Transport):
         versions = sorted(p for p in self.folder.iterdir() if p.is_dir() and VERSION_DIR.match(p.name))
         for old in versions[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def hf_layout(bucket: Bucket) -> Bucket:
+    """The bucket with HF checkpoint names: a MoE model's stacked experts as one tensor per expert
+    (``noria.models.moe.disk_layout``, views: no copy), so other servers load the folder too."""
+    from noria.models.moe import disk_layout
+
+    return list(disk_layout(dict(bucket)).items())
 
 
 def write_safetensors(path: Path, bucket: Bucket) -> tuple[Path, list[str], int]:
