@@ -211,3 +211,47 @@ def test_http_generate_returns_routed_experts(moe_server):
     assert route_mismatch(routes, want) == (0, 12)
     bad = httpx.post(f"{server.url}/generate", json={**body, "return_routed_experts": "yes"}, timeout=60)
     assert bad.status_code == 400 and "return_routed_experts" in bad.text
+
+
+def test_session_records_each_policy_tokens_route_and_none_for_the_environment(tiny_model_dir, tmp_path):
+    """Multi-turn through the session server (routes asked for): every policy token carries the
+    route the engine sampled it with, tool output tokens a -1 row; the sample packs them."""
+    from transformers import AutoTokenizer
+
+    from noria.agent.session import SessionServer
+    from noria.rollout import LocalEngineClient
+    from noria.router import LocalRouter
+    from noria.train.packing import pack_samples
+    from noria.types import Sample
+
+    vocab = len(AutoTokenizer.from_pretrained(tiny_model_dir))
+    folder = tiny_moe_folder(tmp_path, tokenizer_dir=tiny_model_dir, vocab=vocab)
+    engine = Engine.from_path(folder, EngineConfig(kv_cache_tokens=4096, deterministic=True, attention="torch"),
+                              dtype="float32", seed=0)
+
+    async def run():
+        sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
+        router = LocalRouter([LocalEngineClient(engine)])
+        async with SessionServer(router, engine.tokenizer, sampling, routes=True) as server:
+            server.open("s1", seed=7)
+            messages = [{"role": "user", "content": "What is 3 + 4?"}]
+            for turn in range(3):
+                async with httpx.AsyncClient(timeout=120) as client:
+                    r = await client.post(f"{server.base_url('s1')}/chat/completions", json={"messages": messages})
+                messages += [r.json()["choices"][0]["message"], {"role": "tool", "content": f"result {turn}"}]
+            return server.close("s1")
+
+    try:
+        session = asyncio.run(run())
+    finally:
+        engine.shutdown(1)
+    sample = session.fill(Sample(prompt_ids=[]))
+    routes, mask = sample.routed_experts, torch.tensor(sample.loss_mask)
+    assert routes.shape == (len(sample.response_ids), 2, 2) and mask.sum() > 0 and (mask == 0).any()
+    assert (routes[mask == 0] == -1).all() and (routes[mask == 1] >= 0).all()
+    model = load_exact(folder, torch.float32)
+    seq = sample.prompt_ids + sample.response_ids
+    own = fresh_routes(model, seq[:-1], exact=True)[len(sample.prompt_ids) - 1 :]
+    assert route_mismatch(routes[mask == 1], own[mask == 1]) == (0, int(mask.sum()) * 2)
+    batch = pack_samples([sample], replay_routes=True)
+    assert torch.equal(batch.routed_experts[len(sample.prompt_ids):][mask == 1], routes[mask == 1])
