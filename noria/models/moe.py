@@ -19,10 +19,12 @@ the dense families, and FSDP2 shards the stacked experts on dim 0. HF checkpoint
 tensor per expert (``mlp.experts.{e}.gate_proj.weight`` ...); :func:`disk_layout` maps between the
 two and ``noria.models.checkpoint`` uses it to load and save.
 
-Numerics: the router's logits and softmax are fp32 whatever the model dtype (as Megatron's
-``moe_router_dtype=fp32``; transformers computes bf16 logits, so a bf16 model's routes may differ
-from transformers' on near ties — fp32 models match it). The expert outputs are computed in the
-model dtype, scaled by the weights cast to it, and added in expert-id order into zeros, exactly as
+Numerics: the router's logits and softmax are fp32 whatever the model dtype and under autocast
+(as Megatron's ``moe_router_dtype=fp32``; transformers computes bf16 logits, so a bf16 model's
+routes may differ from transformers' on near ties — fp32 models match it). A route's ids are
+sorted before its weights are gathered and summed, so a replayed route equal to the own one (in
+any order) gives the same bits. The expert outputs are computed in the model dtype, scaled by the
+weights cast to it, and added in expert-id order into zeros in the residual stream's dtype, as
 transformers does.
 
 Expert computation, three paths (one result contract):
@@ -46,8 +48,9 @@ fp32 router and no fixed-shape path, and megatron-core's MoE layer needs its par
 Transformer Engine.
 
 Blocking: the CPU and exact paths read the per-expert token counts on the host (one
-synchronisation per layer on CUDA); the grouped path does not. Not guaranteed: exact mode's
-equality of bits on CUDA rests on the Triton linear (measured on an H200 by
+synchronisation per layer on CUDA, so a CUDA graph holds only the grouped path:
+:func:`graph_capturable`); the grouped path does not. Not guaranteed: exact mode's equality of
+bits on CUDA rests on the Triton linear and torch's per-row softmax (checked on a GPU by
 ``tests/test_models_moe_gpu.py``), and nothing makes the grouped path equal to the loop's bits.
 """
 
