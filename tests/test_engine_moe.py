@@ -255,3 +255,18 @@ def test_session_records_each_policy_tokens_route_and_none_for_the_environment(t
     assert route_mismatch(routes[mask == 1], own[mask == 1]) == (0, int(mask.sum()) * 2)
     batch = pack_samples([sample], replay_routes=True)
     assert torch.equal(batch.routed_experts[len(sample.prompt_ids):][mask == 1], routes[mask == 1])
+
+
+def test_sglang_routes_keep_the_rows_of_the_output_tokens():
+    """An SGLang server sends one row per position but the last (prompt included) and no shape:
+    the output token i's route is row prompt_len - 1 + i, the last R rows."""
+    from noria.engine.protocol import encode_routes
+
+    prompt, out = 5, 3
+    every_position = torch.arange((prompt + out - 1) * 2 * 2, dtype=torch.int32).view(prompt + out - 1, 2, 2)
+    info = {**encode_routes(every_position), "prompt_tokens": prompt}
+    del info["routed_experts_shape"]
+    routes = decode_routes(info, out)
+    assert torch.equal(routes, every_position[prompt - 1 :].reshape(out, 4))
+    with pytest.raises(RequestError, match="not a whole number"):
+        decode_routes({**info, "prompt_tokens": prompt + 1}, out)
