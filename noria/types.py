@@ -80,6 +80,14 @@ class Sample:
     forward that sampled response token i (the position before it); rows of non-policy tokens
     hold -1. From an SGLang server: [R, L * k], reshaped by the trainer. Memory: R * L * k bytes in
     int8 (a 32k-token, 48-layer, top-8 sample: 12 MiB)."""
+    latents: Any = None
+    """Image trajectories (``noria.diffusion``), else None: float32 tensor [T+1, C, H, W], the
+    latent at every noise level of the T denoising steps (x_T noise first, x_0 last). An image's
+    "tokens" are its steps: ``prompt_ids`` = [class label], ``response_ids`` = step indices 0..T-1,
+    ``rollout_logprobs`` = each transition's log-probability, ``weight_versions`` per step."""
+    image: Any = None
+    """Image trajectories: the generated image, a uint8 numpy array [H, W, C] (what image rewards
+    score instead of ``response_text``); None for text."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data (prompt metadata, reward details, timings)."""
 

@@ -3,7 +3,8 @@
 The contract (the plug point ``reward.name`` of ``noria.plugins``, pinned by
 tests/test_plugin_contracts.py and tests/test_rewards_runner.py): a reward is
 ``fn(response: str, label, metadata: dict, **kwargs) -> float | bool``, plain or ``async def``;
-``kwargs`` come from ``RewardConfig.kwargs``. It returns a finite number; it raises when it cannot
+``kwargs`` come from ``RewardConfig.kwargs``. For image samples (``Sample.image`` set, see
+``noria.diffusion.rewards``) the first argument is the image, a uint8 array [H, W, C]. It returns a finite number; it raises when it cannot
 score (the runner then marks the sample failed with the error). A response that is simply wrong
 scores 0.0. An unknown name, or an import path that cannot be loaded or does not take
 ``(response, label, metadata)``, is a ``PluginError`` naming ``reward.name``.

@@ -158,7 +158,8 @@ async def _score_one(
     """Score one sample in place; return the failure kind, or None on success."""
     async with limit:
         try:
-            value = await _call_with_timeout(fn, cfg, sample.response_text, label, metadata)
+            scored = sample.response_text if sample.image is None else sample.image  # image samples: the image
+            value = await _call_with_timeout(fn, cfg, scored, label, metadata)
             sample.reward = check_reward_value(value, cfg.name)
         except RewardFailure as failure:
             sample.reward, sample.status, sample.status_reason = None, Status.FAILED, str(failure)

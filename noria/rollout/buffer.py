@@ -262,6 +262,12 @@ def group_to_dict(group: Group) -> dict[str, Any]:
         row["status"] = s.status.value
         if s.routed_experts is not None:
             row["routed_experts"] = routes_to_dict(s.routed_experts)
+        if s.latents is not None:  # image trajectories (noria.diffusion): raw bytes too, exact
+            row["latents"] = routes_to_dict(s.latents)
+        if s.image is not None:
+            import torch
+
+            row["image"] = routes_to_dict(torch.from_numpy(s.image))
         samples.append(row)
     return {"group_id": group.group_id, "prompt": prompt, "samples": samples}
 
@@ -276,6 +282,10 @@ def group_from_dict(data: dict[str, Any]) -> Group:
         row["status"] = Status(row["status"])
         if row.get("routed_experts") is not None:
             row["routed_experts"] = routes_from_dict(row["routed_experts"])
+        if row.get("latents") is not None:
+            row["latents"] = routes_from_dict(row["latents"])
+        if row.get("image") is not None:
+            row["image"] = routes_from_dict(row["image"]).numpy()
         samples.append(Sample(**row))
     return Group(group_id=int(data["group_id"]), prompt=Prompt(**prompt), samples=tuple(samples))
 

@@ -1,0 +1,320 @@
+"""The diffusion rollout engine: batched SDE/ODE sampling of a DiT on a background thread.
+
+Threads and data flow (the text engine's shape, ``noria.engine.engine``)::
+
+    callers (asyncio or threads)             engine thread (the only one touching engine state)
+    submit / abort / pause / weights  ──▶ inbox ──▶ drain commands between steps
+                                                    batch <= max_running_requests running images
+                                                    one denoising step for all of them (one forward)
+    callback(ImageOutput)  ◀───────────────────────── images whose last step is done
+
+Continuous batching at step granularity: each running image is at its own step (the DiT takes a
+timestep per sample), a new request joins the batch at the next step, a finished one leaves it.
+Each step of each image records its latent, the log-probability of its Gaussian transition
+(``noria.diffusion.sde``) and the weight version that computed it; a weight update commits between
+two steps, so a trajectory may hold several versions, like a text response across a weight update.
+
+Seeds: every request has its own ``torch.Generator`` seeded with ``ImageRequest.seed``; it draws the
+initial noise and then each step's noise, in order. So the noise of an image does not depend on
+what else is batched or when it arrived. With ``deterministic`` (``engine.deterministic``) the DiT
+runs batch-invariant kernels (``noria.diffusion.model.set_exact_numerics``), so the whole trajectory
+is bit for bit the same whatever the batch, and equals the trainer's recomputation.
+
+What blocks on what: ``await generate`` until the image is done; ``pause``/``resume``,
+``commit_weights``, ``release_memory_occupation`` until the current step ends and the command
+has run; staging a weight update copies on the caller's thread while denoising goes on. Pausing
+(``retract`` or ``in_place``: the same here, a trajectory keeps its latent and resumes from its
+step) stops stepping; the steps after a weight update carry the new version.
+
+Not guaranteed: ``release_memory_occupation`` frees only the weight staging buffers (a DiT keeps
+no KV cache); bitwise trajectories across devices or dtypes; classifier-free guidance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from noria.diffusion import sde
+from noria.diffusion.model import latent_shape, load_dit, num_classes, set_exact_numerics, velocity
+from noria.diffusion.protocol import ImageOutput, ImageRequest
+from noria.engine.weight_updates import WeightUpdates
+from noria.engine.protocol import RequestError
+
+PAUSE_MODES = ("retract", "in_place")
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped on an error; every in-flight request was aborted with it."""
+
+
+@dataclass
+class _Image:
+    """One request in flight."""
+
+    req: ImageRequest
+    callback: Callable[[ImageOutput], None]
+    generator: torch.Generator
+    sigmas: torch.Tensor
+    latents: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return len(self.logprobs)
+
+
+class DiffusionEngine:
+    """See the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, max_batch: int = 64, deterministic: bool = False,
+                 weight_version: int = 0) -> None:
+        self.model = set_exact_numerics(model.eval()) if deterministic else model.eval()
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.max_batch, self.deterministic = max_batch, deterministic
+        self.num_classes = num_classes(model)
+        self.shape = latent_shape(model)
+        self.weights = WeightUpdates(self.model, self.device, self._call, _nothing, _nothing, weight_version)
+        """Weight updates (``noria.sync``'s in-process target and the server's weight API call it):
+        staged on the caller's thread, committed between two denoising steps."""
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._waiting: list[_Image] = []
+        self._running: list[_Image] = []
+        self._paused = False
+        self._stop = False
+        self._closing = False
+        self._error: BaseException | None = None
+        self._stats = {"images": 0, "steps": 0, "image_steps": 0, "seconds": 0.0}
+        self._thread = threading.Thread(target=self._loop, name="noria-diffusion-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_path(cls, path: str | Path, engine_cfg: Any, dtype: str = "auto", device: str = "cpu",
+                  lora: Any = None, weight_version: int = 0) -> DiffusionEngine:
+        """Load a DiT folder in ``dtype`` (``auto``: this machine's); ``lora`` (a ``LoraConfig``)
+        injects adapters of that shape, which adapter-only weight updates then fill."""
+        from noria import hardware
+
+        dtype = hardware.resolve_dtype(dtype, device)
+        model = load_dit(path, getattr(torch, dtype), device)
+        if lora is not None and lora.enabled and lora.sync == "adapter":
+            from noria.train.lora import apply_lora
+
+            model = apply_lora(model, lora).to(device=device, dtype=getattr(torch, dtype))
+        return cls(model, engine_cfg.max_running_requests, engine_cfg.deterministic, weight_version)
+
+    # ------------------------------------------------------------------------------ requests
+
+    def submit(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> str:
+        """Queue a request; ``callback`` (on the engine thread) gets its output. Returns the request id."""
+        self._check_alive()
+        if self._closing:
+            raise RequestError("the engine is shutting down and accepts no new requests")
+        req.validate(self.num_classes)
+        if not req.rid:
+            req = replace(req, rid=uuid.uuid4().hex)
+        gen = torch.Generator(self.device).manual_seed(req.seed % (1 << 64))
+        image = _Image(req, callback, gen, _sigmas(req.steps, req.shift).to(self.device))
+        self._post(lambda: self._waiting.append(image))
+        return req.rid
+
+    async def generate(self, req: ImageRequest) -> ImageOutput:
+        """Generate to completion; cancelling the await aborts the request."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[ImageOutput] = loop.create_future()
+        rid = self.submit(req, lambda out: _call_in_loop(loop, _resolve, future, out))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
+
+    def generate_batch(self, requests: list[ImageRequest], timeout_s: float | None = None) -> list[ImageOutput]:
+        """Blocking convenience for scripts, tests and benchmarks: submit all, wait for all, in order."""
+        futures = [concurrent.futures.Future() for _ in requests]
+        for req, fut in zip(requests, futures):
+            self.submit(req, lambda out, f=fut: f.set_result(out))
+        return [f.result(timeout=timeout_s) for f in futures]
+
+    def abort(self, rid: str, message: str = "aborted by request") -> None:
+        """Abort a waiting or running request (its callback gets reason abort); unknown ids are ignored."""
+        self._post(lambda: self._abort([i for i in self._waiting + self._running if i.req.rid == rid], message))
+
+    def _abort(self, images: list[_Image], message: str) -> None:
+        for image in images:
+            (self._waiting if image in self._waiting else self._running).remove(image)
+            image.callback(ImageOutput(image.req.rid, None, [], [], {"type": "abort", "message": message}))
+
+    # ------------------------------------------------------------------------------ control
+
+    async def pause(self, mode: str = "retract") -> None:
+        """Stop denoising after the current step (both modes keep every trajectory's state)."""
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await asyncio.wrap_future(self._post_future(lambda: setattr(self, "_paused", True)))
+
+    async def resume(self) -> None:
+        await asyncio.wrap_future(self._post_future(lambda: setattr(self, "_paused", False)))
+
+    def release_memory_occupation(self) -> None:
+        """Pause and free the weight staging buffers (the next update allocates them again)."""
+        self._call(lambda: setattr(self, "_paused", True))
+        self.weights.release()
+
+    def resume_memory_occupation(self) -> None:
+        self._call(lambda: setattr(self, "_paused", False))
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Refuse new requests, let running ones finish for at most ``drain_timeout_s``, abort the rest, stop."""
+        self._closing = True
+        deadline = time.monotonic() + drain_timeout_s
+        while self._thread.is_alive() and (self._waiting or self._running) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._post(lambda: self._abort(self._waiting + self._running, "the engine shut down"))
+        self._post(lambda: setattr(self, "_stop", True))
+        self._thread.join()
+
+    @property
+    def weight_version(self) -> int:
+        """The version the engine serves (its weight component's)."""
+        return self.weights.version
+
+    # ------------------------------------------------------------------------------ observability
+
+    def get_load(self) -> dict[str, Any]:
+        return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting), "kv_usage": 0.0}
+
+    def metrics(self) -> dict[str, Any]:
+        s = self._stats
+        return {**self.get_load(), **s, "images_per_s": s["images"] / s["seconds"] if s["seconds"] else 0.0,
+                "weight_version": self.weight_version}  # fmt: skip
+
+    # ------------------------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                self._drain(block=self._paused or not (self._waiting or self._running))
+                if not self._paused and (self._waiting or self._running):
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 -- every waiting caller learns why, then the thread ends
+            self._die(e)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        command()
+        while True:
+            try:
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                return
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        """Admit waiting images up to the batch limit, then one denoising step for the batch."""
+        start = time.perf_counter()
+        while self._waiting and len(self._running) < self.max_batch:
+            image = self._waiting.pop(0)
+            image.latents.append(torch.randn(self.shape, generator=image.generator, device=self.device))
+            self._running.append(image)
+        batch = self._running[: self.max_batch]
+        x = torch.stack([i.latents[-1] for i in batch])
+        sigma = torch.stack([i.sigmas[i.step] for i in batch])
+        nxt = torch.stack([i.sigmas[i.step + 1] for i in batch])
+        smax = torch.stack([i.sigmas[1] for i in batch])
+        level = torch.tensor([float(i.req.noise_level) for i in batch], device=self.device)
+        labels = torch.tensor([i.req.label for i in batch], device=self.device)
+        noise = torch.stack([torch.randn(self.shape, generator=i.generator, device=self.device) for i in batch])
+        v = velocity(self.model, x, sigma, labels)
+        x_next, logprobs = sde.sde_step(x, v, sigma, nxt, smax, level, noise)
+        self._record(batch, x_next, logprobs.tolist())
+        self._stats["steps"] += 1
+        self._stats["image_steps"] += len(batch)
+        self._stats["seconds"] += time.perf_counter() - start
+
+    def _record(self, batch: list[_Image], x_next: torch.Tensor, logprobs: list[float]) -> None:
+        for image, x, lp in zip(batch, x_next, logprobs):
+            image.latents.append(x)
+            image.logprobs.append(lp)
+            image.versions.append(self.weight_version)
+            if image.step == image.req.steps:
+                self._running.remove(image)
+                self._stats["images"] += 1
+                latents = torch.stack(image.latents).float().cpu()
+                image.callback(ImageOutput(image.req.rid, latents, image.logprobs, image.versions))
+
+    def _die(self, error: BaseException) -> None:
+        self._error = error
+        message = f"the diffusion engine died: {type(error).__name__}: {error}"
+        for image in self._waiting + self._running:
+            image.callback(ImageOutput(image.req.rid, None, [], [], {"type": "abort", "message": message}))
+        self._waiting, self._running = [], []
+        while True:  # commands waiting for an answer get the error too
+            try:
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                break
+            except BaseException:  # noqa: BLE001 -- already dying; the first error is what callers see
+                pass
+
+    # ------------------------------------------------------------------------------ commands
+
+    def _post(self, command: Callable[[], None]) -> None:
+        self._inbox.put(command)
+
+    def _post_future(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        self._check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                future.set_exception(e)
+
+        self._post(run)
+        return future
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        return self._post_future(fn).result()
+
+    def _check_alive(self) -> None:
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDead(f"the diffusion engine is not running ({self._error!r})")
+
+
+def _nothing() -> None:
+    """A DiT has no derived weights to refresh and no cache to flush after a commit."""
+
+
+@functools.lru_cache(maxsize=64)
+def _sigmas(steps: int, shift: float) -> torch.Tensor:
+    return sde.flow_sigmas(steps, shift)
+
+
+def _resolve(future: asyncio.Future, out: ImageOutput) -> None:
+    if not future.done():
+        future.set_result(out)
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's event loop has closed: nobody waits for this output
+        pass
