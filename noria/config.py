@@ -1,41 +1,40 @@
-"""Typed, closed configuration: one dataclass per component, loaded from YAML plus dotted overrides.
+"""Noria's configuration: one typed, closed, documented section per component, and ``RunConfig``.
 
-How a config is built: the YAML file is read into a plain dict, each ``--a.b value`` override is
-parsed as a YAML scalar and written into that dict, and only then is the dict turned into typed
-dataclasses. That order means overrides get exactly the same checks as the file:
+Each section is owned by the component it configures (its docstring names it): the component reads
+it, its ``validate()`` holds every check of its own fields, and the docs (``noria docs`` ->
+docs/config.md) come from its field help. The classes live here, in one leaf module, so that any
+part can import a section without importing the component (``noria.config`` imports only
+``noria.errors``, ``noria.config_schema`` and, when ``dtype: auto`` is resolved, ``noria.hardware``).
 
-- closed: an unknown key raises ``ConfigError`` naming its full dotted path and the closest valid
-  key (``rollout.n_sample`` -> did you mean ``rollout.n_samples``?);
-- typed: every value is checked against its field's annotation (int, float, bool, str, Literal,
-  Optional, list, dict, nested section);
-- validated: each section's ``validate()`` runs, then cross-section checks, all before any model or
-  data is loaded.
+A config is loaded once (``load_config``; the machinery is ``noria.config_schema``): YAML plus
+dotted overrides -> typed sections (closed: an unknown key names the closest valid one) ->
+``validate()`` (checks only: each section, then across sections) -> ``resolve()`` (the named steps
+that fill in derived values: ``resolve_batch``, ``resolve_dtypes``; the saved config holds their
+results) -> sections marked validated. Components built from a loaded config do not check it
+again; one built from code checks its section once (``noria.config_schema.ensure_valid``).
 
 ``to_dict`` / ``save_config`` write the resolved config (every default filled in) into a run folder.
-This module is a leaf (it imports only ``noria.errors``, and ``noria.hardware`` — itself a leaf —
-when ``dtype: auto`` is resolved), so components import their section from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import re
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from noria.errors import NoriaError
-
-
-class ConfigError(NoriaError):
-    """A config file or override is invalid; the message names the key path."""
-
+from noria.config_schema import (  # noqa: F401 -- re-exported: callers import them from noria.config
+    ConfigError,
+    ensure_valid,
+    from_dict,
+    load,
+    option,
+    parse_overrides,
+    save_config,
+    to_dict,
+)
+from noria.config_schema import field_docs as schema_field_docs
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -46,22 +45,13 @@ def check_device(key: str, device: str) -> None:
         raise ConfigError(f"{key} must be cpu, cuda or cuda:N, got {device!r}")
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
-    """A config field with its documentation; ``default`` may be a callable via ``factory``."""
-    factory = kwargs.pop("factory", dataclasses.MISSING)
-    if kwargs:
-        raise TypeError(f"unknown option() arguments {sorted(kwargs)}")
-    if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
 # --------------------------------------------------------------------------------------- sections
 
 
 @dataclass
 class ModelConfig:
-    """The policy model."""
+    """The policy model. Owner: ``noria.models`` (``load_model``, the catalog); the engine and the trainer
+    load it with these settings."""
 
     path: str = option("", "A catalog name (see `noria models list`) or an HF model folder (config.json + safetensors).")
     dtype: Literal["auto", "bfloat16", "float32"] = option(
@@ -92,7 +82,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where prompts come from: a file (JSONL, Parquet, HF datasets folder) or a built-in task."""
+    """Where prompts come from: a file (JSONL, Parquet, HF datasets folder) or a built-in task.
+    Owner: ``noria.data`` (``load_prompts``, ``PromptSource``)."""
 
     task: str | None = option(None, "Built-in synthetic task (arithmetic, countdown); exclusive with `path`.")
     task_args: dict[str, Any] = option(
@@ -123,7 +114,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """How a sample is scored."""
+    """How a sample is scored. Owner: ``noria.rewards`` (the registry and the runner)."""
 
     name: str | None = option(
         None,
@@ -143,7 +134,8 @@ class RewardConfig:
 
 @dataclass
 class BufferConfig:
-    """The group buffer between rollout and trainer (``noria.rollout.buffer``)."""
+    """The group buffer between rollout and trainer. Owner: ``noria.rollout.buffer`` (``build_buffer``,
+    the ``Buffer`` protocol)."""
 
     impl: str = option(
         "",
@@ -189,7 +181,8 @@ class BufferConfig:
 
 @dataclass
 class RolloutConfig:
-    """Sampling of training trajectories."""
+    """Sampling of training trajectories. Owner: ``noria.rollout`` (``RolloutContext`` and the
+    scheduler); its placement fields are read by the launcher (``noria.launch.local``)."""
 
     n_samples: int = option(8, "Samples per prompt (the group size).")
     max_new_tokens: int = option(256, "Maximum generated tokens per sample.")
@@ -313,7 +306,8 @@ class RolloutConfig:
 
 @dataclass
 class EngineConfig:
-    """The built-in rollout engine: batching limits, KV cache, prefix cache, numerics."""
+    """The built-in rollout engine: batching limits, KV cache, prefix cache, numerics. Owner:
+    ``noria.engine.Engine`` (``noria serve`` takes it as ``--engine.*``)."""
 
     max_running_requests: int = option(256, "Requests decoded together at most; more wait in the queue.")
     max_batch_tokens: int = option(4096, "Tokens (prefill chunks plus decode tokens) in one forward step at most.")
@@ -359,7 +353,8 @@ class EngineConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule (fp32 master weights and optimizer state)."""
+    """AdamW and its learning-rate schedule (fp32 master weights and optimizer state). Owner:
+    ``noria.train.optim``."""
 
     lr: float = option(1e-6, "Peak learning rate.")
     weight_decay: float = option(0.0, "Decoupled weight decay.")
@@ -386,7 +381,7 @@ class OptimConfig:
 class LossConfig:
     """The RL objective: advantage estimator, policy loss, aggregation, KL, entropy, off-policy correction.
 
-    Each name is a key of a plain registry in ``noria.train.algorithms``.
+    Each name is a key of a plain registry in ``noria.train.algorithms``. Owner: ``noria.train.objective``.
     """
 
     advantage: str = option("grpo", "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae.")
@@ -439,7 +434,7 @@ class LossConfig:
 
 @dataclass
 class CriticConfig:
-    """The value model of PPO with GAE (``train.loss.advantage: gae``; ``noria.train.critic``)."""
+    """The value model of PPO with GAE (``train.loss.advantage: gae``). Owner: ``noria.train.critic``."""
 
     path: str | None = option(None, "Critic's starting weights (catalog name or HF folder); null starts from the policy's model.")
     lr: float = option(1e-5, "Critic learning rate (its own AdamW; the other optimizer settings are train.optim's).")
@@ -456,7 +451,7 @@ class CriticConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters through peft (only adapter parameters are trained)."""
+    """LoRA adapters through peft (only adapter parameters are trained). Owner: ``noria.train.lora``."""
 
     enabled: bool = option(False, "Train LoRA adapters instead of all weights.")
     rank: int = option(16, "Adapter rank r.")
@@ -475,7 +470,8 @@ class LoraConfig:
 
 @dataclass
 class TrainConfig:
-    """The trainer: backend, precision, batching, objective, optimizer, checkpoints."""
+    """The trainer: backend, precision, batching, objective, optimizer, checkpoints. Owner:
+    ``noria.train.FSDPBackend``; the RL step (``noria.train.rl_step``) reads ``steps_per_rollout``."""
 
     algorithm: Literal["rl", "sft"] = option("rl", "rl: policy-gradient on rollouts; sft: supervised fine-tuning on chat data.")
     backend: Literal["fsdp2", "single"] = option("single", "single: one process; fsdp2: torch fully_shard over world_size processes.")
@@ -539,7 +535,7 @@ class TrainConfig:
 
 @dataclass
 class SyncConfig:
-    """Weight sync from the trainer to the rollout engines (``noria.sync``)."""
+    """Weight sync from the trainer to the rollout engines. Owner: ``noria.sync`` (``build_sync``)."""
 
     transport: Literal["auto", "ipc", "broadcast", "disk"] = option(
         "auto",
@@ -564,7 +560,8 @@ class SyncConfig:
 
 @dataclass
 class EvalConfig:
-    """Accuracy of the model on a task's held-out split."""
+    """Accuracy of the model on a task's held-out split. Owner: ``noria.eval`` (``noria eval``; the RL
+    job's evaluation reads it too)."""
 
     split: Literal["train", "test"] = option("test", "Which split to evaluate.")
     limit: int | None = option(None, "Evaluate only the first N prompts of the split.")
@@ -591,7 +588,8 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
-    """Metric sinks (``noria.metrics``): JSONL in the run folder always, TensorBoard and W&B on request."""
+    """Metric sinks: JSONL in the run folder always, TensorBoard and W&B on request. Owner:
+    ``noria.metrics`` (``RunLog``)."""
 
     loggers: list[str] = option(
         factory=lambda: ["jsonl"],
@@ -616,7 +614,8 @@ class LogConfig:
 
 @dataclass
 class RunConfig:
-    """A whole job: model, data, reward, rollout and evaluation settings."""
+    """A whole job: every section, plus the checks across sections (``validate``) and the resolved
+    values (``resolve``). Read by the launcher (``noria.launch.local``) and the SFT job."""
 
     name: str = option("noria", "Run name; the default run folder is runs/<name>-<time>.")
     seed: int = option(0, "Global seed (torch, python, numpy).")
@@ -632,6 +631,7 @@ class RunConfig:
     log: LogConfig = option(factory=LogConfig, help="Metric sinks.")
 
     def validate(self) -> None:
+        """Checks only (writes nothing): every section's own rules, then the rules across sections."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
@@ -640,11 +640,6 @@ class RunConfig:
             raise ConfigError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
         if self.train.algorithm == "sft":
             _check_sft_data(self.data)
-            if self.train.global_batch is None:
-                self.train.global_batch = 8
-        else:
-            resolve_batch(self)
-        resolve_dtypes(self)
         if self.train.compile and self.engine.deterministic:
             raise ConfigError(
                 "train.compile with engine.deterministic: deterministic mode runs the exact-numerics modules, which "
@@ -657,6 +652,17 @@ class RunConfig:
                 "[mis_low, mis_high]) with the rollout logprobs as the behaviour policy, seq_is (sequence-level IS), "
                 "or recompute (the trainer's recomputed logprobs as the behaviour policy)"
             )
+
+    def resolve(self) -> None:
+        """The named steps that fill in derived values, run after ``validate`` by ``load_config`` (the
+        saved config holds their results): the batch (``resolve_batch`` for RL; SFT's default
+        ``train.global_batch`` of 8), then the dtypes (``resolve_dtypes``)."""
+        if self.train.algorithm == "sft":
+            if self.train.global_batch is None:
+                self.train.global_batch = 8
+        else:
+            resolve_batch(self)
+        resolve_dtypes(self)
 
 
 def resolve_dtypes(config: RunConfig) -> None:
@@ -736,181 +742,11 @@ def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, m
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = RunConfig) -> Any:
-    """Read YAML ``path`` (optional), apply ``--a.b value`` overrides, type-check, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = _read_yaml(Path(path))
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(raw, key, value)
-    config = from_dict(cls, raw)
-    config.validate()
-    return config
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    return data
-
-
-def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
-    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``; values are parsed as YAML."""
-    pairs, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"expected an override like --section.key VALUE, got {arg!r}")
-        if "=" in arg:
-            key, text = arg[2:].split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override {arg} has no value")
-            key, text = arg[2:], args[i + 1]
-            i += 2
-        try:
-            value = yaml.safe_load(text) if text != "" else ""
-        except yaml.YAMLError:
-            value = text  # not YAML: take the string as given
-        pairs.append((key.replace("-", "_"), value))
-    return pairs
-
-
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    node = raw
-    parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set {key}: {part} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
-    where = path or "config"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            raise ConfigError(_unknown_key_message(str(key), path, list(fields)))
-    kwargs = {}
-    for key, value in data.items():
-        kwargs[key] = _coerce(hints[key], value, f"{path}.{key}" if path else key)
-    return cls(**kwargs)
-
-
-def _unknown_key_message(key: str, path: str, valid: list[str]) -> str:
-    full = f"{path}.{key}" if path else key
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean '{path + '.' if path else ''}{close[0]}'?" if close else ""
-    return f"unknown config key '{full}'{hint} (valid keys{' of ' + path if path else ''}: {', '.join(valid)})"
-
-
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    """Check ``value`` against annotation ``tp``; ints are accepted where floats are expected."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option_tp in options:
-            if option_tp is type(None):
-                continue
-            try:
-                return _coerce(option_tp, value, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of {tp}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}{hint}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
-        (item_tp,) = typing.get_args(tp) or (Any,)
-        return [_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-        return float(value)  # YAML 1.1 reads `1e-6` (no dot) as a string; it is a number here
-    if tp is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{path}: {value!r} is not a finite number (YAML's .nan and .inf are refused)")
-    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)  # a YAML-parsed override like `--name 123` is still a name
-    if tp in (int, float, bool, str) and (type(value) is not tp):
-        raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    """The resolved config as plain data (every default filled in)."""
-    return dataclasses.asdict(config)
-
-
-def save_config(config: Any, path: str | Path) -> Path:
-    """Write the resolved config as YAML (into a run folder), under a comment naming the machine it
-    was resolved on (``dtype: auto`` depends on it)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(machine_header() + yaml.safe_dump(to_dict(config), sort_keys=False))
-    return path
-
-
-def machine_header() -> str:
-    """YAML comment lines: Noria and torch versions, and the CPU (``noria.hardware``)."""
-    import torch
-
-    from noria import __version__
-    from noria.hardware import cpu_info
-
-    gpu = f"; GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return f"# noria {__version__}, torch {torch.__version__}\n# machine: {cpu_info().summary()}{gpu}\n"
+    """Read YAML ``path`` (optional), apply ``--a.b value`` overrides, type-check, validate, resolve
+    (``noria.config_schema.load``): the one way a config file becomes a ``RunConfig``."""
+    return load(cls, path, overrides)
 
 
 def field_docs(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """(dotted key, type, default, help) for every leaf field: the configuration reference."""
-    rows = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            rows.extend(field_docs(tp, key + "."))
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        rows.append((key, _type_name(tp), default, f.metadata.get("help", "")))
-    return rows
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(c) for c in typing.get_args(tp))
-    return str(tp).replace("typing.", "") if not isinstance(tp, type) else tp.__name__
+    """(dotted key, type, default, help) for every leaf field of ``cls``: the configuration reference."""
+    return schema_field_docs(cls, prefix)

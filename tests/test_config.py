@@ -116,3 +116,33 @@ def test_non_finite_numbers_are_refused(key, value):
     """`.nan` for reward.timeout_s once made 3,176 of 3,200 samples time out, and the run exit 0."""
     with pytest.raises(ConfigError, match=rf"{key}: .* is not a finite number"):
         load_config(None, ["--model.path", "x", "--data.task", "arithmetic", f"--{key}", value])
+
+
+def test_validate_writes_nothing_and_resolve_is_the_named_step():
+    from noria.config import from_dict
+
+    raw = from_dict(RunConfig, {"model": {"path": "some-model"}, "data": {"task": "arithmetic"}})
+    before = to_dict(raw)
+    raw.validate()
+    assert to_dict(raw) == before  # checks only
+    assert raw.rollout.prompts_per_step is None and raw.model.dtype == "auto"
+    raw.resolve()  # resolve_batch, resolve_dtypes
+    assert (raw.rollout.prompts_per_step, raw.train.global_batch, raw.train.steps_per_rollout) == (8, 64, 1)
+    assert raw.model.dtype in ("bfloat16", "float32") and raw.train.param_dtype == raw.model.dtype
+    assert to_dict(load_config(None, BASE)) == to_dict(raw)  # loading is parse, validate, resolve
+
+
+def test_a_section_is_validated_once_whether_loaded_or_built_in_code():
+    from noria.config import TrainConfig
+    from noria.train.fsdp import FSDPBackend
+
+    calls = []
+    loaded = load_config(None, BASE).train
+    loaded.validate = lambda: calls.append("loaded")  # validated when loaded: not again
+    FSDPBackend(loaded)
+    built = TrainConfig()
+    built.validate = lambda: calls.append("built")  # built in code: once, by the component
+    FSDPBackend(built)
+    assert calls == ["built"]
+    with pytest.raises(ConfigError, match="train.world_size > 1 needs train.backend: fsdp2"):
+        FSDPBackend(TrainConfig(world_size=2))

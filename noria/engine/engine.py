@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from noria import hardware
-from noria.config import EngineConfig
+from noria.config import EngineConfig, ensure_valid
 from noria.engine.kv_cache import KVCache
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
@@ -101,7 +101,7 @@ class Engine:
     ) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(f"the engine runs the native DecoderLM (llama/qwen2/qwen3/qwen3_moe), got {type(model).__name__}")
-        config.validate()
+        ensure_valid(config)  # once: a loaded config was validated when loaded
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config

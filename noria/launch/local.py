@@ -61,7 +61,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from noria.config import RunConfig, save_config
+from noria.config import RunConfig, ensure_valid, save_config
 from noria.errors import NoriaError
 from noria.launch.env import child_env
 from noria.launch.lifecycle import die_with_parent, sigterm_cancels_task
@@ -470,15 +470,13 @@ def context_limit(config: RunConfig) -> int | None:
 
 
 def check_supported(config: RunConfig) -> None:
+    """What this launcher cannot run, on top of the config's own checks (run once, here, for a config
+    built in code; a loaded one was checked when loaded)."""
+    ensure_valid(config)
     if config.train.algorithm != "rl":
         raise NoriaError("run_rl needs train.algorithm: rl")
     if config.train.world_size > 1:
         raise NoriaError("train.world_size > 1 for RL needs the distributed launcher (not available yet); use world_size 1")
-    if config.rollout.max_staleness > 0 and config.rollout.placement == "colocated":  # also refused when loaded
-        raise NoriaError(
-            "rollout.max_staleness > 0 (asynchronous RL) needs rollout.placement: disaggregated; a colocated engine "
-            "pauses while the trainer runs, so it cannot generate ahead"
-        )
 
 
 def granularity(rollout: Any) -> str:

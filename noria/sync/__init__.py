@@ -44,7 +44,7 @@ import concurrent.futures
 from pathlib import Path
 from typing import Any
 
-from noria.config import SyncConfig
+from noria.config import SyncConfig, ensure_valid
 from noria.sync.errors import WeightSyncError
 from noria.sync.targets import HttpEngine, LocalTarget, as_target
 from noria.models.checkpoint import bucketize
@@ -61,7 +61,7 @@ def build_sync(cfg: SyncConfig, targets: list[Any], run_dir: Path | None = None,
     ``run_dir``: the disk transport writes to ``cfg.disk_dir`` or else ``run_dir/weights``.
     ``source``: a model folder whose config.json and tokenizer files go next to the disk
     transport's weights (so that the folder is a complete HF checkpoint)."""
-    cfg.validate()
+    ensure_valid(cfg)  # once: a loaded config was validated when loaded
     if not targets:
         raise WeightSyncError("weight sync: no engines to push to")
     wrapped = [as_target(t, i) for i, t in enumerate(targets)]

@@ -73,7 +73,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from noria import hardware
-from noria.config import TrainConfig
+from noria.config import TrainConfig, ensure_valid
 from noria.models import DecoderLM, PackedContext, load_model, save_model
 from noria.models.checkpoint import bucketize
 from noria.train.backend import (
@@ -246,7 +246,7 @@ class FSDPBackend:
         engine sampled from (pass ``rollout.temperature``; the engine reports logprobs the same way)."""
         if not temperature > 0:
             raise TrainError(f"temperature must be > 0, got {temperature}")
-        cfg.validate()
+        ensure_valid(cfg)  # once: a loaded config was validated when loaded
         if deterministic and cfg.lora.enabled:
             raise TrainError(
                 "deterministic mode (engine.deterministic) with train.lora: engines get merged weights, and "

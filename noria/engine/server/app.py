@@ -63,8 +63,12 @@ class ServeConfig:
     engine: EngineConfig = option(factory=EngineConfig, help="The built-in rollout engine.")
 
     def validate(self) -> None:
+        """Checks only: both sections' own rules."""
         self.model.validate()
         self.engine.validate()
+
+    def resolve(self) -> None:
+        """``model.dtype: auto`` becomes this machine's dtype (``ModelConfig.resolve_dtype``)."""
         self.model.resolve_dtype()
 
 

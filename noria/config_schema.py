@@ -1,0 +1,260 @@
+"""The machinery of Noria's configs: closed, typed dataclasses built from YAML plus dotted overrides.
+
+``noria.config`` declares the sections (one per component) and ``RunConfig``; this module turns
+plain data into them and back, and documents them. How a config is built: the YAML file is read
+into a plain dict, each ``--a.b value`` override is parsed as a YAML scalar and written into that
+dict, and only then is the dict turned into typed dataclasses (``from_dict``). That order means
+overrides get exactly the same checks as the file:
+
+- closed: an unknown key raises ``ConfigError`` naming its full dotted path and the closest valid
+  key (``rollout.n_sample`` -> did you mean ``rollout.n_samples``?);
+- typed: every value is checked against its field's annotation (int, float, bool, str, Literal,
+  Optional, list, dict, nested section); a bool is never an int, NaN and Inf are refused;
+- then ``load`` runs the config's ``validate()`` (checks only, every section and across sections),
+  then its ``resolve()`` if it has one (the named steps that fill in derived values, e.g.
+  ``noria.config.resolve_batch``), and marks every section validated, so that components built
+  from it do not check it again (``ensure_valid``), while one built from code is checked once.
+
+Hand-written rather than pydantic: the hard dependencies must exist on the GPU machine too (it has
+no pydantic), and the errors here carry what pydantic's do not: the closest valid key, strict
+bool/int separation, and the config file's name for a file that cannot be read.
+
+A leaf: imports only ``noria.errors`` (and, for the run folder's header, torch and
+``noria.hardware`` when called).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from noria.errors import NoriaError
+
+
+class ConfigError(NoriaError):
+    """A config file or override is invalid; the message names the key path."""
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
+    """A config field with its documentation; ``default`` may be a callable via ``factory``."""
+    factory = kwargs.pop("factory", dataclasses.MISSING)
+    if kwargs:
+        raise TypeError(f"unknown option() arguments {sorted(kwargs)}")
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+
+def load(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
+    """Read YAML ``path`` (optional), apply ``--a.b value`` overrides, type-check, validate, resolve."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_yaml(Path(path))
+    for key, value in parse_overrides(overrides or []):
+        set_dotted(raw, key, value)
+    config = from_dict(cls, raw)
+    config.validate()
+    if hasattr(config, "resolve"):
+        config.resolve()
+    mark_validated(config)
+    return config
+
+
+_VALIDATED = "_noria_validated"
+
+
+def mark_validated(config: Any) -> None:
+    """Record that ``config`` and its nested sections passed validation (not a field: never saved)."""
+    object.__setattr__(config, _VALIDATED, True)
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            mark_validated(value)
+
+
+def ensure_valid(section: Any) -> None:
+    """Validate a section built in code; one that came from ``load`` was validated there, once.
+    (A copy made with ``dataclasses.replace`` is a new, unvalidated section.)"""
+    if not getattr(section, _VALIDATED, False):
+        section.validate()
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``; values are parsed as YAML."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"expected an override like --section.key VALUE, got {arg!r}")
+        if "=" in arg:
+            key, text = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            key, text = arg[2:], args[i + 1]
+            i += 2
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text  # not YAML: take the string as given
+        pairs.append((key.replace("-", "_"), value))
+    return pairs
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
+    where = path or "config"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_unknown_key_message(str(key), path, list(fields)))
+    kwargs = {}
+    for key, value in data.items():
+        kwargs[key] = _coerce(hints[key], value, f"{path}.{key}" if path else key)
+    return cls(**kwargs)
+
+
+def _unknown_key_message(key: str, path: str, valid: list[str]) -> str:
+    full = f"{path}.{key}" if path else key
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{path + '.' if path else ''}{close[0]}'?" if close else ""
+    return f"unknown config key '{full}'{hint} (valid keys{' of ' + path if path else ''}: {', '.join(valid)})"
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option_tp in options:
+            if option_tp is type(None):
+                continue
+            try:
+                return _coerce(option_tp, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of {tp}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads `1e-6` (no dot) as a string; it is a number here
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: {value!r} is not a finite number (YAML's .nan and .inf are refused)")
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # a YAML-parsed override like `--name 123` is still a name
+    if tp in (int, float, bool, str) and (type(value) is not tp):
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The resolved config as plain data (every default filled in)."""
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Any, path: str | Path) -> Path:
+    """Write the resolved config as YAML (into a run folder), under a comment naming the machine it
+    was resolved on (``dtype: auto`` depends on it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(machine_header() + yaml.safe_dump(to_dict(config), sort_keys=False))
+    return path
+
+
+def machine_header() -> str:
+    """YAML comment lines: Noria and torch versions, and the CPU (``noria.hardware``)."""
+    import torch
+
+    from noria import __version__
+    from noria.hardware import cpu_info
+
+    gpu = f"; GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return f"# noria {__version__}, torch {torch.__version__}\n# machine: {cpu_info().summary()}{gpu}\n"
+
+
+def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default, help) for every leaf field: the configuration reference."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(field_docs(tp, key + "."))
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        rows.append((key, _type_name(tp), default, f.metadata.get("help", "")))
+    return rows
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(c) for c in typing.get_args(tp))
+    return str(tp).replace("typing.", "") if not isinstance(tp, type) else tp.__name__
