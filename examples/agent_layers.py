@@ -1,4 +1,4 @@
-"""Examples of the three rollout plug-in layers (DESIGN.md section 3; contracts in noria.agent.plugins).
+"""Examples of the three rollout plug-in layers (docs/architecture.md, "Plug points"; contracts in noria.agent.plugins).
 
 Put this folder on PYTHONPATH and name one function in the config (only one layer at a time):
 

@@ -1,4 +1,4 @@
-"""`noria bench rl` on the tiny model: both sides run 2 steps and the JSON has DESIGN.md section 8's shape.
+"""`noria bench rl` on the tiny model: both sides run 2 steps and the JSON has the benchmark shape (docs/architecture.md).
 
 CPU, subprocesses (noria train, the TRL worker when trl is importable, one eval worker). The reward
 is the tests' ``toy_rewards:digits`` so that a random model's groups differ and Noria really trains.

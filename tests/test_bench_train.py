@@ -1,4 +1,4 @@
-"""`noria bench train` on the tiny model: every side runs and the JSON has DESIGN.md section 8's shape.
+"""`noria bench train` on the tiny model: every side runs and the JSON has the benchmark shape (docs/architecture.md).
 
 CPU; each side is a fresh subprocess (about 30 s in all). No timing assertions: the figures of a
 tiny model on a shared machine mean nothing, only the plumbing is checked.

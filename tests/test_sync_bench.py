@@ -1,4 +1,4 @@
-"""`noria bench sync` on the tiny model: every case runs and the JSON has DESIGN.md section 8's shape.
+"""`noria bench sync` on the tiny model: every case runs and the JSON has the benchmark shape (docs/architecture.md).
 
 CPU; starts two ``noria serve`` subprocesses and a gloo receiver (about 20 s). No timing
 assertions: a tiny model's figures on a shared machine mean nothing, only the plumbing is checked.

@@ -63,7 +63,7 @@ def run(
     results = []
     for name in models:
         lm = random_model(name)
-        prompts = _prompts(lm.args.vocab_size, max(batches), prompt_len)
+        prompts = random_prompts(lm.args.vocab_size, max(batches), prompt_len)
         for batch in batches:
             row = _noria(lm, prompts[:batch], new_tokens)
             if "noria_no_overlap" in peers:
@@ -87,12 +87,14 @@ def run(
     return rows
 
 
-def _prompts(vocab: int, n: int, length: int) -> list[list[int]]:
+def random_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
+    """``n`` seeded random prompts of ``length`` ids (the GPU benchmarks share them)."""
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 
-def _engine(lm, batch: int, longest: int, **overrides):
+def bench_engine(lm, batch: int, longest: int, **overrides):
+    """An engine sized for ``batch`` requests of up to ``longest`` tokens, no prefix cache."""
     from noria.config import EngineConfig
     from noria.engine import Engine
 
@@ -101,7 +103,8 @@ def _engine(lm, batch: int, longest: int, **overrides):
     return Engine(lm, None, config, eos_token_ids=set())
 
 
-def _generate(engine, prompts, n: int, logprobs: bool = False):
+def timed_generate(engine, prompts, n: int, logprobs: bool = False):
+    """(seconds, outputs) of ``n`` greedy tokens per prompt, EOS ignored."""
     from noria.engine.protocol import GenerateRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
@@ -115,11 +118,11 @@ def _generate(engine, prompts, n: int, logprobs: bool = False):
 
 def _noria(lm, prompts, new_tokens: int, **overrides) -> dict[str, Any]:
     batch = len(prompts)
-    engine = _engine(lm, batch, len(prompts[0]) + new_tokens, **overrides)
+    engine = bench_engine(lm, batch, len(prompts[0]) + new_tokens, **overrides)
     try:
-        _generate(engine, prompts, 8)  # warm-up: Triton compiles, graphs are captured
-        t1, _ = _generate(engine, prompts, 1)
-        tn, out = _generate(engine, prompts, new_tokens)
+        timed_generate(engine, prompts, 8)  # warm-up: Triton compiles, graphs are captured
+        t1, _ = timed_generate(engine, prompts, 1)
+        tn, out = timed_generate(engine, prompts, new_tokens)
         graphs = len(engine.runner.graphs._graphs) if engine.runner.graphs is not None else 0
     finally:
         engine.shutdown(drain_timeout_s=1.0)
@@ -169,12 +172,12 @@ def _bound(lm, batch: int, prompt_len: int, new_tokens: int, bandwidth: float) -
 def _deterministic(lm, prompts, prompt_len: int, batch: int = 16, new_tokens: int = 32) -> dict[str, Any]:
     """Deterministic vs default mode at a small batch; bitwise batch invariance of logprobs."""
     fast = _noria(lm, prompts[:batch], new_tokens)["noria"]
-    engine = _engine(lm, batch, prompt_len + new_tokens, deterministic=True)
+    engine = bench_engine(lm, batch, prompt_len + new_tokens, deterministic=True)
     try:
-        _generate(engine, prompts[:2], 4)
-        t1, _ = _generate(engine, prompts[:batch], 1)
-        tn, together = _generate(engine, prompts[:batch], new_tokens)
-        _, alone = _generate(engine, prompts[:1], new_tokens)
+        timed_generate(engine, prompts[:2], 4)
+        t1, _ = timed_generate(engine, prompts[:batch], 1)
+        tn, together = timed_generate(engine, prompts[:batch], new_tokens)
+        _, alone = timed_generate(engine, prompts[:1], new_tokens)
     finally:
         engine.shutdown(drain_timeout_s=1.0)
         lm.set_exact_numerics(None)  # the deterministic runner switched the shared model's numerics

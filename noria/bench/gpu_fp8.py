@@ -45,15 +45,15 @@ def main(args) -> int:
 
 def run(model: str = "qwen3-1.7b", batch: int = 256, prompt_len: int = 512, new_tokens: int = 256,
         json_path: str | None = None) -> list[dict]:
-    from noria.bench.gpu_engine import _engine, _prompts
+    from noria.bench.gpu_engine import bench_engine, random_prompts
 
     bf16 = random_model(model)
-    prompts = _prompts(bf16.args.vocab_size, batch, prompt_len)
+    prompts = random_prompts(bf16.args.vocab_size, batch, prompt_len)
     figures = {}
     for precision in ("bf16", "fp8"):
         # The FP8 engine quantizes its own model object: a second one with the same seed (same weights).
         lm = bf16 if precision == "bf16" else random_model(model)
-        engine = _engine(lm, batch, prompt_len + new_tokens, quantization=precision.replace("bf16", "none"))
+        engine = bench_engine(lm, batch, prompt_len + new_tokens, quantization=precision.replace("bf16", "none"))
         try:
             _sampled(engine, prompts, 8)  # warm-up at the full batch: Triton compiles, graph captures
             t1, _ = _sampled(engine, prompts, 1)

@@ -92,13 +92,13 @@ def _kernel_sweep(batches, context: int, bandwidth: float) -> list[dict]:
 
 
 def _step_breakdown(model: str, batches, context: int, fused: bool = True) -> list[dict]:
-    from noria.bench.gpu_engine import _engine, _generate, _prompts
+    from noria.bench.gpu_engine import bench_engine, random_prompts, timed_generate
 
     lm = random_model(model)
     rows = []
     prompt = context - 64
     for s in batches:
-        engine = _engine(lm, s, context, overlap="off")  # each step's host work in series, to be timed
+        engine = bench_engine(lm, s, context, overlap="off")  # each step's host work in series, to be timed
         if not fused:
             engine.runner.fused = None
         graphs = engine.runner.graphs
@@ -136,14 +136,14 @@ def _step_breakdown(model: str, batches, context: int, fused: bool = True) -> li
         timed(graphs, "_launch", "launch")
         timed(engine.scheduler, "process", "process")
         engine._launch, engine._finish = launch, finish
-        prompts = _prompts(lm.args.vocab_size, s, prompt)
+        prompts = random_prompts(lm.args.vocab_size, s, prompt)
         try:
-            _generate(engine, prompts, 8)
+            timed_generate(engine, prompts, 8)
             for v in stats.values():
                 v.clear()
             timed(engine.scheduler, "schedule", "schedule", only_decode=False)
             start = time.perf_counter()
-            _generate(engine, prompts, 64)
+            timed_generate(engine, prompts, 64)
             total = time.perf_counter() - start
             g = next(v for k, v in graphs._graphs.items() if k[0] == graphs.bucket(s))
             replay = cuda_median_s(g["graph"].replay, reps=20)

@@ -295,7 +295,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def build_results(model: str, vocab: int, device: str, prompts: int, samples: int, new_tokens: int,
                   rows: list[dict[str, Any]], run_s: float, overrides: list[str]) -> list[dict]:
-    """DESIGN.md section 8 rows: seconds per step (with stages), tokens per step, throughputs."""
+    """Benchmark rows (``noria.bench``): seconds per step (with stages), tokens per step, throughputs."""
     from noria.bench import machine_name
 
     f = summarize(rows)

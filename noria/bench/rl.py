@@ -206,7 +206,7 @@ def after_first(seconds: list[float]) -> float:
 
 
 def build_results(model: str, s: dict[str, Any], sides: dict[str, dict], accuracy: dict[str, float]) -> list[dict]:
-    """DESIGN.md section 8 rows: step seconds, totals, accuracy after the last step, train reward."""
+    """Benchmark rows (``noria.bench``): step seconds, totals, accuracy after the last step, train reward."""
     case = (f"{Path(model).name} arithmetic grpo steps={s['steps']} prompts={s['prompts_per_step']} "
             f"n={s['n_samples']} new={s['max_new_tokens']} lr={s['lr']:g} T={s['temperature']:g}")
     figures = {

@@ -188,7 +188,7 @@ def _seconds(fn) -> float:
 
 
 def build_results(model: str, job: dict[str, Any], figures: dict[str, dict], bound: float) -> list[dict]:
-    """DESIGN.md section 8 rows: tokens/s (with the MFU bound) and peak memory."""
+    """Benchmark rows (``noria.bench``): tokens/s (with the MFU bound) and peak memory."""
     case = (f"{Path(model).name} {job['dtype']} rl-step seqs={job['sequences']} len={job['min_len']}-{job['max_len']} "
             f"micro_batch_tokens={job['micro_batch_tokens']} peer_micro_seqs={job['micro_seqs']}")
     peers = {k: v for k, v in figures.items() if k != "noria"}

@@ -40,7 +40,7 @@ however its prompt was chunked, and the same bits as the trainer's deterministic
 On CUDA the exact numerics run the fixed-order Triton kernels of ``noria.models.exact_cuda``
 (measured batch-invariant on an H200, tests/test_exact_cuda.py). Not guaranteed: batch invariance
 outside deterministic mode, or in deterministic mode in another dtype than bf16, or on a device
-that is neither the CPU nor CUDA with Triton (see DESIGN §6).
+that is neither the CPU nor CUDA with Triton.
 """
 
 from __future__ import annotations

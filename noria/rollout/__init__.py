@@ -7,7 +7,7 @@ Modules::
     buffer.py    GroupBuffer: put (waits when full) / take / metrics, drops by reason, staleness on take
     scheduler.py RolloutScheduler: the background worker keeping <= N trajectories in flight
 
-``rollout`` speaks to engines only through the client, never to engine internals (DESIGN.md 4).
+``rollout`` speaks to engines only through the client, never to engine internals (docs/architecture.md).
 """
 
 from noria.rollout.buffer import GroupBuffer, staleness_of

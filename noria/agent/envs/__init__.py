@@ -1,4 +1,4 @@
-"""Environment libraries from PyPI, attached at Noria's agent-function layer (DESIGN.md section 3).
+"""Environment libraries from PyPI, attached at Noria's agent-function layer (``rollout.agent_fn``, ``noria.plugins``).
 
 Modules::
 

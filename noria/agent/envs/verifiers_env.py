@@ -1,6 +1,6 @@
 """verifiers environments (PyPI ``verifiers``, v1 API) as Noria agent functions.
 
-What this module owns: ``VerifiersAgent``, an agent function (DESIGN.md section 3) that plays one
+What this module owns: ``VerifiersAgent``, an agent function (``rollout.agent_fn``, ``noria.plugins``) that plays one
 episode of a verifiers environment per Noria sample, and ``NoriaChatHarness``, the in-process
 verifiers harness it pins on the environment's agent seat.
 

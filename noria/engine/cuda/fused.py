@@ -47,6 +47,13 @@ SAMPLE_BLOCK = 4096
 def _kernels():
     """The Triton kernels, built on first use (Triton is imported only then)."""
     import triton
+
+    return {**_layer_kernels(), "sample": _sample_kernel(), "next_pow2": triton.next_power_of_2}
+
+
+def _layer_kernels() -> dict:
+    """The decoder layer's fused kernels: add + RMSNorm, QK-norm + RoPE + KV store, SiLU * up."""
+    import triton
     import triton.language as tl
 
     @triton.jit
@@ -124,6 +131,14 @@ def _kernels():
         s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
         tl.store(out_ptr + offs, (s * u).to(g.dtype), mask=mask)
 
+    return {"add_rmsnorm": add_rmsnorm_kernel, "qk": qk_norm_rope_store_kernel, "silu_mul": silu_mul_kernel}
+
+
+def _sample_kernel():
+    """Sampling from each row's logits in two passes over the vocabulary (max and mass, then the draw)."""
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def sample_kernel(logits_ptr, stride, temps_ptr, u_ptr, out_ptr, n_rows, V, BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -166,8 +181,7 @@ def _kernels():
         tl.store(out_ptr + row, chosen.to(tl.float64))
         tl.store(out_ptr + n_rows + row, (x_c - (m + tl.log(s))).to(tl.float64))
 
-    return {"add_rmsnorm": add_rmsnorm_kernel, "qk": qk_norm_rope_store_kernel, "silu_mul": silu_mul_kernel,
-            "sample": sample_kernel, "next_pow2": triton.next_power_of_2}
+    return sample_kernel
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
