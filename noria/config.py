@@ -139,8 +139,10 @@ class BufferConfig:
 
     impl: str = option(
         "",
-        "Empty for the built-in GroupBuffer, or an import path `pkg.module:Class` of a class with the same operations "
-        "(put, take, metrics, state_dict, load_state_dict; see noria.rollout.buffer).",
+        "Empty for the built-in GroupBuffer, or an import path `pkg.module:Class` of a class meeting the buffer protocol "
+        "(noria.rollout.buffer.Buffer; checked when the run starts): built with capacity, max_staleness, filters and "
+        "on_drop keywords; async put(group) (may wait while full; False if dropped), take(n, version) (never waits; "
+        "drops groups staler than max_staleness), metrics(version), __len__, state_dict, load_state_dict.",
     )
     capacity_batches: int = option(
         2,
