@@ -64,6 +64,12 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
         weight_version=args.weight_version,
         served_model_name=args.served_model_name or "",
     )
+    from noria.diffusion.model import is_dit_folder
+
+    if is_dit_folder(args.model):  # a diffusers DiT folder: the diffusion engine (noria.diffusion.server)
+        from noria.diffusion.server import serve_diffusion
+
+        return serve_diffusion(config, options)
     return serve(config, options)
 
 

@@ -9,7 +9,7 @@ the LR schedule, the reference model (``train.loss.kl_coef`` > 0), and these cal
     trainer.transition_logprobs(samples)                     # recomputed per-step log-probs [S, T]
     trainer.state_dict_for_sync(bucket_bytes)                # weights -> engines (full or adapters)
     trainer.save(folder, extra) / trainer.load(folder)       # DCP checkpoint (noria.train.checkpoint)
-    trainer.export(folder)                                   # a diffusers folder
+    trainer.export_hf(folder)                                # a diffusers folder
 
 Numerics: the forward runs in the compute dtype (``train.param_dtype``) from casts of the fp32
 masters (``torch.func.functional_call`` with cast parameters and buffers, differentiable back to
@@ -323,8 +323,9 @@ class DiffusionTrainer:
             named = self.named_weights(self.dtype)
         return bucketize(named, bucket_bytes)
 
-    def export(self, folder: str | Path) -> Path:
-        """A diffusers folder of the policy in the compute dtype (adapters merged)."""
+    def export_hf(self, folder: str | Path) -> Path:
+        """A diffusers folder of the policy in the compute dtype (adapters merged); the name is the
+        trainer contract's (``noria.train.backend``), the folder is diffusers', not transformers'."""
         state = {n: t.cpu().contiguous() for n, t in self.named_weights(self.dtype)}
         return save_dit(self.model, folder, state)
 

@@ -196,14 +196,15 @@ class HttpEngine:
 
 
 def as_target(target: Any, index: int) -> LocalTarget | HttpEngine:
-    """An ``Engine`` (in process), an :class:`HttpEngine` or a URL string, as a target."""
+    """An in-process engine (one with a ``weights`` component: ``noria.engine.Engine``, the diffusion
+    engine), an :class:`HttpEngine` or a URL string, as a target."""
     if isinstance(target, (LocalTarget, HttpEngine)):
         return target
     if isinstance(target, str):
         return HttpEngine(target)
-    from noria.engine import Engine
+    from noria.engine.weight_updates import WeightUpdates
 
-    if isinstance(target, Engine):
+    if isinstance(getattr(target, "weights", None), WeightUpdates):
         return LocalTarget(target, f"local[{index}]")
     raise WeightSyncError(f"sync target {index}: expected an Engine, an HttpEngine or a URL, got {type(target).__name__}")
 
