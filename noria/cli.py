@@ -40,7 +40,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     sigterm_as_interrupt()  # SIGTERM stops the run as Ctrl-C does: step ends, logs flushed, children stopped
     config = load_config(args.config, overrides)
     progress = False if args.no_progress else None
-    if config.train.algorithm == "rl":
+    if config.diffusion is not None:  # an image model (noria.diffusion): the same loop, its own parts
+        from noria.diffusion.job import train_diffusion
+
+        train_diffusion(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
+    elif config.train.algorithm == "rl":
         from noria.launch.local import run_rl
 
         run_rl(config, run_dir=args.run_dir, resume=args.resume, progress=progress)

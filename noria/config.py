@@ -4,7 +4,8 @@ Each section is owned by the component it configures (its docstring names it): t
 it, its ``validate()`` holds every check of its own fields, and the docs (``noria docs`` ->
 docs/config.md) come from its field help. The classes live here, in one leaf module, so that any
 part can import a section without importing the component (``noria.config`` imports only
-``noria.errors``, ``noria.config_schema`` and, when ``dtype: auto`` is resolved, ``noria.hardware``).
+``noria.errors``, ``noria.config_schema``, the image runs' section ``noria.diffusion.config`` (a leaf
+too, kept with its package) and, when ``dtype: auto`` is resolved, ``noria.hardware``).
 
 A config is loaded once (``load_config``; the machinery is ``noria.config_schema``): YAML plus
 dotted overrides -> typed sections (closed: an unknown key names the closest valid one) ->
@@ -35,6 +36,7 @@ from noria.config_schema import (  # noqa: F401 -- re-exported: callers import t
     to_dict,
 )
 from noria.config_schema import field_docs as schema_field_docs
+from noria.diffusion.config import DiffusionConfig
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -631,6 +633,10 @@ class RunConfig:
     sync: SyncConfig = option(factory=SyncConfig, help="Weight sync to the engines.")
     eval: EvalConfig = option(factory=EvalConfig, help="Evaluation.")
     log: LogConfig = option(factory=LogConfig, help="Metric sinks.")
+    diffusion: DiffusionConfig | None = option(
+        None, "Present (a mapping, `{}` for the defaults): the run trains a flow-matching image model "
+        "(noria.diffusion) instead of a language model."
+    )
 
     def validate(self) -> None:
         """Checks only (writes nothing): every section's own rules, then the rules across sections."""
@@ -640,7 +646,9 @@ class RunConfig:
                 section.validate()
         if self.reward.name is None and self.data.task is None and self.train.algorithm == "rl":
             raise ConfigError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
-        if self.train.algorithm == "sft":
+        if self.diffusion is not None:
+            self.diffusion.validate_run(self)
+        elif self.train.algorithm == "sft":
             _check_sft_data(self.data)
         if self.train.compile and self.engine.deterministic:
             raise ConfigError(

@@ -246,12 +246,25 @@ def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            rows.extend(field_docs(tp, key + "."))
+        section = optional_section(tp)
+        if section is not None:
+            if section is not tp:  # an optional section: documented as present, then its fields
+                rows.append((key, f"{section.__name__} | None", None, f.metadata.get("help", "")))
+            rows.extend(field_docs(section, key + "."))
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         rows.append((key, _type_name(tp), default, f.metadata.get("help", "")))
     return rows
+
+
+def optional_section(tp: Any) -> type | None:
+    """The section class of a ``Section`` or ``Section | None`` annotation, else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        sections = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        return sections[0] if len(sections) == 1 and type(None) in typing.get_args(tp) else None
+    return None
 
 
 def _type_name(tp: Any) -> str:

@@ -112,6 +112,9 @@ METRICS: tuple[Metric, ...] = tuple(
         ("step_time_s", "s", "Trainer time of the last optimizer step."),
         ("optimizer_step", "count", "Optimizer steps done so far."),
         ("train/samples", "count", "Samples trained on this step."),
+        ("train/pairs", "count", "Image runs: (image, denoising step) pairs (Flow-GRPO) or (image, noise draw) pairs (DiffusionNFT) trained on."),
+        ("nft/*", "loss", "DiffusionNFT: positive_loss and negative_loss (the weighted x0 errors of the implicit policies) and "
+         "optimality_mean (mean optimality weight r in [0, 1])."),
         ("train/skipped_no_samples", "flag", "1 when no sample of the step could be trained on."),
         ("train/token_staleness_mean", "versions", "Mean over the trained policy tokens of the engines' weight version minus the version that sampled the token."),
         ("train/token_staleness_max", "versions", "Largest token staleness of the step (a group's staleness is that of its oldest token)."),
@@ -142,6 +145,7 @@ METRICS: tuple[Metric, ...] = tuple(
     ])
     + _table("eval", [
         ("eval/accuracy", "fraction", "Held-out accuracy: mean reward over every evaluation answer, one whose reward failed counting as wrong (eval.jsonl `accuracy`)."),
+        ("eval/reward_mean", "reward", "Image runs: mean of the run's reward over the evaluation images (accuracy is diffusion.eval_reward's)."),
         ("eval/n_prompts", "count", "Prompts evaluated."),
         ("eval/n_answers", "count", "Answers scored (prompts x eval.n_samples)."),
         ("eval/failed", "count", "Answers without a reward (the reward failed, or generation aborted); counted as wrong in accuracy."),

@@ -8,57 +8,50 @@ placement, staleness and the buffer, ``engine.deterministic`` and ``engine.max_r
 ``train.*``, ``sync.*``, ``eval.every``/``n_samples``/``seed``/``limit``, ``log.*``). Fields that
 only mean something for text (``rollout.max_new_tokens``, ``temperature``, ...) are ignored.
 
-This module is a leaf like ``noria.config`` (which imports it): plain dataclass fields with a
-``help`` each, checks in ``validate``.
+This module is a leaf like ``noria.config`` (which imports it): it imports only
+``noria.config_schema``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-
-def _opt(default: Any, help: str, factory: Any = None) -> Any:
-    """A documented field (``noria.config.option``'s form; that module imports this one)."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+from noria.config_schema import ConfigError, option
 
 
 @dataclass
 class DiffusionConfig:
     """Image generation and training of a flow-matching DiT (``noria.diffusion``)."""
 
-    steps: int = _opt(10, "Denoising steps T of a rollout image (each step is one trained 'token' of the trajectory).")
-    noise_level: float = _opt(
+    steps: int = option(10, "Denoising steps T of a rollout image (each step is one trained 'token' of the trajectory).")
+    noise_level: float = option(
         0.7, "Flow-GRPO's SDE noise level a: each rollout step is a Gaussian transition with std a*sqrt(s/(1-s))*sqrt(-dt); "
         "0 samples the ODE (no log-probabilities, diffusion_nft only)."
     )
-    shift: float = _opt(1.0, "Timestep shift of the flow-matching schedule (diffusers' FlowMatchEulerDiscreteScheduler; SD3 uses 3.0).")
-    train_steps: int | None = _opt(
+    shift: float = option(1.0, "Timestep shift of the flow-matching schedule (diffusers' FlowMatchEulerDiscreteScheduler; SD3 uses 3.0).")
+    train_steps: int | None = option(
         None, "Flow-GRPO: denoising steps of each trajectory trained on, a seeded random subset (Flow-GRPO's timestep "
         "fraction); null trains all steps."
     )
-    eval_steps: int = _opt(20, "ODE steps of evaluation images (deterministic given the seed).")
-    objective: str = _opt(
+    eval_steps: int = option(20, "ODE steps of evaluation images (deterministic given the seed).")
+    objective: str = option(
         "flow_grpo", "RL objective, a name of noria.train.algorithms.diffusion (flow_grpo: clipped per-step likelihood "
         "ratios of the SDE; diffusion_nft: likelihood-free, on the forward process of the final images)."
     )
-    adv_clip: float = _opt(5.0, "Advantages are clipped to [-adv_clip, adv_clip] (Flow-GRPO; DiffusionNFT maps them to [0, 1] by it).")
-    nft_beta: float = _opt(1.0, "DiffusionNFT: strength beta of the implicit positive/negative policies.")
-    nft_timesteps: int = _opt(4, "DiffusionNFT: noise levels drawn per image per optimizer step.")
-    sft_sigmas: Literal["uniform", "logit_normal"] = _opt(
+    adv_clip: float = option(5.0, "Advantages are clipped to [-adv_clip, adv_clip] (Flow-GRPO; DiffusionNFT maps them to [0, 1] by it).")
+    nft_beta: float = option(1.0, "DiffusionNFT: strength beta of the implicit positive/negative policies.")
+    nft_timesteps: int = option(4, "DiffusionNFT: noise levels drawn per image per optimizer step.")
+    sft_sigmas: Literal["uniform", "logit_normal"] = option(
         "logit_normal", "Flow-matching SFT: distribution of the training noise level (logit_normal: SD3's, mean 0, std 1)."
     )
-    eval_reward: str | None = _opt(
+    eval_reward: str | None = option(
         None, "Reward whose mean over the evaluation images is the held-out accuracy (e.g. "
         "noria.diffusion.rewards:digit_correct); null uses reward.name."
     )
-    eval_reward_kwargs: dict[str, Any] = _opt(None, "Keyword arguments of eval_reward.", factory=dict)
+    eval_reward_kwargs: dict[str, Any] = option(factory=dict, help="Keyword arguments of eval_reward.")
 
     def validate(self) -> None:
-        from noria.config import ConfigError
-
         for key in ("steps", "eval_steps", "nft_timesteps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"diffusion.{key} must be >= 1, got {getattr(self, key)}")
@@ -71,10 +64,10 @@ class DiffusionConfig:
 
     def validate_run(self, run: Any) -> None:
         """Checks that involve other sections (called by ``RunConfig.validate``)."""
-        from noria.config import ConfigError
-
         if run.data.task != "digits":
             raise ConfigError(f"diffusion runs read data.task: digits (the only image data set so far), got data.task={run.data.task!r}")
+        if run.train.algorithm == "rl" and run.reward.name is None:
+            raise ConfigError("diffusion RL needs reward.name (e.g. noria.diffusion.rewards:digit_classifier)")
         if run.train.backend != "single":
             raise ConfigError("diffusion runs train on one process (train.backend: single)")
         if run.train.algorithm == "rl" and self.noise_level == 0 and self.objective == "flow_grpo":

@@ -64,8 +64,10 @@ class DiffusionTrainer:
         self.cfg, self.dcfg, self.seed, self.deterministic = cfg, dcfg, seed, deterministic
         self.dtype = DTYPES[hardware.resolve_dtype(cfg.param_dtype, cfg.device)]
         self.device = torch.device(cfg.device)
-        self.step = 0
+        self.optimizer_steps = 0
+        """Optimizer steps applied (skipped non-finite steps do not count)."""
         self.nonfinite_streak = 0
+        self.rank = 0  # one process (what the run-folder helpers of noria.train.run ask)
         self.sigmas = sde.flow_sigmas(dcfg.steps, dcfg.shift)
 
     # ------------------------------------------------------------------------------------ init
@@ -82,7 +84,7 @@ class DiffusionTrainer:
             model = apply_lora(model, self.cfg.lora)
         self.model = self._prepare(model)
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optim)
-        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, total_steps))
+        set_lr(self.optimizer, lr_at(self.optimizer_steps, self.cfg.optim, total_steps))
         self.reference = None
         if self.cfg.algorithm == "rl" and self.cfg.loss.kl_coef > 0:
             ref = load_dit(model_path, self.dtype, "cpu").requires_grad_(False)
@@ -123,7 +125,8 @@ class DiffusionTrainer:
             loss.backward()
             loss_sum += float(loss.detach())
         out = self._finish_step(loss_sum)
-        out.update(images=float(n), step_time_s=time.perf_counter() - t0)
+        patches = n * math.prod(latents.shape[2:]) // self.model.config.patch_size**2  # the transformer's tokens
+        out.update(images=float(n), tokens=float(patches), loss_tokens=float(patches), step_time_s=time.perf_counter() - t0)
         return out
 
     def draw_sigmas(self, n: int) -> torch.Tensor:
@@ -283,23 +286,23 @@ class DiffusionTrainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-        lr = lr_at(self.step, self.cfg.optim, self.total_steps)
+        lr = lr_at(self.optimizer_steps, self.cfg.optim, self.total_steps)
         out = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_streak += 1
             if self.nonfinite_streak > self.cfg.max_nonfinite_skips:
                 raise NonFiniteError(
-                    f"step {self.step + 1}: non-finite loss or grad norm ({self.nonfinite_streak} consecutive, "
+                    f"step {self.optimizer_steps + 1}: non-finite loss or grad norm ({self.nonfinite_streak} consecutive, "
                     f"train.max_nonfinite_skips is {self.cfg.max_nonfinite_skips}); no update was applied"
                 )
-            return {**out, "skipped": 1.0, "step": float(self.step)}
+            return {**out, "skipped": 1.0, "step": float(self.optimizer_steps)}
         self.nonfinite_streak = 0
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {**out, "skipped": 0.0, "step": float(self.step)}
+        self.optimizer_steps += 1
+        return {**out, "skipped": 0.0, "step": float(self.optimizer_steps)}
 
     # ------------------------------------------------------------------------------------ weights out
 
@@ -332,7 +335,7 @@ class DiffusionTrainer:
     def save(self, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
         from noria.train.checkpoint import save_checkpoint
 
-        state = {"step": self.step, "nonfinite_streak": self.nonfinite_streak, "extra": extra or {}}
+        state = {"step": self.optimizer_steps, "nonfinite_streak": self.nonfinite_streak, "extra": extra or {}}
         return save_checkpoint(folder, self.model, self.optimizer, state)
 
     def load(self, folder: str | Path) -> dict[str, Any]:
@@ -340,8 +343,8 @@ class DiffusionTrainer:
         from noria.train.optim import lr_at, set_lr
 
         state = load_checkpoint(folder, self.model, self.optimizer)
-        self.step, self.nonfinite_streak = int(state["step"]), int(state.get("nonfinite_streak", 0))
-        set_lr(self.optimizer, lr_at(self.step, self.cfg.optim, self.total_steps))
+        self.optimizer_steps, self.nonfinite_streak = int(state["step"]), int(state.get("nonfinite_streak", 0))
+        set_lr(self.optimizer, lr_at(self.optimizer_steps, self.cfg.optim, self.total_steps))
         return dict(state.get("extra", {}))
 
 

@@ -76,11 +76,15 @@ from noria.types import Group, Prompt, Status
 SERVE_READY_TIMEOUT_S = 600.0
 
 
-def run_rl(config: RunConfig, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None) -> Path:
-    """``noria train`` for ``train.algorithm: rl``: build the job, run the loop, clean up."""
+def run_rl(
+    config: RunConfig, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None,
+    job_class: type[LocalJob] | None = None,
+) -> Path:
+    """``noria train`` for ``train.algorithm: rl``: build the job, run the loop, clean up.
+    ``job_class``: a ``LocalJob`` of another model family (``noria.diffusion.job.DiffusionJob``)."""
     from noria.loop import rl_loop
 
-    job = LocalJob.build(config, run_dir, resume, progress)
+    job = (job_class or LocalJob).build(config, run_dir, resume, progress)
     try:
         asyncio.run(job.run(rl_loop))
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (noria.launch.lifecycle): say where the run stands
@@ -252,7 +256,7 @@ class LocalJob:
             ctx, self.next_prompt, self.buffer, self.reward, n_samples=r.n_samples, groups_per_step=r.prompts_per_step,
             max_staleness=r.max_staleness, max_in_flight=r.max_in_flight or r.prompts_per_step * r.n_samples,
             granularity=granularity(r), next_group_id=self.next_group_id, version=lambda: self.weight_version,
-            trained=self.trained_groups, **rollout_plugin(r),
+            trained=self.trained_groups, **self.rollout_plugin(),
         )  # fmt: skip
         self.scheduler.start()
         try:
@@ -263,6 +267,11 @@ class LocalJob:
             for prompt in unfinished:
                 self.source.return_prompt(prompt)
             self.scheduler = None
+
+    def rollout_plugin(self) -> dict[str, Any]:
+        """How the scheduler produces a group (``rollout_plugin``); a job of another model family
+        (``noria.diffusion.job``) gives its own generate function here."""
+        return rollout_plugin(self.config.rollout)
 
     async def take_groups(self) -> list[Group]:
         """One training batch (``prompts_per_step`` groups, by group id), waiting for the rollout as long

@@ -400,12 +400,28 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
         png = render_png(spec, run)
         (out / f"{spec.slug}.png").write_bytes(png)
         images[spec.slug] = png
+    grids = sample_grids(run, out)
     page = out / "report.html"
-    page.write_text(render_html(run, images))
+    page.write_text(render_html(run, images, grids))
     return page
 
 
-def render_html(run: RunData, images: dict[str, bytes]) -> str:
+def sample_grids(run: RunData, out: Path) -> list[tuple[str, bytes]]:
+    """Image runs: the first and the last evaluation's grid of images (``RUN_DIR/eval/step-N.png``,
+    ``noria.diffusion.evaluate``), copied next to the page as ``samples_first.png`` /
+    ``samples_last.png``; (caption, PNG) of each, none for a text run."""
+    pngs = sorted((run.folder / "eval").glob("step-*.png"))
+    picked = [("first", pngs[0]), ("last", pngs[-1])] if len(pngs) > 1 else [("first", p) for p in pngs]
+    grids = []
+    for which, path in picked:
+        data = path.read_bytes()
+        (out / f"samples_{which}.png").write_bytes(data)
+        step = int(path.stem.split("-")[1])
+        grids.append((f"Evaluation images at step {step} (a row per condition, unseen seeds)", data))
+    return grids
+
+
+def render_html(run: RunData, images: dict[str, bytes], grids: list[tuple[str, bytes]] | None = None) -> str:
     name = run.config.get("name") or run.folder.name
     parts = [
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
@@ -424,6 +440,10 @@ def render_html(run: RunData, images: dict[str, bytes]) -> str:
             f"<figcaption><b>{html.escape(spec.title)}.</b> {html.escape(spec.caption)}</figcaption></figure>"
         )
     parts.append("</div>")
+    for caption, png in grids or []:
+        data = base64.b64encode(png).decode()
+        parts.append(f"<figure><img src='data:image/png;base64,{data}' alt='{html.escape(caption)}'>"
+                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")  # fmt: skip
     parts.append(metric_table(figures_of(run)))
     parts.append(f"<h2>Resolved config</h2><pre class='config'>{html.escape(run.config_text or '(no config.yaml)')}</pre>")
     parts.append("</body></html>")
