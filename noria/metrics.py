@@ -3,6 +3,8 @@
 Files in the run folder::
 
     metrics.jsonl            one JSON object per rollout step (every name is in ``METRICS`` below)
+    events.jsonl             one per start of ``noria train`` on this folder: ``started`` or
+                             ``resumed`` with ``at_step`` and ``time`` (``noria report`` marks resumes)
     eval.jsonl               one per evaluation: step, version, accuracy, n_prompts, n_answers, seconds
                              (or ``skipped`` with the reason when it failed)
     eval/step-000010.jsonl   the evaluation's answers (prompt ids left out): reward, status, text
@@ -270,9 +272,10 @@ class RunLog:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
                             bar_format=BAR_FORMAT, dynamic_ncols=True)  # fmt: skip
         self.last_row: dict[str, Any] | None = None
-        if start_step > 0:  # `noria report` marks where a resumed run picked up
-            self.metrics.write(json.dumps({"event": "resumed", "at_step": start_step, "time": time.time()}) + "\n")
-            self.metrics.flush()
+        # metrics.jsonl keeps one row per step (what pandas and plots read); run starts go beside it.
+        with (folder / "events.jsonl").open("a") as events:
+            event = "resumed" if start_step > 0 else "started"
+            events.write(json.dumps({"event": event, "at_step": start_step, "time": time.time()}) + "\n")
 
     def write_step(self, row: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(clean(row)) + "\n")

@@ -225,6 +225,9 @@ def test_a_resumed_run_is_marked(run, tmp_path):
     RunLog(copy, STEPS, start_step=2, progress=False).close()  # what a resumed noria train writes first
     data = load_run(copy)
     assert data.resumed_at == [2] and [r["step"] for r in data.steps] == list(range(1, STEPS + 1))
+    # metrics.jsonl stays one row per step; the resume is an event beside it
+    assert all("step" in json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines())
+    assert [e["event"] for e in map(json.loads, (copy / "events.jsonl").read_text().splitlines())][-1] == "resumed"
     page = write_report(copy, tmp_path / "out")
     assert "after step 2" in page.read_text()
 

@@ -50,7 +50,7 @@ class RunData:
     lengths: dict[int, tuple[float, int]]
     """step -> (mean, max) response length in tokens of the step's sampled trajectories."""
     resumed_at: list[int]
-    """Steps a resumed run picked up from (``noria.metrics.RunLog`` writes a ``resumed`` event)."""
+    """Steps a resumed run picked up from (``noria.metrics.RunLog`` writes ``resumed`` events to ``events.jsonl``)."""
 
     @property
     def sft(self) -> bool:
@@ -87,7 +87,8 @@ def load_run(folder: str | Path) -> RunData:
     config = (yaml.safe_load(config_text) or {}) if config_text else {}
     rows = read_jsonl(folder / "metrics.jsonl")
     steps = [r for r in rows if "step" in r]
-    resumed = [int(r["at_step"]) for r in rows if r.get("event") == "resumed" and _finite(r.get("at_step"))]
+    events = read_jsonl(folder / "events.jsonl")
+    resumed = sorted({int(r["at_step"]) for r in events if r.get("event") == "resumed" and _finite(r.get("at_step"))})
     evals = [r for r in read_jsonl(folder / "eval.jsonl") if _finite(r.get("accuracy"))]
     nll, lengths = rollout_stats(folder)
     return RunData(folder, config_text, config, steps, evals, nll, lengths, resumed)
