@@ -54,7 +54,7 @@ def fresh_routes(model: DecoderLM, ids: list[int], exact: bool) -> torch.Tensor:
     """The model's own routes [len(ids), L, k] for one sequence, forward from scratch."""
     routing = Routing()
     with torch.no_grad():
-        model(torch.tensor([ids]), attn=PackedContext([len(ids)], deterministic=exact), routing=routing)
+        model(torch.tensor([ids], device=model.lm_head.weight.device), attn=PackedContext([len(ids)], deterministic=exact), routing=routing)
     return routing.routes()[0]
 
 

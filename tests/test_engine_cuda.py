@@ -306,9 +306,9 @@ def test_decode_steps_sample_inside_the_graph(tiny_model_dir):
     calls = {"graph": 0, "logits": 0}
     graph_step, logits_step = engine.runner.launch_sampled, engine._sample
 
-    def counted_graph(*a):
+    def counted_graph(*a, **kw):
         calls["graph"] += 1
-        return graph_step(*a)
+        return graph_step(*a, **kw)
 
     def counted_logits(*a):
         calls["logits"] += 1

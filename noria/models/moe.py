@@ -35,7 +35,8 @@ Expert computation, three paths (one result contract):
   and added back with ``index_add_`` one expert at a time, so a token's bits never depend on which
   other tokens share the call or the expert (each call adds at most one row per token: no order
   question). The router's logits go through the same fixed-shape matmul.
-- CUDA, bf16, aligned shapes: ``torch._grouped_mm`` over tokens sorted by expert (CUTLASS on
+- CUDA, bf16 (weights in bf16, or fp32 under bf16 autocast: cast first, as autocast casts a
+  linear's operands), aligned shapes: ``torch._grouped_mm`` over tokens sorted by expert (CUTLASS on
   sm90; no host synchronisation, so a CUDA graph can hold it); the k expert outputs of a token are
   combined by one ``index_add_``, whose atomics add in no fixed order (not batch-invariant, as
   cuBLAS is not).
@@ -260,7 +261,18 @@ class SparseMoeBlock(nn.Module):
             return loop_experts(x.to(self.exact_dtype), idx, weights, gate_up, down, _exact_linear(self.exact_dtype))
         if grouped_ok(x, gate_up, down):
             return grouped_experts(x, idx, weights, gate_up, down)
+        if _autocast_bf16(x):
+            # Training under bf16 autocast keeps fp32 master weights and an fp32 residual stream:
+            # cast as autocast casts F.linear's operands, so the grouped GEMM runs, not the loop.
+            bf = torch.bfloat16
+            half = (x.to(bf), gate_up.to(bf), down.to(bf))
+            if grouped_ok(*half):
+                return grouped_experts(half[0], idx, weights, half[1], half[2]).to(x.dtype)
         return loop_experts(x, idx, weights, gate_up, down, F.linear)
+
+
+def _autocast_bf16(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
 
 
 def _exact_linear(dtype: torch.dtype):
