@@ -37,6 +37,7 @@ from noria.config_schema import (  # noqa: F401 -- re-exported: callers import t
 )
 from noria.config_schema import field_docs as schema_field_docs
 from noria.diffusion.config import DiffusionConfig
+from noria.launch.config import RayConfig
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -230,6 +231,14 @@ class RolloutConfig:
         "disaggregated: torch device of the `noria serve` engine the run starts (its --device), e.g. cuda:0 while "
         "train.device is cuda:1; null uses model.device. The trainer stays on train.device.",
     )
+    engines: int = option(
+        1, "disaggregated: rollout engines (`noria serve` processes, or Ray actors under launch: ray); more than one "
+        "sit behind the real sglang-router (load-based for single turns, session-key affinity for sessions)."
+    )
+    engine_restarts: int = option(
+        2, "Times one engine is restarted after it died (its in-flight groups are regenerated, it is re-synced to the "
+        "current weights); past that, or with no engine left alive, the run stops naming the engine."
+    )
     max_staleness: int = option(
         0, "Largest allowed trainer version minus the oldest weight version in a group; 0 is synchronous RL."
     )
@@ -285,6 +294,11 @@ class RolloutConfig:
             raise ConfigError(f"rollout.prompts_per_step must be >= 1 or null, got {self.prompts_per_step}")
         if self.max_staleness < 0:
             raise ConfigError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.engines < 1 or self.engine_restarts < 0:
+            raise ConfigError(f"rollout.engines must be >= 1 and rollout.engine_restarts >= 0, got {self.engines}, {self.engine_restarts}")
+        if self.engines > 1 and (self.placement != "disaggregated" or self.engine_url is not None):
+            raise ConfigError("rollout.engines > 1 starts a fleet of `noria serve` engines: it needs rollout.placement: "
+                              "disaggregated and no rollout.engine_url")
         if self.engine_timeout_s <= 0:
             raise ConfigError(f"rollout.engine_timeout_s must be > 0, got {self.engine_timeout_s}")
         if self.engine_url is not None and self.placement != "disaggregated":
@@ -624,6 +638,11 @@ class RunConfig:
     name: str = option("noria", "Run name; the default run folder is runs/<name>-<time>.")
     seed: int = option(0, "Global seed (torch, python, numpy).")
     run_dir: str | None = option(None, "Run folder; default runs/<name>-<time>.")
+    launch: Literal["local", "ray"] = option(
+        "local", "Launcher of an RL run: local (processes on this machine) or ray (engines and trainer ranks as Ray "
+        "actors in placement groups, on one machine or a cluster; see the ray section)."
+    )
+    ray: RayConfig = option(factory=RayConfig, help="The Ray launcher (launch: ray).")
     model: ModelConfig = option(factory=ModelConfig, help="The policy model.")
     data: DataConfig = option(factory=DataConfig, help="Prompt source.")
     reward: RewardConfig = option(factory=RewardConfig, help="Reward function.")
@@ -646,6 +665,7 @@ class RunConfig:
                 section.validate()
         if self.reward.name is None and self.data.task is None and self.train.algorithm == "rl":
             raise ConfigError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
+        _check_launch(self)
         if self.diffusion is not None:
             self.diffusion.validate_run(self)
         elif self.train.algorithm == "sft":
@@ -726,6 +746,17 @@ def _derive(product: int, product_text: str, divisor: int, divisor_text: str, ta
     if product % divisor:
         raise ConfigError(f"batch invariant: {product_text} must be a multiple of {divisor_text} to derive {target}")
     return product // divisor
+
+
+def _check_launch(config: RunConfig) -> None:
+    """What the launchers need of the other sections: a fleet or several trainer ranks in RL run
+    disaggregated (the engines are their own processes or actors)."""
+    r, t = config.rollout, config.train
+    if t.algorithm != "rl" or (config.launch == "local" and t.world_size == 1):
+        return
+    if r.placement != "disaggregated" or r.engine_url is not None:
+        why = "launch: ray" if config.launch == "ray" else "train.world_size > 1"
+        raise ConfigError(f"{why} in RL starts its own engines: it needs rollout.placement: disaggregated and no rollout.engine_url")
 
 
 def _check_sft_data(data: DataConfig) -> None:

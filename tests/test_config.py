@@ -146,3 +146,29 @@ def test_a_section_is_validated_once_whether_loaded_or_built_in_code():
     assert calls == ["built"]
     with pytest.raises(ConfigError, match="train.world_size > 1 needs train.backend: fsdp2"):
         FSDPBackend(TrainConfig(world_size=2))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["--launch", "ray"], "launch: ray in RL starts its own engines"),
+        (["--train.backend", "fsdp2", "--train.world_size", "2"], r"train.world_size > 1 in RL starts its own engines"),
+        (["--rollout.engines", "2"], "rollout.engines > 1 starts a fleet"),
+        (["--rollout.placement", "disaggregated", "--rollout.engines", "0"], "rollout.engines must be >= 1"),
+        (["--launch", "ray", "--rollout.placement", "disaggregated", "--ray.engine_resources", "{GPU: -1}"], "ray.engine_resources"),
+        (["--launch", "kubernetes"], "is not one of"),
+    ],
+)
+def test_launch_and_fleet_settings_are_checked(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["--model.path", "x", "--data.task", "arithmetic", *overrides])
+
+
+def test_a_ray_fleet_config_loads_with_its_placement():
+    config = load_config(None, [
+        "--model.path", "x", "--data.task", "arithmetic", "--launch", "ray", "--ray.address", "auto",
+        "--rollout.placement", "disaggregated", "--rollout.engines", "3", "--train.backend", "fsdp2",
+        "--train.world_size", "2", "--ray.trainer_resources", "{CPU: 2, GPU: 1}",
+    ])  # fmt: skip
+    assert (config.launch, config.ray.address, config.rollout.engines) == ("ray", "auto", 3)
+    assert config.ray.trainer_resources == {"CPU": 2, "GPU": 1}
