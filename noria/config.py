@@ -4,8 +4,8 @@ Each section is owned by the component it configures (its docstring names it): t
 it, its ``validate()`` holds every check of its own fields, and the docs (``noria docs`` ->
 docs/config.md) come from its field help. The classes live here, in one leaf module, so that any
 part can import a section without importing the component (``noria.config`` imports only
-``noria.errors``, ``noria.config_schema``, the image runs' section ``noria.diffusion.config`` (a leaf
-too, kept with its package) and, when ``dtype: auto`` is resolved, ``noria.hardware``).
+``noria.errors``, ``noria.config_schema``, the sections kept with their packages as leaves too
+(``noria.diffusion.config``, ``noria.distill.config``, ``noria.eval.config``) and, when ``dtype: auto`` is resolved, ``noria.hardware``).
 
 A config is loaded once (``load_config``; the machinery is ``noria.config_schema``): YAML plus
 dotted overrides -> typed sections (closed: an unknown key names the closest valid one) ->
@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from noria.config_schema import (  # noqa: F401 -- re-exported: callers import them from noria.config
     ConfigError,
+    check_sampling,
     ensure_valid,
     from_dict,
     load,
@@ -37,6 +38,8 @@ from noria.config_schema import (  # noqa: F401 -- re-exported: callers import t
 )
 from noria.config_schema import field_docs as schema_field_docs
 from noria.diffusion.config import DiffusionConfig
+from noria.distill.config import OpdConfig
+from noria.eval.config import EvalConfig
 from noria.launch.config import RayConfig
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -279,7 +282,7 @@ class RolloutConfig:
         return self.routing_replay or self.record_routes
 
     def validate(self) -> None:
-        _check_sampling("rollout", self.temperature, self.top_p, self.top_k, self.min_p, self.max_new_tokens)
+        check_sampling("rollout", self.temperature, self.top_p, self.top_k, self.min_p, self.max_new_tokens)
         plugins = [k for k in ("rollout_fn", "generate_fn", "agent_fn") if getattr(self, k)]
         if len(plugins) > 1:
             raise ConfigError(f"rollout: set at most one of rollout_fn, generate_fn, agent_fn (got {', '.join(plugins)})")
@@ -416,6 +419,10 @@ class LossConfig:
     )
     kl_coef: float = option(0.0, "Weight of the KL penalty against the reference model (0 loads no reference).")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = option("low_var_kl", "KL estimator.")
+    opd_coef: float = option(
+        0.0, "On-policy distillation (the opd section names the teacher): per token, lambda * (log pi_student - "
+        "log pi_teacher) is subtracted from any estimator's advantages; 0 is off."
+    )
     entropy_coef: float = option(0.0, "Weight of the entropy bonus.")
     off_policy: Literal["none", "tis", "mis", "seq_is", "recompute"] = option(
         "none",
@@ -442,8 +449,8 @@ class LossConfig:
             raise ConfigError("train.loss.clip_low and clip_high must be >= 0")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"train.loss.dual_clip must be > 1 or null, got {self.dual_clip}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ConfigError("train.loss.kl_coef and entropy_coef must be >= 0")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.opd_coef < 0:
+            raise ConfigError("train.loss.kl_coef, entropy_coef and opd_coef must be >= 0")
         if self.seq_sum_divisor is not None and self.seq_sum_divisor <= 0:
             raise ConfigError(f"train.loss.seq_sum_divisor must be > 0 or null, got {self.seq_sum_divisor}")
         if not 0 < self.mis_low < 1 < self.mis_high or self.is_cap <= 0:
@@ -577,34 +584,6 @@ class SyncConfig:
 
 
 @dataclass
-class EvalConfig:
-    """Accuracy of the model on a task's held-out split. Owner: ``noria.eval`` (``noria eval``; the RL
-    job's evaluation reads it too)."""
-
-    split: Literal["train", "test"] = option("test", "Which split to evaluate.")
-    limit: int | None = option(None, "Evaluate only the first N prompts of the split.")
-    batch_size: int = option(32, "Prompts generated together.")
-    max_new_tokens: int = option(256, "Maximum generated tokens per answer.")
-    temperature: float = option(0.0, "Sampling temperature; 0 is greedy (the usual choice for accuracy).")
-    top_p: float = option(1.0, "Nucleus sampling threshold (ignored when greedy).")
-    n_samples: int = option(1, "Answers per prompt; accuracy averages over all of them (pass@1 estimate).")
-    seed: int = option(0, "Seed for sampled evaluation.")
-    every: int = option(
-        0, "noria train (RL): evaluate on the rollout engine before step 1, every this many steps and at the end; 0 never."
-    )
-
-    def validate(self) -> None:
-        if self.every < 0:
-            raise ConfigError(f"eval.every must be >= 0, got {self.every}")
-        _check_sampling("eval", self.temperature, self.top_p, -1, 0.0, self.max_new_tokens)
-        for key in ("batch_size", "n_samples"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"eval.{key} must be >= 1, got {getattr(self, key)}")
-        if self.limit is not None and self.limit < 1:
-            raise ConfigError(f"eval.limit must be >= 1, got {self.limit}")
-
-
-@dataclass
 class LogConfig:
     """Metric sinks: JSONL in the run folder always, TensorBoard and W&B on request. Owner:
     ``noria.metrics`` (``RunLog``)."""
@@ -652,6 +631,7 @@ class RunConfig:
     sync: SyncConfig = option(factory=SyncConfig, help="Weight sync to the engines.")
     eval: EvalConfig = option(factory=EvalConfig, help="Evaluation.")
     log: LogConfig = option(factory=LogConfig, help="Metric sinks.")
+    opd: OpdConfig = option(factory=OpdConfig, help="On-policy distillation's teacher (on when train.loss.opd_coef > 0).")
     diffusion: DiffusionConfig | None = option(
         None, "Present (a mapping, `{}` for the defaults): the run trains a flow-matching image model "
         "(noria.diffusion) instead of a language model."
@@ -666,6 +646,7 @@ class RunConfig:
         if self.reward.name is None and self.data.task is None and self.train.algorithm == "rl":
             raise ConfigError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
         _check_launch(self)
+        _check_opd(self)
         if self.diffusion is not None:
             self.diffusion.validate_run(self)
         elif self.train.algorithm == "sft":
@@ -693,6 +674,8 @@ class RunConfig:
         else:
             resolve_batch(self)
         resolve_dtypes(self)
+        if self.train.loss.opd_coef > 0 and self.opd.placement == "trainer":
+            self.train.teacher = self.opd.teacher  # the backend's frozen teacher (compute_logprobs "teacher")
 
 
 def resolve_dtypes(config: RunConfig) -> None:
@@ -759,24 +742,23 @@ def _check_launch(config: RunConfig) -> None:
         raise ConfigError(f"{why} in RL starts its own engines: it needs rollout.placement: disaggregated and no rollout.engine_url")
 
 
+def _check_opd(config: RunConfig) -> None:
+    """On-policy distillation: a teacher is named once (``opd.teacher``, not also ``train.teacher``)."""
+    opd, coef = config.opd, config.train.loss.opd_coef
+    opd.check_enabled(coef)
+    if coef > 0 and config.train.teacher is not None and config.train.teacher != opd.teacher:
+        raise ConfigError("train.loss.opd_coef > 0 takes its teacher from opd.teacher; leave train.teacher unset")
+    if coef > 0 and config.train.loss.advantage == "gae":
+        raise ConfigError("train.loss.opd_coef > 0 shapes an estimator's advantages; advantage: gae (the critic's) is not supported")
+    if coef > 0 and opd.placement == "trainer" and not opd.teacher:
+        raise ConfigError("opd.placement: trainer loads opd.teacher (a model name or folder) beside the policy")
+
+
 def _check_sft_data(data: DataConfig) -> None:
     if data.path is None:
         raise ConfigError('train.algorithm sft trains on chat rows: set data.path to a JSONL file of {"messages": [...]} rows')
     if data.format not in ("auto", "jsonl") or (data.format == "auto" and not data.path.endswith(".jsonl")):
         raise ConfigError(f"train.algorithm sft reads JSONL chat rows; data.path {data.path!r} is not a .jsonl file")
-
-
-def _check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, min_p: float, max_new: int) -> None:
-    if temperature < 0:
-        raise ConfigError(f"{prefix}.temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ConfigError(f"{prefix}.top_p must be in (0, 1], got {top_p}")
-    if top_k == 0 or top_k < -1:
-        raise ConfigError(f"{prefix}.top_k must be -1 (off) or >= 1, got {top_k}")
-    if not 0 <= min_p < 1:
-        raise ConfigError(f"{prefix}.min_p must be in [0, 1), got {min_p}")
-    if max_new < 1:
-        raise ConfigError(f"{prefix}.max_new_tokens must be >= 1, got {max_new}")
 
 
 # ---------------------------------------------------------------------------------------- loading

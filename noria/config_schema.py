@@ -54,6 +54,20 @@ def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) ->
     return field(default=default, metadata={"help": help})
 
 
+def check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, min_p: float, max_new: int) -> None:
+    """The sampling fields of a section (``prefix``: rollout, eval) in range; ConfigError naming the key."""
+    if temperature < 0:
+        raise ConfigError(f"{prefix}.temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"{prefix}.top_p must be in (0, 1], got {top_p}")
+    if top_k == 0 or top_k < -1:
+        raise ConfigError(f"{prefix}.top_k must be -1 (off) or >= 1, got {top_k}")
+    if not 0 <= min_p < 1:
+        raise ConfigError(f"{prefix}.min_p must be in [0, 1), got {min_p}")
+    if max_new < 1:
+        raise ConfigError(f"{prefix}.max_new_tokens must be >= 1, got {max_new}")
+
+
 # ---------------------------------------------------------------------------------------- loading
 
 

@@ -126,6 +126,13 @@ METRICS: tuple[Metric, ...] = tuple(
         ("critic/explained_variance", "1", "1 - Var(returns - values) / Var(returns): 1 is a perfect critic, 0 no better than a constant."),
         ("critic/*", "varies", "The critic's optimizer-step figures (loss, grad_norm, lr, skipped, ...): same meaning as the policy's names."),
     ])
+    + _table("opd", [
+        ("opd/reverse_kl_mean", "nats/token", "On-policy distillation (train.loss.opd_coef > 0): mean over policy tokens of log pi_student - "
+         "log pi_teacher of the sampled token (opd.top_k: the top-k KL per position); the advantages lose opd_coef times it."),
+        ("opd/reverse_kl_max", "nats/token", "On-policy distillation: the largest per-token reverse KL of the step."),
+        ("opd/teacher_latency_s", "s", "Teacher engines (opd.placement: engine): mean seconds to score one sample by prefill "
+         "(during rollout, overlapping generation and training)."),
+    ])
     + _table("moe", [
         ("moe/route_mismatch", "fraction", "MoE (rollout.routing_replay / record_routes): (policy token, MoE layer) pairs whose experts "
          "in the trainer's forward differ from the engine's; 0 with replay."),
@@ -137,6 +144,7 @@ METRICS: tuple[Metric, ...] = tuple(
          "its samples finish, while others still generate: it overlaps the rollout stage, not adds to it)."),
         ("time/trainer_wait_s", "s", "Time the trainer waited for the step's batch of groups (the whole rollout when synchronous)."),
         ("time/train_s", "s", "Trainer: logprobs, loss, backward, optimizer step(s)."),
+        ("time/teacher_s", "s", "On-policy distillation with the teacher in the trainer: its scoring of the step's samples (part of time/train_s)."),
     ])
     + _table("sync", [
         ("sync/seconds", "s", "Weight push trainer -> engines (the engines serve the new version after it)."),

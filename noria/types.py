@@ -88,6 +88,16 @@ class Sample:
     image: Any = None
     """Image trajectories: the generated image, a uint8 numpy array [H, W, C] (what image rewards
     score instead of ``response_text``); None for text."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation (``train.loss.opd_coef``): per response token, the teacher's
+    log-probability of it (natural log, at the rollout temperature); 0.0 where ``loss_mask`` is 0.
+    Shape [R]; None until a teacher scored the sample."""
+    teacher_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """``opd.top_k``: per response token, the teacher's top-k (token id, logprob) at that position
+    ([] where ``loss_mask`` is 0); None otherwise."""
+    rollout_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """``opd.top_k``: per response token, the behaviour policy's top-k (token id, logprob) at that
+    position, as the rollout engine reported them ([] for non-policy tokens); None otherwise."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data (prompt metadata, reward details, timings)."""
 

@@ -68,6 +68,7 @@ import torch
 
 from noria import hardware
 from noria.config import EngineConfig, ensure_valid
+from noria.engine import scoring
 from noria.engine.kv_cache import KVCache
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
@@ -374,6 +375,10 @@ class Engine:
                 return _Step(chunks, launched=launched)
         if feed is not None:
             raise RuntimeError("a step fed on the device must run from a CUDA graph")
+        rows = scoring.score_rows(chunks)
+        if rows:  # prefill scoring: the scored rows' logits come with the sampling rows'
+            logits, scored = self.runner.forward_scoring(chunks, [r.row for r in rows])
+            return _Step(chunks, done=self._sample(logits, reqs), scored=scoring.score(scored, chunks, rows))
         if routed:
             logits, routes = self.runner.forward_routed(chunks)
             return _Step(chunks, done=self._sample(logits, reqs), routes=routes)
@@ -405,6 +410,7 @@ class Engine:
 
     def _finish(self, step: _Step) -> None:
         ids, logprobs, top = step.result()
+        scoring.record(step.scored)
         dropped = sum(1 for c in step.chunks if c.pending and c.req.state is not ReqState.RUNNING)
         notify = self.scheduler.process(step.chunks, ids, logprobs, top, self.weight_version, step.routes())
         self._stats.record(len(ids) - dropped)
@@ -422,7 +428,7 @@ class Engine:
         return res.token_ids.tolist(), res.logprobs.tolist(), top
 
     def _enqueue(self, req: Req) -> None:
-        if req.request.sampling.max_new_tokens == 0:
+        if req.request.sampling.max_new_tokens == 0 and req.scoring_from is None:
             req.finish_reason = {"type": "length", "length": 0}
             self._notify([req])
         else:
@@ -505,6 +511,7 @@ class Engine:
             raise RequestError(f"return_routed_experts: this {self.model.args.model_type} model has no MoE layer")
         if not isinstance(req.top_logprobs_num, int) or not 0 <= req.top_logprobs_num <= vocab:
             raise RequestError(f"top_logprobs_num must be in [0, {vocab}], got {req.top_logprobs_num!r}")
+        self._check_scoring(req)
         needed = self._max_total(req)
         if needed > self.kv.capacity_tokens:
             raise RequestError(
@@ -512,6 +519,14 @@ class Engine:
                 f"{req.sampling.max_new_tokens}), more than the whole cache ({self.kv.capacity_tokens})"
             )
         return dataclasses.replace(req, rid=req.rid or uuid.uuid4().hex)
+
+    @staticmethod
+    def _check_scoring(req: GenerateRequest) -> None:
+        start = req.logprob_start_len
+        if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < len(req.input_ids):
+            raise RequestError(f"logprob_start_len must be -1 or in [0, {len(req.input_ids)}) (the prompt's length), got {start!r}")
+        if req.scores_input and req.return_routed_experts:
+            raise RequestError("logprob_start_len (prefill scoring) cannot be combined with return_routed_experts")
 
     def _max_total(self, req: GenerateRequest) -> int:
         return min(len(req.input_ids) + req.sampling.max_new_tokens, self.max_context)
@@ -547,8 +562,12 @@ class _Step:
     """A launched step: its chunks and, when sampled on the device and not yet waited for, the
     launch handle; else its host results."""
 
-    def __init__(self, chunks: list[Chunk], launched=None, done=None, routes: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, chunks: list[Chunk], launched=None, done=None, routes: torch.Tensor | None = None, scored: list | None = None
+    ) -> None:
         self.chunks = chunks
+        self.scored = scored or []
+        """Prefill scoring results of the step (``noria.engine.scoring.score``)."""
         self.launched = launched
         self._done = done
         self._routes = routes

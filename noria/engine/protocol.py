@@ -4,6 +4,7 @@ These mirror SGLang's native ``/generate`` API so that the HTTP server is a thin
 real SGLang server can stand in for the built-in engine: ``SamplingParams`` uses SGLang's field
 names, and ``GenerateOutput.meta_info()`` produces SGLang's ``meta_info`` dict (``finish_reason``,
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``output_token_logprobs``,
+``input_token_logprobs`` / ``input_top_logprobs`` (prefill scoring, ``logprob_start_len``),
 ``weight_version``, ``routed_experts``).
 
 Validation lives here (``SamplingParams.validate``), so every entry point rejects the same bad
@@ -107,6 +108,16 @@ class GenerateRequest:
     return_routed_experts: bool = False
     """MoE models: also return, per output token, the experts each MoE layer routed it through
     (``GenerateOutput.routed_experts``; rollout routing replay)."""
+    logprob_start_len: int = -1
+    """Prefill scoring (SGLang's field): with ``return_logprob``, also return the log-probability of
+    every input token from this position on (``GenerateOutput.input_logprobs``; the token at
+    position 0 has none), and its top ``top_logprobs_num``; -1 returns none. Those positions are
+    computed, never taken from the prefix cache. ``max_new_tokens`` 0 scores without generating."""
+
+    @property
+    def scores_input(self) -> bool:
+        """Whether the request asks for input-token logprobs."""
+        return self.return_logprob and self.logprob_start_len >= 0
 
 
 @dataclass
@@ -130,7 +141,15 @@ class GenerateOutput:
     """None while running; else {"type": "stop"|"length"|"abort", "matched": token id or stop string, "message": ...}."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    input_ids: list[int] = field(default_factory=list)
+    """The prompt's ids, when ``input_logprobs`` are returned (they name the scored tokens)."""
     """Prompt tokens served from the prefix cache (not recomputed)."""
+    input_logprobs: list[float | None] | None = None
+    """With ``logprob_start_len`` >= 0: the logprob of each input token from that position on, under
+    the same distribution as ``logprobs`` (the request's temperature); None at position 0."""
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """With ``logprob_start_len`` >= 0 and ``top_logprobs_num``: per input token from that position
+    on, the top-k (token id, logprob) of the distribution that predicted it (None at position 0)."""
     routed_experts: Any = None
     """With ``return_routed_experts``: integer tensor [R, L, k] (R output tokens, L MoE layers, top-k;
     ``noria.models.moe.route_dtype``): row i holds the experts of the forward step that sampled
@@ -159,6 +178,13 @@ class GenerateOutput:
             # SGLang's shape: [logprob, token_id, token_text-or-None] per token.
             "output_token_logprobs": [[lp, tid, None] for lp, tid in zip(self.logprobs, self.output_ids)],
         }
+        if self.input_logprobs is not None:
+            start = self.prompt_tokens - len(self.input_logprobs)
+            info["input_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(self.input_logprobs, self.input_ids[start:])]
+            if self.input_top_logprobs is not None:
+                info["input_top_logprobs"] = [
+                    None if step is None else [[lp, tid, None] for tid, lp in step] for step in self.input_top_logprobs
+                ]
         if self.top_logprobs is not None:
             info["output_top_logprobs"] = [[[lp, tid, None] for tid, lp in step] for step in self.top_logprobs]
         if self.routed_experts is not None:

@@ -213,11 +213,19 @@ class ModelRunner:
         rows = self._to_device(self._last_rows(chunks), torch.long)
         return logits, routing.routes()[0].index_select(0, rows).cpu()
 
-    def _forward(self, chunks: list[Chunk], routing: Routing | None) -> torch.Tensor:
-        if self._graph_step(chunks):
+    @torch.no_grad()
+    def forward_scoring(self, chunks: list[Chunk], score_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, and the logits [len(score_rows), V] of the given flattened rows (prefill
+        scoring, ``noria.engine.scoring``), from the same forward and the same LM head."""
+        n = sum(c.sample for c in chunks)
+        logits = self._forward(chunks, None, score_rows)
+        return logits[:n], logits[n:]
+
+    def _forward(self, chunks: list[Chunk], routing: Routing | None, extra_rows: list[int] = ()) -> torch.Tensor:
+        if self._graph_step(chunks) and not extra_rows:
             return self.graphs.forward(chunks)
         ids, positions, slots, ctx = self._prepare(chunks)
-        rows = self._to_device(self._last_rows(chunks), torch.long)
+        rows = self._to_device(self._last_rows(chunks) + list(extra_rows), torch.long)
         if self.fast is not None:
             hidden = self.fast.hidden_states(ids, positions, ctx)[0]
             return self.fast.lm_head(hidden.index_select(0, rows))

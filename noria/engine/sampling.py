@@ -153,6 +153,12 @@ def _log_softmax(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return torch.log_softmax(_scaled(logits, params), dim=-1)
 
 
+def log_softmax_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 [S, V]: each row's ``log_softmax(logits / T)`` (T of its params; greedy: T = 1), the
+    op sampled tokens' exact logprobs come from (prefill scoring, ``noria.engine.scoring``)."""
+    return _log_softmax(logits, params)
+
+
 def _sample_torch(logits: torch.Tensor, temps: torch.Tensor, uniforms: torch.Tensor):
     """The kernel's recipe in torch (argmax for greedy rows, inverse CDF for the others)."""
     t = torch.where(temps > 0, temps, torch.ones_like(temps)).to(logits.device).unsqueeze(1)

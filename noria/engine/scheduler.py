@@ -83,11 +83,20 @@ class Req:
     epoch: int = 0
     """Prefix-cache epoch at admission; KV from an older epoch is never cached."""
     finish_reason: dict[str, Any] | None = None
+    input_logprobs: list[float | None] | None = None
+    """Prefill scoring (``logprob_start_len``; ``noria.engine.scoring``): logprobs of the input
+    tokens from that position on, filled in position order."""
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.request.input_ids)
         if self.request.top_logprobs_num > 0:
             self.top_logprobs = []
+        if self.request.scores_input:
+            first = [None] if self.request.logprob_start_len == 0 else []  # position 0 has no logprob
+            self.input_logprobs = list(first)
+            if self.request.top_logprobs_num > 0:
+                self.input_top_logprobs = list(first)
         if self.request.return_routed_experts:
             self.routes = []
 
@@ -98,6 +107,14 @@ class Req:
     @property
     def prompt_len(self) -> int:
         return len(self.request.input_ids)
+
+    @property
+    def scoring_from(self) -> int | None:
+        """The position whose logits score the next unscored input token; None when none is left."""
+        if self.input_logprobs is None:
+            return None
+        q = self.request.logprob_start_len + len(self.input_logprobs) - 1
+        return q if q < self.prompt_len - 1 else None
 
     @property
     def remaining(self) -> int:
@@ -115,6 +132,9 @@ class Req:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len,
             cached_tokens=self.cached_tokens,
+            input_ids=list(self.request.input_ids) if self.input_logprobs is not None else [],
+            input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
+            input_top_logprobs=None if self.input_top_logprobs is None else list(self.input_top_logprobs),
             routed_experts=torch.stack(self.routes) if self.routes else None,
         )
 
@@ -290,7 +310,10 @@ class Scheduler:
         return chunks
 
     def _match_limit(self, req: Req) -> int:
-        return (len(req.all_ids) - 1) // self._match_grid * self._match_grid
+        limit = len(req.all_ids) - 1
+        if req.scoring_from is not None:  # positions still to score are computed, not matched
+            limit = min(limit, req.scoring_from)
+        return limit // self._match_grid * self._match_grid
 
     def _start(self, req: Req, cached: int) -> None:
         if req.admissions == 0:
@@ -382,6 +405,12 @@ class Scheduler:
                 continue
             req.num_computed += chunk.n
             if not chunk.sample:
+                continue
+            if req.request.sampling.max_new_tokens == 0:  # prefill scoring only: nothing is generated
+                row += 1
+                self._release(req)
+                self.running.remove(req)
+                notify.append(self._finish(req, {"type": "length", "length": 0}))
                 continue
             self._append(req, token_ids[row], logprobs[row], None if top is None else top[row], version)
             if req.routes is not None:

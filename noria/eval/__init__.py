@@ -12,8 +12,23 @@ mean reward over every answer: an answer whose reward failed counts as wrong (so
 out on hard answers cannot raise accuracy), and the failures are also reported separately
 (``n_failed``, ``failed_reasons``). An evaluation in which not one answer could be scored is an
 error (``NoriaError``), not an accuracy.
+
+
+In an RL run (``noria train``), ``noria.eval.modes`` decides where each evaluation runs
+(``eval.mode``: shared, fleet, checkpoint) and records it against the step it measured;
+``noria.eval.backends`` holds the shipped checkpoint backends. ``noria.eval.config`` is the config
+section (a leaf); this ``__init__`` imports the runner only when asked, so loading a config stays
+light.
 """
 
-from noria.eval.runner import EvalResult, run_eval
+from typing import Any
 
 __all__ = ["EvalResult", "run_eval"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from noria.eval import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'noria.eval' has no attribute {name!r}")

@@ -140,6 +140,9 @@ class LocalJob:
         self.backend: Any = None
         self.sync: Any = None
         self.log: RunLog | None = None
+        self.teacher: Any = None
+        """On-policy distillation with teacher engines (``noria.distill.teacher.EngineTeacher``), or None."""
+        self.teacher_process: subprocess.Popen | None = None
         self.last_eval_step: int | None = None
         self.timer: dict[str, float] = {}
 
@@ -158,6 +161,7 @@ class LocalJob:
         if not kept:
             raise NoriaError(f"no training prompts left ({len(train)} loaded, {dropped} over data.max_prompt_tokens)")
         check_fit(kept, context_limit(cfg), cfg.data.max_prompt_tokens)
+        check_teacher_tokenizer(cfg, self.tokenizer)  # before any model loads
         self.prompt_ids = {r.prompt.index: r.ids for r in kept}
         self.source = PromptSource.from_config([r.prompt for r in kept], cfg.data)
         self.dropped_prompts = dropped
@@ -183,6 +187,7 @@ class LocalJob:
         cfg = self.config
         path = model_path(cfg.model.path)
         self.client, target = self.start_engine(path)
+        self.start_teacher()
         self.backend = FSDPBackend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
         self.backend.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
         self.critic = None
@@ -214,6 +219,28 @@ class LocalJob:
         if url is None:
             self.engine_process, url, key = start_server(path, cfg, self.folder)
         return HttpEngineClient(url, api_key=key, timeout_s=timeout, process=self.engine_process), HttpEngine(url, api_key=key)
+
+    def start_teacher(self) -> None:
+        """``opd.placement: engine``: the teacher engines (a ``noria serve`` of ``opd.teacher`` the
+        run starts, or the servers at ``opd.teacher_url`` / ``opd.teachers``, tokenizers checked)."""
+        from noria.distill.teacher import EngineTeacher, check_tokenizers, teacher_tokenizer
+        from noria.models.catalog import model_path
+
+        cfg, opd = self.config, self.config.opd
+        if cfg.train.loss.opd_coef <= 0 or opd.placement != "engine":
+            return
+        urls: dict[str | None, str] = dict(opd.teachers) or ({None: opd.teacher_url} if opd.teacher_url else {})
+        keys: dict[str | None, str] = {}
+        for value, url in urls.items():
+            tokenizer, path = teacher_tokenizer(url)
+            check_tokenizers(self.tokenizer, tokenizer, f"{path} (at {url})", cfg.model.path)
+        if not urls:
+            device = opd.teacher_device or engine_device(cfg)
+            self.teacher_process, url, keys[None] = start_server(model_path(opd.teacher), cfg, self.folder, device, "teacher.log")
+            urls = {None: url}
+        timeout = cfg.rollout.engine_timeout_s
+        clients = {v: HttpEngineClient(u, api_key=keys.get(v), timeout_s=timeout, process=self.teacher_process) for v, u in urls.items()}
+        self.teacher = EngineTeacher(clients, opd.teacher_key, cfg.rollout.temperature, opd.top_k)
 
     # ------------------------------------------------------------------------------------ loop calls
 
@@ -251,7 +278,7 @@ class LocalJob:
         """The rollout scheduler runs in the background for the body; then it drains (in-flight work is
         cancelled and its prompts go back to the data source)."""
         r = self.config.rollout
-        ctx = RolloutContext(self.client, self.tokenizer, r, seed=self.config.seed)
+        ctx = RolloutContext(self.client, self.tokenizer, r, seed=self.config.seed, top_logprobs=self.teacher.top_k if self.teacher else 0)
         self.scheduler = RolloutScheduler(
             ctx, self.next_prompt, self.buffer, self.reward, n_samples=r.n_samples, groups_per_step=r.prompts_per_step,
             max_staleness=r.max_staleness, max_in_flight=r.max_in_flight or r.prompts_per_step * r.n_samples,
@@ -315,7 +342,8 @@ class LocalJob:
     def train(self, groups: list[Group]) -> dict[str, float]:
         """``steps_per_rollout`` optimizer steps on the groups' trainable samples (``noria.train.rl_step``)."""
         cfg = self.config
-        return rl_step(self.backend, groups, cfg.train, self.weight_version, self.critic, cfg.rollout.routing_replay)
+        opd = cfg.opd if cfg.train.loss.opd_coef > 0 else None
+        return rl_step(self.backend, groups, cfg.train, self.weight_version, self.critic, cfg.rollout.routing_replay, opd)
 
     async def sync_weights(self, advance: bool = True) -> dict[str, float]:
         """Push the trainer's weights to the engines as the next version (or, resuming, the current
@@ -465,6 +493,8 @@ class LocalJob:
             self.local_engine.shutdown(drain_timeout_s=1.0)
         if self.engine_process is not None:
             stop_server(self.engine_process)
+        if self.teacher_process is not None:
+            stop_server(self.teacher_process)
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -486,6 +516,17 @@ def check_supported(config: RunConfig) -> None:
         raise NoriaError("run_rl needs train.algorithm: rl")
     if config.train.world_size > 1:
         raise NoriaError("train.world_size > 1 for RL needs the distributed launcher (not available yet); use world_size 1")
+
+
+def check_teacher_tokenizer(config: RunConfig, tokenizer: Any) -> None:
+    """On-policy distillation with a teacher model (``opd.teacher``): its tokenizer must be the
+    student's (``noria.distill.teacher.check_tokenizers``); servers by URL are checked when reached."""
+    if config.train.loss.opd_coef <= 0 or not config.opd.teacher:
+        return
+    from noria.distill.teacher import check_tokenizers
+    from noria.models import load_tokenizer
+
+    check_tokenizers(tokenizer, load_tokenizer(config.opd.teacher), config.opd.teacher, config.model.path)
 
 
 def granularity(rollout: Any) -> str:
@@ -589,26 +630,29 @@ def eval_sampling(config: RunConfig) -> Any:
 # ------------------------------------------------------------------------------ engine server process
 
 
-def start_server(path: Path, config: RunConfig, folder: Path) -> tuple[subprocess.Popen, str, str]:
-    """``noria serve`` on a free loopback port as a child process that dies with this one, behind a
-    per-run API key (in its environment, not on its command line); waits until it answers /health.
+def start_server(
+    path: Path, config: RunConfig, folder: Path, device: str | None = None, log_name: str = "engine.log"
+) -> tuple[subprocess.Popen, str, str]:
+    """``noria serve`` of ``path`` on a free loopback port as a child process that dies with this one,
+    behind a per-run API key (in its environment, not on its command line), on ``device`` (default
+    ``engine_device``), logging to ``folder / log_name``; waits until it answers /health.
     Returns (process, url, key)."""
     from noria.net import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "noria", "serve", "--model", str(path), "--port", str(port)]
-    cmd += ["--dtype", config.model.dtype, "--device", engine_device(config), "--weight-version", "0"]
+    cmd += ["--dtype", config.model.dtype, "--device", device or engine_device(config), "--weight-version", "0"]
     for f in fields(config.engine):
         value = getattr(config.engine, f.name)
         if value is not None:
             cmd += [f"--engine.{f.name}", json.dumps(value) if not isinstance(value, str) else value]
     folder.mkdir(parents=True, exist_ok=True)
-    log = open(folder / "engine.log", "ab")
+    log = open(folder / log_name, "ab")
     key = secrets.token_urlsafe(32)
     env = child_env(PYTHONUNBUFFERED="1", NORIA_API_KEY=key)
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(process, url, folder / "engine.log", api_key=key)
+    wait_healthy(process, url, folder / log_name, api_key=key)
     return process, url, key
 
 

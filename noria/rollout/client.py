@@ -118,6 +118,10 @@ class HttpEngineClient:
             body.pop("rid")
         if req.return_routed_experts:
             body["return_routed_experts"] = True
+        if req.top_logprobs_num:
+            body["top_logprobs_num"] = req.top_logprobs_num
+        if req.scores_input:  # prefill scoring (a teacher): logprobs of the input tokens too
+            body["logprob_start_len"] = req.logprob_start_len
         data = await self._call(self.http.generate(body, routing_key=req.routing_key))
         return output_from_sglang(data, req)
 
@@ -207,6 +211,7 @@ def output_from_sglang(data: dict[str, Any], req: GenerateRequest) -> GenerateOu
             f"engine answered {len(ids)} output ids but no routed_experts for each (is it a MoE model, and an "
             "SGLang server started with --enable-return-routed-experts?)"
         )
+    scored = scored_input(info, req)
     return GenerateOutput(
         rid=str(info.get("id", req.rid)),
         output_ids=ids,
@@ -217,4 +222,33 @@ def output_from_sglang(data: dict[str, Any], req: GenerateRequest) -> GenerateOu
         prompt_tokens=int(info.get("prompt_tokens", len(req.input_ids))),
         cached_tokens=int(info.get("cached_tokens", 0)),
         routed_experts=routes,
+        top_logprobs=_top(info.get("output_top_logprobs")) if req.top_logprobs_num else None,
+        input_ids=list(req.input_ids) if scored[0] is not None else [],
+        input_logprobs=scored[0],
+        input_top_logprobs=scored[1],
     )
+
+
+def scored_input(info: dict[str, Any], req: GenerateRequest) -> tuple[list | None, list | None]:
+    """(input logprobs, input top logprobs) of a prefill-scoring answer (``logprob_start_len``), checked
+    to cover the prompt from that position on; (None, None) when the request did not ask."""
+    if not req.scores_input:
+        return None, None
+    entries = info.get("input_token_logprobs")
+    want = len(req.input_ids) - req.logprob_start_len
+    if entries is None or len(entries) != want:
+        got = "none" if entries is None else len(entries)
+        raise EngineFailure(
+            f"engine answered {got} input_token_logprobs for logprob_start_len={req.logprob_start_len} of a "
+            f"{len(req.input_ids)}-token input (expected {want}): does it support prefill scoring?"
+        )
+    logprobs = [None if e[0] is None else float(e[0]) for e in entries]
+    tops = _top(info.get("input_top_logprobs")) if req.top_logprobs_num else None
+    return logprobs, tops
+
+
+def _top(steps: list | None) -> list | None:
+    """SGLang's ``[[logprob, token_id, text], ...]`` per position -> ``[(token_id, logprob), ...]``."""
+    if steps is None:
+        return None
+    return [None if step is None else [(int(e[1]), float(e[0])) for e in step] for step in steps]

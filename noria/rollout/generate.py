@@ -60,6 +60,9 @@ class RolloutContext:
     """The prompt record of each group id in the current rollout call (agent functions receive it)."""
     session_server: Any = None
     """The session server agent functions talk to (set by ``run_rollout`` when ``rollout.agent_fn`` is set)."""
+    top_logprobs: int = 0
+    """Record the engine's top-k logprobs of every sampled token (``Sample.rollout_top_logprobs``;
+    ``opd.top_k``); 0 records none."""
 
     def seed_for(self, sample: Sample) -> int:
         """The sampling seed of ``sample`` (``sample_seed`` of the run seed, its group id and index):
@@ -101,7 +104,7 @@ async def generate_one(ctx: RolloutContext, sample: Sample) -> Sample:
     """The default generate function: one single-turn trajectory from the engine."""
     req = GenerateRequest(
         input_ids=list(sample.prompt_ids), sampling=sampling_params(ctx, sample),
-        return_routed_experts=getattr(ctx.sampling, "wants_routes", False),
+        return_routed_experts=getattr(ctx.sampling, "wants_routes", False), top_logprobs_num=ctx.top_logprobs,
     )  # fmt: skip
     out = await ctx.engine.generate(req)
     reason = (out.finish_reason or {}).get("type")
@@ -110,6 +113,8 @@ async def generate_one(ctx: RolloutContext, sample: Sample) -> Sample:
     sample.rollout_logprobs = [float(x) for x in out.logprobs]
     sample.weight_versions = list(out.weight_versions)
     sample.routed_experts = out.routed_experts
+    if ctx.top_logprobs:
+        sample.rollout_top_logprobs = [list(step) for step in out.top_logprobs or []]
     sample.response_text = ctx.tokenizer.decode(out.output_ids, skip_special_tokens=True)
     sample.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(reason, Status.ABORTED)
     if sample.status is Status.ABORTED:

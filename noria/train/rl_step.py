@@ -21,6 +21,10 @@ Blocking: the whole step runs on the calling thread (the loop calls it through
 ``asyncio.to_thread``); under FSDP2 every rank must call it with the same groups. On CUDA the
 calling thread's current device is made the trainer's (``on_device``).
 
+On-policy distillation (``train.loss.opd_coef`` > 0): before slicing, the advantages become per
+token, ``A_t - lambda * kl_t`` (``noria.train.opd``; the trainer's frozen teacher scores samples no
+teacher engine did).
+
 Not guaranteed: a step with no trainable sample trains nothing; it reports
 ``train/skipped_no_samples`` instead (the buffer already drops groups without one).
 """
@@ -39,18 +43,20 @@ from noria.types import Group, Sample, Status, TrainBatch
 
 def rl_step(
     backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any = None,
-    replay_routes: bool = False,
+    replay_routes: bool = False, opd: Any = None,
 ) -> dict[str, float]:
     """``cfg.steps_per_rollout`` optimizer steps of ``backend`` (and ``critic`` for PPO with GAE) on the
     groups' trainable samples; ``weight_version`` is the version the engines serve (for the
     staleness metric); ``replay_routes``: the MoE layers use the samples' recorded routes
-    (``rollout.routing_replay``). Returns the step's metrics (see the module docstring)."""
+    (``rollout.routing_replay``); ``opd``: the ``opd`` section when distilling
+    (``train.loss.opd_coef`` > 0, ``noria.train.opd``). Returns the step's metrics (see the module docstring)."""
     with on_device(backend.device):
-        return _rl_step(backend, groups, cfg, weight_version, critic, replay_routes)
+        return _rl_step(backend, groups, cfg, weight_version, critic, replay_routes, opd)
 
 
 def _rl_step(
-    backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any, replay_routes: bool
+    backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any, replay_routes: bool,
+    opd: Any = None,
 ) -> dict[str, float]:
     from noria.train import pack_samples
     from noria.train.algorithms import compute_advantages
@@ -61,6 +67,7 @@ def _rl_step(
     if not samples:
         return {"time/train_s": time.perf_counter() - t0, "train/skipped_no_samples": 1.0}
     k = cfg.steps_per_rollout
+    distill: dict[str, float] = {}
     if critic is not None:
         from noria.train.critic import ppo_train
 
@@ -70,17 +77,37 @@ def _rl_step(
     else:
         advantages = compute_advantages(cfg.loss, [[s.reward for s in g] for g in kept])
         flat_adv = [a for per_group in advantages for a in per_group]
+        if cfg.loss.opd_coef > 0:  # on-policy distillation: per-token advantages (noria.train.opd)
+            flat_adv, distill = distill_advantages(backend, samples, flat_adv, cfg, opd)
         size = math.ceil(len(samples) / k)
         slices = [(samples[i : i + size], flat_adv[i : i + size]) for i in range(0, len(samples), size)]
         batches = [pack_samples(s, a, replay_routes) for s, a in slices]
         old = [backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
         parts = [backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
     out = average(parts)
+    out.update(distill)
     out["optimizer_step"] = out.pop("step", float(backend.optimizer_steps))
     out["train/samples"] = float(len(samples))
     out.update(token_staleness(batches, weight_version))
     out["time/train_s"] = time.perf_counter() - t0
     return out
+
+
+def distill_advantages(
+    backend: Any, samples: list[Sample], advantages: list[float], cfg: TrainConfig, opd: Any
+) -> tuple[list, dict[str, float]]:
+    """The teacher's logprobs (the trainer's frozen teacher scores samples a teacher engine did not),
+    then per-token advantages ``A - opd_coef * kl_t`` and the ``opd/*`` metrics."""
+    from noria.train import opd as distillation
+
+    seconds = distillation.score_in_trainer(backend, samples)
+    shaped, metrics = distillation.shape_advantages(
+        samples, advantages, cfg.loss.opd_coef, bool(getattr(opd, "pure", False)), int(getattr(opd, "top_k", 0))
+    )
+    metrics.update(distillation.teacher_latency(samples))
+    if seconds:
+        metrics["time/teacher_s"] = seconds
+    return shaped, metrics
 
 
 def trainable(group: Group) -> list[Sample]:

@@ -54,7 +54,7 @@ class NativeApi:
 
     GENERATE_FIELDS = {
         "text", "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "stream",
-        "return_text_in_logprobs", "routing_key", "return_routed_experts",
+        "return_text_in_logprobs", "routing_key", "return_routed_experts", "logprob_start_len",
     }  # fmt: skip
 
     def __init__(self, server: EngineServer) -> None:
@@ -111,6 +111,7 @@ class NativeApi:
             raise RequestError(f"top_logprobs_num must be >= 0, got {top_k}")
         key = want(body, "routing_key", str) or None
         routed = per_item(body.get("return_routed_experts"), n, "return_routed_experts", bool)
+        starts = per_item(body.get("logprob_start_len"), n, "logprob_start_len", int)
         reqs = []
         for i, ids in enumerate(prompts):
             where = f"sampling_params[{i}]" if isinstance(body.get("sampling_params"), list) else "sampling_params"
@@ -120,6 +121,7 @@ class NativeApi:
                 input_ids=ids, sampling=sampling, rid=rids[i] or "",
                 return_logprob=True if logprobs[i] is None else logprobs[i],
                 top_logprobs_num=top_k, routing_key=key, return_routed_experts=bool(routed[i]),
+                logprob_start_len=-1 if starts[i] is None else starts[i],
             ))  # fmt: skip
         return reqs, batched
 
@@ -166,6 +168,8 @@ class NativeApi:
         if not req.return_logprob:
             info.pop("output_token_logprobs", None)
             info.pop("output_top_logprobs", None)
+            info.pop("input_token_logprobs", None)
+            info.pop("input_top_logprobs", None)
         elif with_text:
             self._add_token_text(info, out)
         return {"text": out.text, "output_ids": out.output_ids, "meta_info": info}
@@ -174,7 +178,9 @@ class NativeApi:
         texts = token_texts(self.s.engine.tokenizer, out.output_ids)
         for entry, t in zip(info.get("output_token_logprobs", []), texts):
             entry[2] = t
-        for step in info.get("output_top_logprobs", []) or []:
+        for entry, t in zip(info.get("input_token_logprobs", []), token_texts(self.s.engine.tokenizer, [e[1] for e in info.get("input_token_logprobs", [])])):
+            entry[2] = t
+        for step in [*(info.get("output_top_logprobs") or []), *(s for s in info.get("input_top_logprobs") or [] if s)]:
             for entry, t in zip(step, token_texts(self.s.engine.tokenizer, [e[1] for e in step])):
                 entry[2] = t
 

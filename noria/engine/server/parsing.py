@@ -59,7 +59,7 @@ ANY = object()
 # asks for a feature this server does not have, which is a 400, never a silent no-op.
 INERT_NATIVE = {
     "model": ANY, "log_metrics": ANY, "no_logs": ANY, "return_hidden_states": False, "background": False,
-    "return_bytes": False, "return_entropy": False, "logprob_start_len": -1, "custom_logit_processor": None,
+    "return_bytes": False, "return_entropy": False, "custom_logit_processor": None,
     "lora_path": None, "session_params": None, "bootstrap_host": None,
 }  # fmt: skip
 INERT_OPENAI = {
