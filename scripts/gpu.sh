@@ -5,6 +5,7 @@
 # (the device tool) both are copied there as well.
 #   PARTS="tests engine train sync" scripts/gpu.sh
 #   PARTS=moe scripts/gpu.sh; PARTS=moe-train scripts/gpu.sh   (Qwen3-MoE: GPU tests, noria bench gpu-moe)
+#   PARTS=diffusion scripts/gpu.sh              (image models; bring diffusers' wheel: see docs/diffusion.md)
 #   PARTS=multi scripts/gpu.sh                  (2 GPUs; LAYOUT=one-gpu on one, see noria bench gpu-multi --help)
 set -u
 cd "$(dirname "$0")/.."
@@ -38,6 +39,9 @@ for p in $PARTS; do
       part gpu-moe ${T_MOE:-360} $PY -m noria bench gpu-moe --parts decode,capture --json "$RESULTS/gpu-moe.json" ${MOE_ARGS:-} ;;
     moe-train)  # issue 23: one RL step of the same Qwen3-MoE shape, tokens/s and MFU on active parameters
       part gpu-moe-train ${T_MOE_TRAIN:-540} $PY -m noria bench gpu-moe --parts train --json "$RESULTS/gpu-moe-train.json" ${MOE_TRAIN_ARGS:-} ;;
+    diffusion)  # issue 26: needs diffusers (pip install its wheel first): image engine/trainer tests, then noria bench diffusion
+      part gpu-diffusion-tests ${T_DIFFUSION_TESTS:-300} $PY -m pytest -q -p no:cacheprovider tests/test_diffusion_cuda.py
+      part gpu-diffusion ${T_DIFFUSION:-540} $PY -m noria bench diffusion --device cuda --json "$RESULTS/gpu-diffusion.json" ${DIFFUSION_ARGS:-} ;;
     fp8) part gpu-fp8 ${T_FP8:-300} $PY -m noria bench gpu-fp8 --json "$RESULTS/gpu-fp8.json" ${FP8_ARGS:-} ;;
     multi)  # issue 10: needs 2 GPUs (LAYOUT=one-gpu runs the same code on one); NVLink multicast off in every process
       export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
