@@ -176,3 +176,72 @@ def test_opd_config_checks(tiny_model_dir):
     c = load_config(None, [*base, "--train.loss.opd_coef", "1", "--opd.teacher", str(tiny_model_dir)])
     assert c.train.teacher == str(tiny_model_dir)  # the trainer's frozen teacher
     assert math.isclose(c.train.loss.opd_coef, 1.0)
+
+
+def sft_teacher(model_dir, out_dir, steps: int = 40) -> str:
+    """A tiny teacher: the tiny model after a few SFT steps on chats whose answers are digits only."""
+    from noria.data.tasks import generate_split
+    from noria.train.losses import sft_loss
+    from noria.train.packing import pack_samples
+    from noria.train.sft import chat_samples
+    from train_util import make_backend
+
+    tok = load_tokenizer_of(model_dir)
+    prompts = generate_split("arithmetic", "train", {"n_train": 64, "n_test": 16, "max_operand": 30, "ops": ["+"]})
+    rows = [[{"role": "user", "content": p.prompt}, {"role": "assistant", "content": str(p.label)}] for p in prompts]
+    samples = chat_samples(rows, tok)
+    backend = make_backend(model_dir, loss_fn=sft_loss, param_dtype=DTYPE)
+    for step in range(steps):
+        batch = [samples[(step * 16 + i) % len(samples)] for i in range(16)]
+        backend.train_step(pack_samples(batch, [1.0] * len(batch)))
+    return str(backend.export_hf(out_dir))
+
+
+def load_tokenizer_of(folder):
+    from noria.models import load_tokenizer
+
+    return load_tokenizer(folder)
+
+
+def run_args(model, **extra) -> list[str]:
+    base = {
+        "model.path": str(model), "data.task": "arithmetic",
+        "data.task_args": "{n_train: 400, n_test: 16, max_operand: 30, ops: ['+']}", "reward.name": "toy_rewards:digits",
+        "rollout.n_samples": 4, "rollout.prompts_per_step": 4, "rollout.max_new_tokens": 8, "train.optim.lr": "3e-3",
+        "engine.kv_cache_tokens": 4096,
+    }  # fmt: skip
+    base.update(extra)
+    return [x for k, v in base.items() for x in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+
+
+def rewards_of(run) -> list[float]:
+    import json
+
+    return [json.loads(x)["rollout/reward_mean"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_distilled_student_approaches_its_teacher(tiny_model_dir, tmp_path):
+    """Pure distillation (the reverse KL is the only signal; the digits reward is only measured): a
+    random tiny student moves from its own score to near the SFT-trained teacher's; teacher
+    scoring on a `noria serve` engine with the top-k variant runs too."""
+    from noria.launch.local import run_rl
+
+    teacher = sft_teacher(tiny_model_dir, tmp_path / "teacher")
+    run_rl(load_config(None, run_args(teacher, **{"train.max_steps": 2, "train.optim.lr": 0})), run_dir=str(tmp_path / "t"), progress=False)
+    teacher_score = sum(rewards_of(tmp_path / "t")) / 2
+    run = tmp_path / "opd"
+    opd = {"train.max_steps": 50, "train.loss.opd_coef": 1.0, "opd.pure": True, "opd.teacher": teacher, "train.optim.lr": "1e-2"}
+    run_rl(load_config(None, run_args(tiny_model_dir, **opd)), run_dir=str(run), progress=False)
+    student = rewards_of(run)
+    assert teacher_score > 0.8, teacher_score
+    assert sum(student[:3]) / 3 < teacher_score - 0.3, (student, teacher_score)
+    assert sum(student[-6:]) / 6 > teacher_score - 0.2, (student, teacher_score)
+    # The engine path (a teacher `noria serve` the run starts) with the top-k variant, two steps.
+    run = tmp_path / "engine"
+    extra = {"train.max_steps": 2, "opd.placement": "engine", "opd.top_k": 4}
+    run_rl(load_config(None, run_args(tiny_model_dir, **{**opd, **extra})), run_dir=str(run), progress=False)
+    import json
+
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["opd/reverse_kl_mean"] > 0 and row["opd/teacher_latency_s"] > 0 and "time/teacher_s" not in row

@@ -40,8 +40,9 @@ groups, the step, the group counter, the count of trained groups and the weight 
 the base model, receives the checkpoint's weights under that version before the first rollout, and
 metrics lines after the checkpoint are dropped so the resumed run repeats exactly the same steps.
 
-Not guaranteed: RL on several trainer processes (``train.world_size`` > 1) and several engines
-come with the distributed launcher; a colocated engine shares this process's CPU threads with the
+Several engines (``rollout.engines``) or trainer processes (``train.world_size``) run on
+``noria.launch.scaled.ScaledJob``, and ``launch: ray`` on ``noria.launch.ray.RayJob``: both are this
+job with other parts (``run_rl`` picks the class). Not guaranteed: a colocated engine shares this process's CPU threads with the
 trainer (they never run at the same time in synchronous RL).
 """
 
@@ -84,7 +85,7 @@ def run_rl(
     ``job_class``: a ``LocalJob`` of another model family (``noria.diffusion.job.DiffusionJob``)."""
     from noria.loop import rl_loop
 
-    job = (job_class or LocalJob).build(config, run_dir, resume, progress)
+    job = (job_class or job_class_for(config)).build(config, run_dir, resume, progress)
     try:
         asyncio.run(job.run(rl_loop))
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (noria.launch.lifecycle): say where the run stands
@@ -94,6 +95,20 @@ def run_rl(
     finally:
         job.close()
     return job.folder
+
+
+def job_class_for(config: RunConfig) -> type[LocalJob]:
+    """The job a config asks for: ``launch: ray`` (``noria.launch.ray.RayJob``), an engine fleet or
+    several trainer ranks on this machine (``noria.launch.scaled.ScaledJob``), else ``LocalJob``."""
+    if config.launch == "ray":
+        from noria.launch.ray import RayJob
+
+        return RayJob
+    if config.rollout.engines > 1 or config.train.world_size > 1:
+        from noria.launch.scaled import ScaledJob
+
+        return ScaledJob
+    return LocalJob
 
 
 class LocalJob:
@@ -106,13 +121,17 @@ class LocalJob:
     def build(cls, config: RunConfig, run_dir: str | None, resume: str | None, progress: bool | None) -> LocalJob:
         from noria.run_folder import check_run_folder, resolve_run_dir
 
-        check_supported(config)
+        cls.check_supported(config)
         folder = resolve_run_dir(config, run_dir, resume)
         check_run_folder(folder, config, resume is not None)
         job = cls(config, folder, progress)
         job.load_data()  # prompts and reward are checked before any model loads
         job.start_parts(resume is not None)
         return job
+
+    @staticmethod
+    def check_supported(config: RunConfig) -> None:
+        check_supported(config)
 
     def __init__(self, config: RunConfig, folder: Path, progress: bool | None) -> None:
         from noria.rewards.registry import resolve_reward
@@ -298,7 +317,12 @@ class LocalJob:
     def rollout_plugin(self) -> dict[str, Any]:
         """How the scheduler produces a group (``rollout_plugin``); a job of another model family
         (``noria.diffusion.job``) gives its own generate function here."""
-        return rollout_plugin(self.config.rollout)
+        plugin = rollout_plugin(self.config.rollout)
+        if self.teacher is not None:  # on-policy distillation: teacher engines score each finished sample
+            from noria.distill.teacher import with_teacher
+
+            plugin = with_teacher(plugin, self.teacher)
+        return plugin
 
     async def take_groups(self) -> list[Group]:
         """One training batch (``prompts_per_step`` groups, by group id), waiting for the rollout as long
@@ -314,6 +338,7 @@ class LocalJob:
             groups += taken
             if len(groups) == n or scheduler.finished:
                 break
+            await self.between_waits()
             await scheduler.wait_change()
         if not groups and self.step == 0:
             raise NoriaError(f"the data ran out before one group could be trained: {self.drops.describe()}")
@@ -321,6 +346,10 @@ class LocalJob:
         self.trained_groups += len(groups)
         self.timer["wait"] = time.perf_counter() - start
         return sorted(groups, key=lambda g: g.group_id)
+
+    async def between_waits(self) -> None:
+        """While ``take_groups`` waits for the rollout (the trainer is idle): a launcher with an engine
+        fleet restarts dead engines here (``noria.launch.scaled``); one engine has nothing to do."""
 
     @contextlib.asynccontextmanager
     async def trainer_turn(self) -> AsyncIterator[None]:
@@ -515,7 +544,7 @@ def check_supported(config: RunConfig) -> None:
     if config.train.algorithm != "rl":
         raise NoriaError("run_rl needs train.algorithm: rl")
     if config.train.world_size > 1:
-        raise NoriaError("train.world_size > 1 for RL needs the distributed launcher (not available yet); use world_size 1")
+        raise NoriaError("train.world_size > 1 for RL runs on noria.launch.scaled.ScaledJob (run_rl picks it), not LocalJob")
 
 
 def check_teacher_tokenizer(config: RunConfig, tokenizer: Any) -> None:
@@ -631,10 +660,12 @@ def eval_sampling(config: RunConfig) -> Any:
 
 
 def start_server(
-    path: Path, config: RunConfig, folder: Path, device: str | None = None, log_name: str = "engine.log"
+    path: Path, config: RunConfig, folder: Path, device: str | None = None, log_name: str = "engine.log",
+    api_key: str | None = None,
 ) -> tuple[subprocess.Popen, str, str]:
     """``noria serve`` of ``path`` on a free loopback port as a child process that dies with this one,
-    behind a per-run API key (in its environment, not on its command line), on ``device`` (default
+    behind a per-run API key (``api_key``, else a new one; in its environment, not on its command
+    line: a fleet shares one with its router), on ``device`` (default
     ``engine_device``), logging to ``folder / log_name``; waits until it answers /health.
     Returns (process, url, key)."""
     from noria.net import free_port
@@ -648,7 +679,7 @@ def start_server(
             cmd += [f"--engine.{f.name}", json.dumps(value) if not isinstance(value, str) else value]
     folder.mkdir(parents=True, exist_ok=True)
     log = open(folder / log_name, "ab")
-    key = secrets.token_urlsafe(32)
+    key = api_key or secrets.token_urlsafe(32)
     env = child_env(PYTHONUNBUFFERED="1", NORIA_API_KEY=key)
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}"
