@@ -352,38 +352,85 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_docs, takes_overrides=False)
 
 
-def split_overrides(argv: list[str], own_options: set[str]) -> tuple[list[str], list[str]]:
-    """Separate config overrides (``--key VALUE`` / ``--key=VALUE``) from a subcommand's own args.
+def split_overrides(argv: list[str], own_options: set[str], is_flag=lambda key: False) -> tuple[list[str], list[str]]:
+    """Separate config overrides (``--key VALUE`` / ``--key=VALUE`` / ``--flag``) from a subcommand's own args.
 
-    An option the subcommand does not define is an override and takes the next token as its value,
-    so a positional config path is never mistaken for an override's value or vice versa.
+    An option the subcommand does not define is an override. It takes the next token as its value
+    unless that token is another option, or the key is a boolean (``is_flag``) and the token is not
+    a boolean word: so ``--sync.verify CONFIG`` leaves the positional config path alone.
     """
     own, overrides, i = [], [], 0
     while i < len(argv):
         arg = argv[i]
         name = arg.split("=", 1)[0]
         if arg.startswith("--") and name not in own_options and arg != "--":
-            width = 1 if "=" in arg or i + 1 >= len(argv) else 2
-            overrides.extend(argv[i : i + width])
-            i += width
+            overrides.append(arg)
+            if "=" not in arg and i + 1 < len(argv) and _is_value(argv[i + 1], name[2:], is_flag):
+                overrides.append(argv[i + 1])
+                i += 1
+        elif arg.startswith("-") and not arg.startswith("--") and "." in arg and name not in own_options:
+            raise NoriaError(f"{arg}: config overrides take two dashes: -{arg}")
         else:
             own.append(arg)
-            i += 1
+        i += 1
     return own, overrides
+
+
+def _is_value(token: str, key: str, is_flag) -> bool:
+    """Whether ``token`` is the value of override ``--key`` (not the next option or a positional)."""
+    if token.startswith("--"):
+        return False
+    key = key.replace("-", "_")
+    if is_flag(key) or (key.startswith("no_") and is_flag(key[3:])):
+        return not token.endswith((".yaml", ".yml"))  # `--sync.verify CONFIG`: the path is the positional
+    return True
+
+
+def _override_flags(command: str):
+    """The boolean-field test for a subcommand's overrides (``noria serve`` has its own config class)."""
+    from noria.config_schema import is_bool_key
+
+    if command == "serve":
+        from noria.engine.server.app import ServeConfig as cls
+    else:
+        from noria.config import RunConfig as cls
+    return lambda key: is_bool_key(cls, key)
+
+
+def line_buffered() -> None:
+    """stdout and stderr flush at every line, also into a file or pipe (``noria train ... > log``),
+    and so do the Python processes a command starts (PYTHONUNBUFFERED is inherited)."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     from noria.launch.env import multicast_off
 
     multicast_off()  # before any process group; every child process inherits it (noria.launch.env)
+    line_buffered()
+    try:
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # The reader went away (`noria config --reference | head`): stop quietly, as Unix tools do.
+        # stdout is pointed at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     sub = subparsers.choices.get(argv[0]) if argv else None
     overrides: list[str] = []
     if sub is not None and sub.get_default("takes_overrides"):
         own_options = {s for action in sub._actions for s in action.option_strings}
-        rest, overrides = split_overrides(argv[1:], own_options)
+        try:
+            rest, overrides = split_overrides(argv[1:], own_options, _override_flags(argv[0]))
+        except NoriaError as e:
+            sub.error(str(e))
         argv = [argv[0], *rest]
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "parses_rest", False):  # a benchmark parses its own arguments (noria.bench)

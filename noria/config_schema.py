@@ -72,11 +72,12 @@ def check_sampling(prefix: str, temperature: float, top_p: float, top_k: int, mi
 
 
 def load(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
-    """Read YAML ``path`` (optional), apply ``--a.b value`` overrides, type-check, validate, resolve."""
+    """Read YAML ``path`` (optional, with the files it includes), apply ``--a.b value`` overrides,
+    type-check, validate, resolve."""
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = read_yaml(Path(path))
-    for key, value in parse_overrides(overrides or []):
+        raw = read_config_file(Path(path))
+    for key, value in parse_overrides(overrides or [], cls):
         set_dotted(raw, key, value)
     config = from_dict(cls, raw)
     config.validate()
@@ -119,27 +120,120 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
-    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``; values are parsed as YAML."""
+INCLUDE_KEYS = ("defaults", "extends")
+"""Top-level keys of a config file that name other files it builds on (Hydra's and prime-rl's words)."""
+
+
+def read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file with the files it includes (``defaults: [base.yaml]`` or ``extends: base.yaml``,
+    paths relative to the including file) deep-merged under it: later includes win over earlier
+    ones, the including file wins over all. A file that includes itself (directly or not) is refused."""
+    path = Path(path).resolve() if Path(path).is_file() else Path(path)
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"{seen[-1]}: config includes form a cycle: {chain}")
+    data = read_yaml(path)
+    merged: dict[str, Any] = {}
+    for key in INCLUDE_KEYS:
+        for name in _include_list(data.pop(key, None), path, key):
+            if not (path.parent / name).is_file():
+                raise ConfigError(f"{path}: {key} names {name}, not found (looked in {path.parent})")
+            merged = deep_merge(merged, read_config_file(path.parent / name, (*seen, path)))
+    return deep_merge(merged, data)
+
+
+def _include_list(value: Any, path: Path, key: str) -> list[str]:
+    if value is None:
+        return []
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{path}: {key} must be a file name or a list of file names, got {value!r}")
+    return names
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``: mappings merge key by key, anything else (lists included) is replaced."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_overrides(args: list[str], cls: type | None = None) -> list[tuple[str, Any]]:
+    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``; values are parsed as YAML.
+
+    With the config class ``cls``, the field's type shapes the command line as users expect: a
+    boolean field may stand alone (``--sync.verify``) or be negated (``--no-sync.verify``), and a
+    single value where a list is expected becomes a one-item list (``--log.loggers tensorboard``)."""
     pairs, i = [], 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"expected an override like --section.key VALUE, got {arg!r}")
-        if "=" in arg:
-            key, text = arg[2:].split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override {arg} has no value")
-            key, text = arg[2:], args[i + 1]
-            i += 2
+        key, text, i = _split_override(args, i, cls)
+        if text is None:
+            pairs.append(key)
+            continue
         try:
             value = yaml.safe_load(text) if text != "" else ""
         except yaml.YAMLError:
             value = text  # not YAML: take the string as given
-        pairs.append((key.replace("-", "_"), value))
+        if cls is not None and typing.get_origin(_strip_optional(field_type(cls, key))) is list and not isinstance(value, list):
+            value = [value]
+        pairs.append((key, value))
     return pairs
+
+
+def _split_override(args: list[str], i: int, cls: type | None) -> tuple[Any, str | None, int]:
+    """(key, value text, next index); for a bare boolean flag ((key, value), None, next index)."""
+    arg = args[i]
+    if "=" in arg:
+        key, text = arg[2:].split("=", 1)
+        return key.replace("-", "_"), text, i + 1
+    key = arg[2:].replace("-", "_")
+    negated = key.startswith("no_") and cls is not None and is_bool_key(cls, key[3:])
+    if negated:
+        return (key[3:], False), None, i + 1
+    if cls is not None and is_bool_key(cls, key) and not takes_value(args, i):
+        return (key, True), None, i + 1
+    if i + 1 >= len(args):
+        raise ConfigError(f"override {arg} has no value")
+    return key, args[i + 1], i + 2
+
+
+def takes_value(args: list[str], i: int) -> bool:
+    """Whether the boolean option at ``args[i]`` is followed by its value: a next token that is not
+    another option (a wrong value such as ``3`` is then refused by the type check, naming the key)."""
+    return i + 1 < len(args) and not args[i + 1].startswith("--")
+
+
+def field_type(cls: type, key: str) -> Any:
+    """The annotation of dotted ``key`` in config class ``cls`` (None if no such field)."""
+    tp: Any = cls
+    for part in key.split("."):
+        section = optional_section(tp)
+        if section is None:
+            return None
+        fields = {f.name for f in dataclasses.fields(section)}
+        if part not in fields:
+            return None
+        tp = typing.get_type_hints(section)[part]
+    return tp
+
+
+def is_bool_key(cls: type, key: str) -> bool:
+    """Whether dotted ``key`` is a boolean field (``bool`` or ``bool | None``) of ``cls``."""
+    return _strip_optional(field_type(cls, key)) is bool
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

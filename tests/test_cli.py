@@ -53,3 +53,28 @@ def test_config_reference_lists_every_key(capsys):
 def test_overrides_refused_where_not_taken(capsys):
     with pytest.raises(SystemExit):
         main(["models", "list", "--x", "1"])
+
+
+def test_boolean_flag_before_the_config_path(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: m}\ndata: {task: arithmetic}\n")
+    assert main(["config", "--sync.verify", str(path), "--log.loggers", "jsonl"]) == 0
+    out = capsys.readouterr().out
+    assert "verify: true" in out and "- jsonl" in out
+
+
+def test_one_dash_override_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["config", "--model.path", "m", "-train.max_steps", "3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "-train.max_steps" in err and "--train.max_steps" in err and "two dashes" in err
+
+
+def test_reference_into_a_closed_pipe_is_quiet():
+    # `true` exits before Python has started, so every write meets a closed pipe (as with `| head`
+    # on a long output); the command must end quietly with status 0.
+    cmd = f"{sys.executable} -m noria.cli config --reference | true; echo ${{PIPESTATUS[0]}}"
+    done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.stdout.strip() == "0"

@@ -172,3 +172,41 @@ def test_a_ray_fleet_config_loads_with_its_placement():
     ])  # fmt: skip
     assert (config.launch, config.ray.address, config.rollout.engines) == ("ray", "auto", 3)
     assert config.ray.trainer_resources == {"CPU": 2, "GPU": 1}
+
+
+def test_boolean_flags_stand_alone_or_negated():
+    flags = BASE + ["--sync.verify", "--eval.temperature", "0.5"]
+    config = load_config(None, flags)
+    assert config.sync.verify is True and config.eval.temperature == 0.5
+    assert load_config(None, BASE + ["--sync.verify", "false"]).sync.verify is False
+    assert load_config(None, [*BASE, "--sync.verify", "--no-sync.verify"]).sync.verify is False
+    with pytest.raises(ConfigError, match="has no value"):
+        load_config(None, BASE + ["--rollout.n_samples"])
+
+
+def test_a_single_value_where_a_list_is_expected():
+    config = load_config(None, BASE + ["--log.loggers", "jsonl"])
+    assert config.log.loggers == ["jsonl"]
+    assert load_config(None, BASE + ["--data.metadata_keys", "[a, b]"]).data.metadata_keys == ["a", "b"]
+
+
+def test_config_files_include_others(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "common.yaml").write_text(
+        "model: {path: m, dtype: float32}\ndata: {task: arithmetic}\nrollout: {n_samples: 2, max_new_tokens: 7}\n"
+    )
+    (tmp_path / "mid.yaml").write_text("extends: base/common.yaml\nrollout: {n_samples: 4}\n")
+    (tmp_path / "run.yaml").write_text("defaults: [mid.yaml]\nrollout: {temperature: 0.5}\n")
+    config = load_config(tmp_path / "run.yaml", ["--rollout.max_new_tokens", "9"])
+    assert (config.rollout.n_samples, config.rollout.temperature, config.rollout.max_new_tokens) == (4, 0.5, 9)
+    assert config.model.dtype == "float32" and config.data.task == "arithmetic"
+
+
+def test_config_include_cycles_and_missing_files_are_refused(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("defaults: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: nope.yaml\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: extends names nope\.yaml, not found"):
+        load_config(tmp_path / "c.yaml")
