@@ -14,11 +14,8 @@ out on hard answers cannot raise accuracy), and the failures are also reported s
 error (``NoriaError``), not an accuracy.
 
 
-In an RL run (``noria train``), ``noria.eval.modes`` decides where each evaluation runs
-(``eval.mode``: shared, fleet, checkpoint) and records it against the step it measured;
-``noria.eval.backends`` holds the shipped checkpoint backends. ``noria.eval.config`` is the config
-section (a leaf); this ``__init__`` imports the runner only when asked, so loading a config stays
-light.
+``noria.eval.config`` is the config section (a leaf); this ``__init__`` imports the runner only
+when asked, so loading a config stays light.
 """
 
 from typing import Any
