@@ -86,6 +86,7 @@ def test_engine_teacher_equals_trainer_teacher_bitwise(models, tmp_path):
         scorer = EngineTeacher({None: HttpEngineClient(server.url)}, temperature=T)
         http = [Sample(**{**_fields(s), "teacher_logprobs": None}) for s in samples]
         asyncio.run(_score_all(scorer, http))
+        raw = _raw_scoring(server.url, samples[0])
     finally:
         server.stop()
     local = Engine(load_model(teacher, dtype=getattr(torch, DTYPE)), None, engine_config())
@@ -98,8 +99,24 @@ def test_engine_teacher_equals_trainer_teacher_bitwise(models, tmp_path):
     finally:
         local.shutdown()
     assert [s.teacher_logprobs for s in http] == by_trainer
+    assert raw == by_trainer[0]
     assert in_process == by_trainer
     assert all(s.teacher_logprobs != s.rollout_logprobs for s in http)  # another model: other numbers
+
+
+def _raw_scoring(url: str, s: Sample) -> list[float]:
+    """SGLang's wire format: input_token_logprobs from logprob_start_len, top-k per position; a
+    start outside the prompt is a 400 naming the field."""
+    import httpx
+
+    body = {"input_ids": s.prompt_ids + s.response_ids, "sampling_params": {"max_new_tokens": 0, "temperature": T},
+            "return_logprob": True, "logprob_start_len": len(s.prompt_ids), "top_logprobs_num": 2}  # fmt: skip
+    info = httpx.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"]
+    assert info["completion_tokens"] == 0 and len(info["input_top_logprobs"]) == len(s.response_ids)
+    assert [e[1] for e in info["input_token_logprobs"]] == s.response_ids
+    bad = httpx.post(f"{url}/generate", json={**body, "logprob_start_len": len(body["input_ids"])}, timeout=60)
+    assert bad.status_code == 400 and "logprob_start_len" in bad.text
+    return [e[0] for e in info["input_token_logprobs"]]
 
 
 def _fields(s: Sample) -> dict:
