@@ -36,9 +36,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.config import load_config
 
     from noria.launch.lifecycle import sigterm_as_interrupt
+    from noria.preflight import check_references
 
     sigterm_as_interrupt()  # SIGTERM stops the run as Ctrl-C does: step ends, logs flushed, children stopped
     config = load_config(args.config, overrides)
+    check_references(config)  # registry names, import paths, data files: before any folder or model
     progress = False if args.no_progress else None
     if config.diffusion is not None:  # an image model (noria.diffusion): the same loop, its own parts
         from noria.diffusion.job import train_diffusion
@@ -137,12 +139,14 @@ def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
     from noria.config import field_docs, load_config, to_dict
+    from noria.preflight import check_references
 
     if args.reference:
         for key, type_name, default, help_text in field_docs():
             print(f"{key:<28} {type_name:<32} default={default!r}\n    {help_text}")
         return 0
     config = load_config(args.config, overrides)
+    check_references(config)  # what `noria train` would refuse, refused here too
     print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
     return 0
 

@@ -10,7 +10,9 @@ touches it:
 - a resumed run needs the same config as saved, except ``RESUME_MAY_CHANGE`` (a run may be
   extended); the error names the keys that differ;
 - after a resume, metrics lines written past the checkpoint are dropped
-  (``keep_metrics_through``), so the resumed run repeats exactly the steps it lost.
+  (``keep_metrics_through``), so the resumed run repeats exactly the steps it lost;
+- a fresh run that fails before its first step is recorded leaves no folder behind
+  (``discard_unstarted``), so the same ``--run-dir`` can be used again at once.
 
 Not guaranteed: two runs started at once on one folder are not detected (nothing is locked).
 """
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +90,33 @@ def keep_metrics_through(path: Path, step: int) -> None:
         if row.get("step", math.inf) <= step:
             kept.append(line + "\n")
     path.write_text("".join(kept))
+
+
+@contextmanager
+def discard_unstarted(folder: Path, resume: bool) -> Iterator[None]:
+    """Around a run: if it raises (Ctrl-C included) before recording a step, remove ``folder``
+    when this run created it. A resumed run's folder, or one that existed before (it may hold the
+    user's own files), is never removed; nor is one with a step row or a checkpoint in it."""
+    created = not resume and not folder.exists()
+    try:
+        yield
+    except BaseException:
+        if created and folder.is_dir() and not has_steps(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def has_steps(folder: Path) -> bool:
+    """Whether a run folder records at least one step: a committed checkpoint or a step row in metrics.jsonl."""
+    if latest_checkpoint(folder) is not None:
+        return True
+    metrics = folder / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    for line in metrics.read_text().splitlines():
+        try:
+            if "step" in json.loads(line):
+                return True
+        except json.JSONDecodeError:
+            continue
+    return False

@@ -84,16 +84,19 @@ def run_rl(
     """``noria train`` for ``train.algorithm: rl``: build the job, run the loop, clean up.
     ``job_class``: a ``LocalJob`` of another model family (``noria.diffusion.job.DiffusionJob``)."""
     from noria.loop import rl_loop
+    from noria.run_folder import discard_unstarted, resolve_run_dir
 
-    job = (job_class or job_class_for(config)).build(config, run_dir, resume, progress)
-    try:
-        asyncio.run(job.run(rl_loop))
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (noria.launch.lifecycle): say where the run stands
-        why = str(e) or "interrupted (Ctrl-C)"
-        print(f"noria train: {why} after step {job.step}; {job.resume_hint()}", file=sys.stderr, flush=True)
-        raise
-    finally:
-        job.close()
+    folder = resolve_run_dir(config, run_dir, resume)  # once: the default name holds the time
+    with discard_unstarted(folder, resume is not None):  # a run that fails before step 1 leaves no folder
+        job = (job_class or job_class_for(config)).build(config, None if resume else str(folder), resume, progress)
+        try:
+            asyncio.run(job.run(rl_loop))
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (noria.launch.lifecycle): say where the run stands
+            why = str(e) or "interrupted (Ctrl-C)"
+            print(f"noria train: {why} after step {job.step}; {job.resume_hint()}", file=sys.stderr, flush=True)
+            raise
+        finally:
+            job.close()
     return job.folder
 
 

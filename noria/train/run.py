@@ -45,7 +45,7 @@ from noria.config import RunConfig, save_config
 from noria.data import PromptSource
 from noria.errors import NoriaError
 from noria.net import free_port
-from noria.run_folder import check_run_folder, keep_metrics_through, resolve_run_dir
+from noria.run_folder import check_run_folder, discard_unstarted, keep_metrics_through, resolve_run_dir
 from noria.train.checkpoint import checkpoint_dir, latest_checkpoint
 from noria.train.sft import SFTDataError, chat_sample, read_chat_jsonl
 from noria.types import Prompt, Sample
@@ -65,13 +65,14 @@ def train(config: RunConfig, run_dir: str | None = None, resume: str | None = No
     if config.train.algorithm == "rl":
         raise NoriaError("train.algorithm rl runs through noria.launch.local.run_rl (noria train picks it), not the SFT job")
     data = prepare_sft(config)
-    if config.train.backend == "single":
-        return run_sft(config, data, run_dir, resume, progress)
     if os.environ.get("RANK") is not None:  # under torchrun
         return run_rank(config, data, run_dir, resume, progress)
-    folder = resolve_run_dir(config, run_dir, resume)
-    check_run_folder(folder, config, resume is not None)  # once here, not as a crash on every rank
-    spawn_ranks(config, data, folder, resume is not None, progress)
+    folder = resolve_run_dir(config, run_dir, resume)  # once: the default name holds the time
+    with discard_unstarted(folder, resume is not None):  # a run that fails before step 1 leaves no folder
+        if config.train.backend == "single":
+            return run_sft(config, data, None if resume else str(folder), resume, progress)
+        check_run_folder(folder, config, resume is not None)  # once here, not as a crash on every rank
+        spawn_ranks(config, data, folder, resume is not None, progress)
     return folder
 
 

@@ -52,6 +52,12 @@ def compute_advantages(cfg: LossConfig, rewards: list[list[float]]) -> list[list
     return lookup(ADVANTAGES, "advantage estimator", cfg.advantage, "train.loss.advantage")(cfg, rewards)
 
 
+def check_advantage_name(name: str) -> None:
+    """Raise ``UnknownAlgorithmError`` unless ``name`` is a registered estimator or ``gae`` (the critic's)."""
+    if name != "gae":
+        lookup({**ADVANTAGES, "gae": gae}, "advantage estimator", name, "train.loss.advantage")
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
