@@ -39,7 +39,14 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.preflight import check_references
 
     sigterm_as_interrupt()  # SIGTERM stops the run as Ctrl-C does: step ends, logs flushed, children stopped
-    config = load_config(args.config, overrides)
+    config_file = args.config
+    if config_file is None:  # `noria train --resume RUN`: the run's own resolved config
+        if args.resume is None:
+            raise NoriaError("noria train needs a CONFIG file, or --resume RUN_DIR to continue a run with its own config")
+        from noria.run_folder import saved_config
+
+        config_file = saved_config(args.resume)
+    config = load_config(config_file, overrides)
     check_references(config)  # registry names, import paths, data files: before any folder or model
     progress = False if args.no_progress else None
     if config.diffusion is not None:  # an image model (noria.diffusion): the same loop, its own parts
@@ -239,9 +246,17 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
         "under `torchrun --nproc-per-node N -m noria.cli train ...`.",
         epilog=CONFIG_HELP,
     )
-    p.add_argument("config", help="YAML config with model, data and train sections (see examples/sft_tiny.yaml)")
+    p.add_argument(
+        "config", nargs="?",
+        help="YAML config with model, data and train sections (see examples/); with --resume it may be left out: "
+        "the run's own config.yaml is used",
+    )
     p.add_argument("--run-dir", help="run folder (default runs/<name>-<time>); must not hold a run already")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last committed checkpoint")
+    p.add_argument(
+        "--resume", metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last committed checkpoint; without CONFIG, with RUN_DIR/config.yaml "
+        "(overrides such as --train.max_steps still apply); with CONFIG, every difference from the run's config is named",
+    )
     p.add_argument("--no-progress", action="store_true", help="plain log lines even on a terminal")
     p.set_defaults(handler=_train, takes_overrides=True)
 

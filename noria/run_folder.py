@@ -8,7 +8,8 @@ touches it:
 
 - a fresh run refuses a folder that already holds a run (metrics or a committed checkpoint);
 - a resumed run needs the same config as saved, except ``RESUME_MAY_CHANGE`` (a run may be
-  extended); the error names the keys that differ;
+  extended); the error names every key that differs. ``noria train --resume RUN`` without a config
+  file loads the run's own (``saved_config``), overrides applied on top;
 - after a resume, metrics lines written past the checkpoint are dropped
   (``keep_metrics_through``), so the resumed run repeats exactly the steps it lost;
 - a fresh run that fails before its first step is recorded leaves no folder behind
@@ -54,16 +55,27 @@ def check_run_folder(folder: Path, config: RunConfig, resume: bool) -> None:
         raise NoriaError(f"run folder {folder} already holds a run: continue it with --resume {folder}, or pick another --run-dir")
 
 
-def check_same_config(folder: Path, config: RunConfig) -> None:
-    """Raise unless ``config`` equals the run's saved config outside ``RESUME_MAY_CHANGE``."""
-    saved_file = folder / "config.yaml"
-    if not saved_file.is_file():
+def saved_config(folder: str | Path) -> Path:
+    """The run's own resolved config (``RUN/config.yaml``): what ``noria train --resume RUN`` loads
+    when no config file is given."""
+    path = Path(folder) / "config.yaml"
+    if not path.is_file():
         raise NoriaError(f"--resume {folder}: no config.yaml there, so it is not a run folder")
-    saved, now = flatten(yaml.safe_load(saved_file.read_text())), flatten(to_dict(config))
+    return path
+
+
+def check_same_config(folder: Path, config: RunConfig) -> None:
+    """Raise unless ``config`` equals the run's saved config outside ``RESUME_MAY_CHANGE``; the
+    error names every key that differs, with both values."""
+    saved = flatten(yaml.safe_load(saved_config(folder).read_text()))
+    now = flatten(to_dict(config))
     changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k not in RESUME_MAY_CHANGE)
     if changed:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
-        raise NoriaError(f"--resume {folder}: the config differs from the run's config.yaml ({detail})")
+        detail = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+        raise NoriaError(
+            f"--resume {folder}: the config differs from the run's config.yaml in {len(changed)} "
+            f"key{'s' if len(changed) > 1 else ''} ({detail}); resume without a config file to use the run's own"
+        )
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
