@@ -156,6 +156,7 @@ METRICS: tuple[Metric, ...] = tuple(
     + _table("eval", [
         ("eval/accuracy", "fraction", "Held-out accuracy: mean reward over every evaluation answer, one whose reward failed counting as wrong (eval.jsonl `accuracy`)."),
         ("eval/reward_mean", "reward", "Image runs: mean of the run's reward over the evaluation images (accuracy is diffusion.eval_reward's)."),
+        ("eval/diversity", "fraction", "Image runs: mean RMS pixel distance (0..1) between two evaluation images of the same condition; near 0 when RL collapses every seed onto one image."),
         ("eval/n_prompts", "count", "Prompts evaluated."),
         ("eval/n_answers", "count", "Answers scored (prompts x eval.n_samples)."),
         ("eval/failed", "count", "Answers without a reward (the reward failed, or generation aborted); counted as wrong in accuracy."),

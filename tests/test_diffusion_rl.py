@@ -75,6 +75,7 @@ def test_flow_grpo_colocated_run_writes_a_whole_run_folder(dit, tmp_path):
     assert all(r["rollout/response_len_mean"] == 4 and r["train/pairs"] == 12 * 4 for r in steps)
     evals = rows(run / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2, 3] and all(0 <= e["accuracy"] <= 1 for e in evals)
+    assert all(0 < e["diversity"] < 1 for e in evals)  # two seeds of one class give two different images
     assert all((run / "eval" / f"step-{e['step']:06d}.png").is_file() for e in evals)
     trajectory = rows(run / "rollouts" / "step-000001.jsonl")[0]
     assert trajectory["token_ids"] == [0, 1, 2, 3] and len(trajectory["logprobs"]) == 4
@@ -141,3 +142,18 @@ def test_sigkill_then_resume_is_bitwise_identical(dit, tmp_path):
     wa = load_file(straight / "run" / "final" / "diffusion_pytorch_model.safetensors")
     wb = load_file(killed / "run" / "final" / "diffusion_pytorch_model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_image_diversity_is_zero_for_copies_and_the_rms_pixel_distance_otherwise():
+    import numpy as np
+
+    from noria.diffusion.evaluate import image_diversity
+
+    black, white = np.zeros((8, 8, 1), np.uint8), np.full((8, 8, 1), 255, np.uint8)
+    half = black.copy()
+    half[:4] = 255
+    assert image_diversity([[black, black, black], [white, white]]) == 0.0
+    assert image_diversity([[black, white]]) == pytest.approx(1.0)
+    assert image_diversity([[black, half], [white]]) == pytest.approx(np.sqrt(0.5))  # a lone image is left out
+    assert np.isnan(image_diversity([[black]]))
+

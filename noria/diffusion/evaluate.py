@@ -4,8 +4,10 @@
 (``diffusion.eval_steps``, noise level 0) on salted seeds that training never draws
 (``noria.diffusion.rollout.image_seed``), through the rollout engine's client, then scores them
 twice: with ``diffusion.eval_reward`` (its mean is ``accuracy``; a failed score counts as 0, as in
-text evaluation) and with the run's reward (``reward_mean``). The images are also written as one
-PNG grid, a row per condition (``save_grid``), which ``noria report`` shows.
+text evaluation) and with the run's reward (``reward_mean``). ``diversity`` measures how different
+the images of one condition are (``image_diversity``): RL that hacks its reward tends to collapse
+every seed of a condition onto one image, which the scores alone do not show. The images are also
+written as one PNG grid, a row per condition (``save_grid``), which ``noria report`` shows.
 
 Not guaranteed: a grid of other than 8-bit grayscale or RGB images.
 """
@@ -45,10 +47,12 @@ async def evaluate_images(client: Any, config: Any, prompts: list, grid: Path | 
             s.reward = None
         await score_async(samples, judge, [g.prompt.label for g in result.groups for _ in g.samples])
     check_scored(samples, "image evaluation")
+    rows = [[s.image for s in g.samples] for g in result.groups]
     if grid is not None:
-        save_grid([[s.image for s in g.samples] for g in result.groups], grid)
+        save_grid(rows, grid)
     row = {
-        "accuracy": accuracy(samples), "reward_mean": reward_mean, "n_prompts": len(result.groups),
+        "accuracy": accuracy(samples), "reward_mean": reward_mean, "diversity": image_diversity(rows),
+        "n_prompts": len(result.groups),
         "n_answers": len(samples), "failed": sum(s.reward is None for s in samples), "truncated": 0,
         "seconds": time.perf_counter() - start,
     }  # fmt: skip
@@ -57,6 +61,22 @@ async def evaluate_images(client: Any, config: Any, prompts: list, grid: Path | 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
+
+
+def image_diversity(rows: list[list[Any]]) -> float:
+    """Mean over conditions of the mean RMS pixel distance (pixels / 255, so in [0, 1]) between two
+    images of the condition; rows with fewer than two images are left out (NaN if none is left)."""
+    per_row = []
+    for row in rows:
+        images = [np.asarray(im, dtype=np.float64).reshape(-1) / 255.0 for im in row if im is not None]
+        if len(images) < 2:
+            continue
+        x = np.stack(images)
+        sq = (x * x).sum(1)
+        dist = np.sqrt(np.maximum(sq[:, None] + sq[None, :] - 2 * x @ x.T, 0.0) / x.shape[1])
+        n = len(images)
+        per_row.append(dist.sum() / (n * (n - 1)))
+    return float(np.mean(per_row)) if per_row else float("nan")
 
 
 def save_grid(rows: list[list[Any]], path: Path, scale: int = GRID_SCALE) -> Path:
