@@ -35,6 +35,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.config import load_config
 
+    from noria.console import say
     from noria.launch.lifecycle import sigterm_as_interrupt
     from noria.preflight import check_references
 
@@ -47,6 +48,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         config_file = saved_config(args.resume)
     config = load_config(config_file, overrides)
+    say(f"noria train: {config.name} ({config.train.algorithm}, model {config.model.path}); checking what the config names ...")
     check_references(config)  # registry names, import paths, data files: before any folder or model
     progress = False if args.no_progress else None
     if config.diffusion is not None:  # an image model (noria.diffusion): the same loop, its own parts

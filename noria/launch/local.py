@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from noria.config import RunConfig, ensure_valid, save_config
+from noria.console import phase
 from noria.errors import NoriaError
 from noria.launch.env import child_env
 from noria.launch.lifecycle import die_with_parent, sigterm_cancels_task
@@ -128,7 +129,8 @@ class LocalJob:
         folder = resolve_run_dir(config, run_dir, resume)
         check_run_folder(folder, config, resume is not None)
         job = cls(config, folder, progress)
-        job.load_data()  # prompts and reward are checked before any model loads
+        with phase("reading the prompts and the tokenizer"):
+            job.load_data()  # prompts and reward are checked before any model loads
         job.start_parts(resume is not None)
         return job
 
@@ -208,10 +210,12 @@ class LocalJob:
 
         cfg = self.config
         path = model_path(cfg.model.path)
-        self.client, target = self.start_engine(path)
+        with phase(f"starting the rollout engine ({cfg.rollout.placement}) with {path} ({cfg.model.dtype}, {cfg.model.device})"):
+            self.client, target = self.start_engine(path)
         self.start_teacher()
-        self.backend = FSDPBackend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
-        self.backend.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
+        with phase(f"loading the trainer's copy of the model ({cfg.train.param_dtype}, {cfg.train.device})"):
+            self.backend = FSDPBackend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
+            self.backend.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
         self.critic = None
         if cfg.train.loss.advantage == "gae":  # PPO: a value model gives per-token advantages
             from noria.train.critic import CriticBackend
@@ -437,7 +441,8 @@ class LocalJob:
         start = time.perf_counter()
         try:
             ctx = RolloutContext(self.client, self.tokenizer, eval_sampling(self.config), seed=self.config.eval.seed, greedy=self.config.eval.temperature == 0)
-            result = await run_rollout(ctx, self.test_prompts, 0, self.config.eval.n_samples, self.reward)
+            with phase(f"eval at step {self.step} on {len(self.test_prompts)} held-out prompts", end_line=False):
+                result = await run_rollout(ctx, self.test_prompts, 0, self.config.eval.n_samples, self.reward)
         except EngineFailure:
             raise
         except Exception as e:  # an evaluation failure never stops training
@@ -464,15 +469,17 @@ class LocalJob:
     def save(self, when: str) -> None:
         every = self.config.train.save_every
         if when == "end":
-            self.backend.export_hf(self.folder / "final")
+            with phase(f"exporting the final model to {self.folder / 'final'}"):
+                self.backend.export_hf(self.folder / "final")
         if every and (self.step % every == 0 or when == "end") and self.step > 0:
             from noria.train import checkpoint_dir
 
             target = checkpoint_dir(self.folder, self.step)
             if not target.exists():
-                if self.critic is not None:  # first: the policy's checkpoint commits the step
-                    self.critic.save(critic_checkpoint(target))
-                self.backend.save(target, extra=self.checkpoint_extra())
+                with phase(f"saving checkpoint {target}"):
+                    if self.critic is not None:  # first: the policy's checkpoint commits the step
+                        self.critic.save(critic_checkpoint(target))
+                    self.backend.save(target, extra=self.checkpoint_extra())
 
     def checkpoint_extra(self) -> dict[str, Any]:
         """The run's position; groups still generating are not saved: their prompts go back to the source."""
@@ -664,17 +671,18 @@ def eval_sampling(config: RunConfig) -> Any:
 
 def start_server(
     path: Path, config: RunConfig, folder: Path, device: str | None = None, log_name: str = "engine.log",
-    api_key: str | None = None,
+    api_key: str | None = None, host: str = "127.0.0.1",
 ) -> tuple[subprocess.Popen, str, str]:
     """``noria serve`` of ``path`` on a free loopback port as a child process that dies with this one,
     behind a per-run API key (``api_key``, else a new one; in its environment, not on its command
-    line: a fleet shares one with its router), on ``device`` (default
+    line: a fleet shares one with its router), bound to ``host`` (loopback unless a launcher gives
+    the node's address for other machines to reach), on ``device`` (default
     ``engine_device``), logging to ``folder / log_name``; waits until it answers /health.
     Returns (process, url, key)."""
     from noria.net import free_port
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "noria", "serve", "--model", str(path), "--port", str(port)]
+    port = free_port(host)
+    cmd = [sys.executable, "-m", "noria", "serve", "--model", str(path), "--host", host, "--port", str(port)]
     cmd += ["--dtype", config.model.dtype, "--device", device or engine_device(config), "--weight-version", "0"]
     for f in fields(config.engine):
         value = getattr(config.engine, f.name)
@@ -685,7 +693,7 @@ def start_server(
     key = api_key or secrets.token_urlsafe(32)
     env = child_env(PYTHONUNBUFFERED="1", NORIA_API_KEY=key)
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     wait_healthy(process, url, folder / log_name, api_key=key)
     return process, url, key
 

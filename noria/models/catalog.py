@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from noria.console import phase
 from noria.errors import NoriaError
 from noria.models.checkpoint import atomic_folder
 from noria.models.tiny import build_tiny_llama
@@ -181,7 +182,7 @@ def import_model(name: str, force: bool = False) -> Path:
     target = cache_path(name)
     if target.is_dir() and not force:
         return target
-    with atomic_folder(target) as tmp:
+    with phase(f"importing catalog model {name} into {target} (once)"), atomic_folder(target) as tmp:
         entry.build(entry, tmp)
     return target
 

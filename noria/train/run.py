@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from noria.config import RunConfig, save_config
+from noria.console import phase
 from noria.data import PromptSource
 from noria.errors import NoriaError
 from noria.net import free_port
@@ -136,8 +137,9 @@ def run_sft(config: RunConfig, data: SFTData, run_dir: str | None, resume: str |
     check_run_folder(folder, config, resume is not None)
     source = PromptSource.from_config(data.records, config.data)
     steps = total_steps(config, len(data.samples))
-    backend = FSDPBackend(config.train, loss_fn=sft_loss, model_impl=config.model.impl, seed=config.seed)
-    backend.init(model_path(config.model.path), total_steps=steps)
+    with phase(f"loading the model {config.model.path} for training ({config.train.param_dtype}, {config.train.device})"):
+        backend = FSDPBackend(config.train, loss_fn=sft_loss, model_impl=config.model.impl, seed=config.seed)
+        backend.init(model_path(config.model.path), total_steps=steps)
     if resume is not None:
         restore(backend, source, folder)
     barrier()  # every rank has checked the saved config before rank 0 rewrites it
@@ -150,9 +152,11 @@ def run_sft(config: RunConfig, data: SFTData, run_dir: str | None, resume: str |
         metrics = backend.train_step(pack_samples([data.samples[r.index] for r in rows]))
         log.write(step_row(metrics, source.epoch))
         if config.train.save_every and backend.optimizer_steps % config.train.save_every == 0:
-            backend.save(checkpoint_dir(folder, backend.optimizer_steps), extra={"data": source.state_dict()})
+            with phase(f"saving checkpoint {checkpoint_dir(folder, backend.optimizer_steps)}"):
+                backend.save(checkpoint_dir(folder, backend.optimizer_steps), extra={"data": source.state_dict()})
     log.close()
-    backend.export_hf(folder / "final")
+    with phase(f"exporting the final model to {folder / 'final'}"):
+        backend.export_hf(folder / "final")
     if rank == 0:
         print(f"noria train: {backend.optimizer_steps} steps; model in {folder / 'final'}", file=sys.stderr)
     return folder

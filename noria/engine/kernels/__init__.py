@@ -35,10 +35,13 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from noria.console import phase
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,6 @@ def build_name(isa: str) -> tuple[str, list[str]]:
 
 def _build():
     import sys
-    import time
 
     from torch.utils.cpp_extension import _get_build_directory, load
 
@@ -107,16 +109,23 @@ def _build():
     with _build_lock(folder):
         _remove_orphaned_baton(folder)
         discard_unverified(folder, name)
-        fresh = not (folder / f"{name}.so").exists()
-        if fresh:
-            print(f"noria: building the C++ CPU kernels for {isa} (once per CPU kind and torch version; "
-                  f"1-6 min on 2 cores) in {folder}", file=sys.stderr, flush=True)  # fmt: skip
-        start = time.monotonic()
-        module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        built = folder / f"{name}.so"
+        # torch's load() also recompiles when a source is newer than the library (an edited checkout)
+        fresh = not built.exists() or any(p.stat().st_mtime > built.stat().st_mtime for p in _SOURCES)
+        building = contextlib.nullcontext()
+        if fresh:  # minutes on 2 cores: a line every few seconds says how far the compiler is
+            what = f"building the C++ CPU kernels for {isa} in {folder} (once per CPU kind and torch version; 1-6 min on 2 cores)"
+            since = time.time()
+            building = phase(what, detail=lambda: f"{_compiled_since(folder, since)}/{len(_SOURCES)} sources compiled")
+        with building:
+            module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         write_stamp(folder, name, isa, flags)
-    if fresh:
-        print(f"noria: C++ CPU kernels built in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return module
+
+
+def _compiled_since(folder: Path, since: float) -> int:
+    """Object files the compiler wrote into ``folder`` since ``since`` (the build's progress)."""
+    return sum(1 for o in folder.glob("*.o") if o.stat().st_mtime >= since)
 
 
 @contextlib.contextmanager
@@ -127,7 +136,11 @@ def _build_lock(folder: Path):
     import fcntl
 
     with open(folder.parent / f"{folder.name}.noria-lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # waits only for a live builder
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another live process builds: say so while waiting for it
+            with phase(f"waiting for another process building the C++ CPU kernels in {folder}"):
+                fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
