@@ -11,7 +11,8 @@ config key                 contract (what the caller passes)                    
 ``rollout.generate_fn``    ``async fn(ctx, sample) -> Sample``                    ``noria.rollout.generate:generate_one``
 ``rollout.agent_fn``       ``async fn(ctx, prompt, base_url) -> dict``            (none)
 ``reward.name``            ``fn(response, label, metadata, **kwargs) -> float``   ``noria.rewards.builtin:exact_match``
-                           (plain or async)
+                           (plain or async), or TRL's batched form
+                           ``fn(completions, **kwargs) -> list[float]``
 ``rollout.buffer.filters`` ``fn(group) -> None | str`` (plain, not async)         ``noria.rollout.buffer:zero_reward_variance``
 ``rollout.buffer.impl``    a class built as ``cls(capacity=, max_staleness=,      ``noria.rollout.buffer:GroupBuffer``
                            filters=, on_drop=)`` with the methods of
@@ -59,6 +60,9 @@ class PlugPoint:
     """Import path of the built-in default ("" where the built-in is not a plug-in itself)."""
     methods: tuple[str, ...] = ()
     """A class's methods the callers use (``put`` is async)."""
+    batched: tuple[str, ...] = ()
+    """A second, batched form of a function (TRL's reward functions): the keyword arguments its caller
+    passes, the first of which marks the form (a function with a parameter of that name is batched)."""
 
 
 BUFFER_METHODS = ("put", "take", "metrics", "__len__", "state_dict", "load_state_dict")
@@ -67,7 +71,10 @@ PLUG_POINTS: dict[str, PlugPoint] = {
     "rollout.rollout_fn": PlugPoint(("ctx", "prompts"), True),
     "rollout.generate_fn": PlugPoint(("ctx", "sample"), True, default="noria.rollout.generate:generate_one"),
     "rollout.agent_fn": PlugPoint(("ctx", "prompt", "base_url"), True),
-    "reward.name": PlugPoint(("response", "label", "metadata"), None, default="noria.rewards.builtin:exact_match"),
+    "reward.name": PlugPoint(
+        ("response", "label", "metadata"), None, default="noria.rewards.builtin:exact_match",
+        batched=("completions", "prompts", "completion_ids"),
+    ),
     "rollout.buffer.filters": PlugPoint(("group",), False, default="noria.rollout.buffer:zero_reward_variance"),
     "rollout.buffer.impl": PlugPoint(
         ("capacity", "max_staleness", "filters", "on_drop"), None, "class", "noria.rollout.buffer:GroupBuffer", BUFFER_METHODS
@@ -113,7 +120,18 @@ def check_contract(obj: Any, point: PlugPoint, path: str, key: str) -> None:
         raise PluginError(f"{key}: {path} must be an async function (async def)")
     if point.is_async is False and is_async:
         raise PluginError(f"{key}: {path} must be a plain function (not async def): its caller does not await it")
-    _check_call(obj, point.params, {}, path, key)
+    if point.batched and is_batched(obj, point):
+        _check_call(obj, (), {k: None for k in point.batched}, path, key, partial=True)
+    else:
+        _check_call(obj, point.params, {}, path, key)
+
+
+def is_batched(fn: Any, point: PlugPoint) -> bool:
+    """Whether ``fn`` takes the batched form of ``point`` (it names the form's first keyword, e.g. ``completions``)."""
+    try:
+        return point.batched[0] in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature: the per-sample form
+        return False
 
 
 def _check_class(obj: Any, point: PlugPoint, path: str, key: str) -> None:
@@ -127,14 +145,17 @@ def _check_class(obj: Any, point: PlugPoint, path: str, key: str) -> None:
     _check_call(obj, (), {p: None for p in point.params}, path, key)
 
 
-def _check_call(obj: Any, args: tuple[str, ...], kwargs: dict[str, Any], path: str, key: str) -> None:
-    """Whether ``obj`` accepts the caller's arguments (by signature, without calling it)."""
+def _check_call(
+    obj: Any, args: tuple[str, ...], kwargs: dict[str, Any], path: str, key: str, partial: bool = False
+) -> None:
+    """Whether ``obj`` accepts the caller's arguments (by signature, without calling it). ``partial``:
+    other required parameters are allowed (a batched reward's dataset columns, passed by name)."""
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):  # a builtin without a signature: its call will tell
         return
     try:
-        signature.bind(*args, **kwargs)
+        (signature.bind_partial if partial else signature.bind)(*args, **kwargs)
     except TypeError as e:
         given = ", ".join([*args, *(f"{k}=" for k in kwargs)])
         raise PluginError(f"{key}: {path}{signature} cannot be called as ({given}): {e}") from e

@@ -150,3 +150,63 @@ class BufferWithoutState:
 
     def __len__(self):
         return 0
+
+
+# ------------------------------------------------------------------------------ rewards: TRL's batched form
+
+
+def _scored(path, groups, **cfg):
+    from noria.config import RewardConfig
+    from noria.rewards import score_groups
+
+    counts = score_groups(groups, RewardConfig(name=path, **cfg))
+    return counts, [s.reward for g in groups for s in g.samples], [s.status_reason for g in groups for s in g.samples]
+
+
+def _answers(prompt, texts, metadata=None, label="7", gid=0):
+    samples = tuple(Sample([1], [5] * (i + 1), [1] * (i + 1), [-0.1] * (i + 1), [0] * (i + 1), group_id=gid, index=i,
+                           response_text=t) for i, t in enumerate(texts))  # fmt: skip
+    return Group(group_id=gid, prompt=Prompt(prompt, label, metadata or {}, gid, "test"), samples=samples)
+
+
+def test_the_per_sample_form_and_the_trl_form_both_load():
+    from noria.plugins import is_batched
+
+    point = PLUG_POINTS["reward.name"]
+    assert not is_batched(load_plugin("reward_plugins:length_at_least", "reward.name"), point)
+    for name in ("reward_len", "reward_func", "format_reward_func", "async_reward"):
+        assert is_batched(load_plugin(f"trl_rewards:{name}", "reward.name"), point)
+
+
+def test_trl_docs_rewards_score_unchanged_with_dataset_columns():
+    # example 3 reads the dataset column `ground_truth` (a metadata key here, as data.metadata_keys keeps it)
+    group = _answers("What is 3 + 4?", [r"\boxed{7}", r"\boxed{8}", "seven"], {"ground_truth": "7"})
+    counts, rewards, _ = _scored("trl_rewards:reward_func", [group])
+    assert rewards == [1.0, 0.0, 0.0] and counts.scored == 3
+    _, rewards, _ = _scored("trl_rewards:reward_len", [_answers("p", ["x" * 20, "x" * 25])])
+    assert rewards == [0.0, -5.0]
+    # conversational prompts (chat messages) get completions as one assistant message, as in TRL
+    chat = ({"role": "user", "content": "think, then answer"},)
+    _, rewards, _ = _scored("trl_rewards:format_reward_func", [_answers(chat, ["<think>a</think><answer>b</answer>", "b"])])
+    assert rewards == [1.0, 0.0]
+    _, rewards, _ = _scored("trl_rewards:async_reward", [_answers("odd", ["a", "b"]), _answers("even", ["c"], gid=1)])
+    assert rewards == [1.0, 1.0, 0.0]
+
+
+def test_trl_docs_think_format_reward_from_the_trl_package():
+    rewards_module = pytest.importorskip("trl.rewards")
+    assert callable(rewards_module.think_format_reward)
+    chat = ({"role": "user", "content": "q"},)
+    _, rewards, _ = _scored("trl.rewards:think_format_reward", [_answers(chat, ["<think>\nr\n</think>\na", "a"])])
+    assert rewards == [1.0, 0.0]
+
+
+def test_a_batched_reward_that_breaks_its_contract_fails_loudly():
+    with pytest.raises(PluginError, match="reward.name: .*without_kwargs.*cannot be called as \\(completions=, prompts="):
+        load_plugin("trl_rewards:without_kwargs", "reward.name")
+    counts, rewards, reasons = _scored("trl_rewards:wrong_length", [_answers("p", ["a", "b"])])
+    assert rewards == [None, None] and counts.failed["not_a_number"] == 2
+    assert "returned a list of 1 for 2 completions" in reasons[0]
+    # a column the function needs but the data lacks: every sample fails, naming it (never a silent 0)
+    counts, rewards, reasons = _scored("trl_rewards:reward_func", [_answers("p", ["a"])])
+    assert rewards == [None] and "ground_truth" in reasons[0]

@@ -6,6 +6,11 @@ What this module owns: writing ``Sample.reward``, or marking the sample ``Status
 0/1) leaves ``reward = None``: a failure is never turned into a silent 0. Samples that are already
 failed or aborted are skipped. ``score_async`` returns ``ScoreCounts`` for the step's metrics.
 
+Two forms of reward function, told apart by its signature (``noria.plugins.is_batched``): the
+per-sample ``fn(response, label, metadata, **kwargs) -> float`` and TRL's batched
+``fn(completions, **kwargs) -> list[float]`` (a parameter named ``completions``), called once per
+batch with TRL's keyword lists (``score_batch``).
+
 How it runs: at most ``max_concurrency`` reward calls are in flight; the timeout of a call starts
 when it gets its slot. ``async def`` rewards run on the caller's event loop under
 ``asyncio.wait_for``. Plain functions run each in a fresh daemon thread (a pool bounded by the same
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from noria.config import RewardConfig
+from noria.plugins import PLUG_POINTS, is_batched
 from noria.rewards.registry import RewardFn, get_reward
 from noria.types import Group, Sample, Status
 
@@ -83,8 +89,10 @@ async def score_async(
     metadata: Sequence[dict[str, Any]] | None = None,
     *,
     max_concurrency: int | None = None,
+    prompts: Sequence[Any] | None = None,
 ) -> ScoreCounts:
-    """Score ``samples`` against ``labels`` (parallel lists); metadata defaults to each sample's own."""
+    """Score ``samples`` against ``labels`` (parallel lists); metadata defaults to each sample's own;
+    ``prompts`` (text or chat messages, parallel too) reach a batched (TRL-style) reward as ``prompts``."""
     if len(labels) != len(samples) or (metadata is not None and len(metadata) != len(samples)):
         raise ValueError(f"score: {len(samples)} samples but {len(labels)} labels / metadata of another length")
     max_concurrency = reward_cfg.max_concurrency if max_concurrency is None else max_concurrency
@@ -93,17 +101,18 @@ async def score_async(
     if reward_cfg.name is None:
         raise ValueError("score: reward_cfg.name is None; resolve the task's default with resolve_reward() first")
     fn = get_reward(reward_cfg.name)
-    limit = asyncio.Semaphore(max_concurrency)
     counts = ScoreCounts()
     start = time.perf_counter()
-    jobs = []
-    for i, sample in enumerate(samples):
-        if sample.status in SKIPPED_STATUSES:
-            counts.skipped += 1
-            continue
-        meta = dict(metadata[i] if metadata is not None else sample.metadata)
-        jobs.append(_score_one(fn, reward_cfg, sample, labels[i], meta, limit))
-    for kind in await asyncio.gather(*jobs):
+    todo = [i for i, sample in enumerate(samples) if sample.status not in SKIPPED_STATUSES]
+    counts.skipped = len(samples) - len(todo)
+    metas = [dict(metadata[i] if metadata is not None else samples[i].metadata) for i in todo]
+    if is_batched(fn, PLUG_POINTS["reward.name"]):  # TRL's form: one call for the whole batch
+        rows = [(samples[i], labels[i], meta, prompts[i] if prompts is not None else None) for i, meta in zip(todo, metas)]
+        kinds = await score_batch(fn, reward_cfg, rows)
+    else:
+        limit = asyncio.Semaphore(max_concurrency)
+        kinds = await asyncio.gather(*(_score_one(fn, reward_cfg, samples[i], labels[i], m, limit) for i, m in zip(todo, metas)))
+    for kind in kinds:
         if kind is None:
             counts.scored += 1
         else:
@@ -119,10 +128,11 @@ def score(
     metadata: Sequence[dict[str, Any]] | None = None,
     *,
     max_concurrency: int | None = None,
+    prompts: Sequence[Any] | None = None,
 ) -> ScoreCounts:
     """``score_async`` from synchronous code (not from inside a running event loop)."""
     _refuse_running_loop("score")
-    return asyncio.run(score_async(samples, reward_cfg, labels, metadata, max_concurrency=max_concurrency))
+    return asyncio.run(score_async(samples, reward_cfg, labels, metadata, max_concurrency=max_concurrency, prompts=prompts))
 
 
 async def score_groups_async(
@@ -132,7 +142,8 @@ async def score_groups_async(
     samples = [s for g in groups for s in g.samples]
     labels = [g.prompt.label for g in groups for _ in g.samples]
     metadata = [{**g.prompt.metadata, **s.metadata} for g in groups for s in g.samples]
-    return await score_async(samples, reward_cfg, labels, metadata, max_concurrency=max_concurrency)
+    prompts = [g.prompt.prompt for g in groups for _ in g.samples]
+    return await score_async(samples, reward_cfg, labels, metadata, max_concurrency=max_concurrency, prompts=prompts)
 
 
 def score_groups(groups: Sequence[Group], reward_cfg: RewardConfig, *, max_concurrency: int | None = None) -> ScoreCounts:
@@ -184,6 +195,71 @@ async def _call(fn: RewardFn, cfg: RewardConfig, response: str, label: Any, meta
         return result
     except Exception as e:  # classify: any error inside a reward fails that sample only
         raise RewardFailure("raised", f"reward {cfg.name!r} raised {type(e).__name__}: {e}") from e
+
+
+# ---------------------------------------------------------------------------- a batch (TRL's form)
+
+
+async def score_batch(fn: RewardFn, cfg: RewardConfig, rows: list[tuple[Sample, Any, dict, Any]]) -> list[str | None]:
+    """Score ``(sample, label, metadata, prompt)`` rows with one call of a batched reward, as TRL's
+    GRPOTrainer calls it: ``fn(prompts=, completions=, completion_ids=, label=, <metadata key>=, **kwargs)``,
+    every argument a list with one item per row. A call that fails, or a list of the wrong length, fails
+    every row; a value that is not a finite number (TRL's ``None`` included) fails its row only."""
+    if not rows:
+        return []
+    columns = batch_arguments(rows)
+    try:
+        values = await asyncio.wait_for(_call_batch(fn, cfg, columns), cfg.timeout_s)
+        if not isinstance(values, (list, tuple)) or len(values) != len(rows):
+            shown = f"a list of {len(values)}" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RewardFailure("not_a_number", f"reward {cfg.name!r} returned {shown} for {len(rows)} completions")
+    except asyncio.TimeoutError:
+        return [_fail(s, RewardFailure("timeout", f"reward {cfg.name!r} timed out after {cfg.timeout_s} s")) for s, *_ in rows]
+    except RewardFailure as failure:
+        return [_fail(s, failure) for s, *_ in rows]
+    kinds = []
+    for (sample, *_), value in zip(rows, values):
+        try:
+            sample.reward = check_reward_value(value, cfg.name)
+            kinds.append(None)
+        except RewardFailure as failure:
+            kinds.append(_fail(sample, failure))
+    return kinds
+
+
+def batch_arguments(rows: list[tuple[Sample, Any, dict, Any]]) -> dict[str, list[Any]]:
+    """TRL's keyword lists: a chat prompt (a list of messages) gets its completion as one assistant
+    message, as TRL's conversational format has it; a text prompt gets the completion's text. The
+    dataset's columns: ``label`` and every metadata key (``data.metadata_keys``: list ``solution`` there
+    for a reward that reads ``solution``)."""
+    chat = [isinstance(prompt, (list, tuple)) for _, _, _, prompt in rows]
+    columns: dict[str, list[Any]] = {
+        "prompts": [list(p) if c else p for (_, _, _, p), c in zip(rows, chat)],
+        "completions": [
+            [{"role": "assistant", "content": s.response_text}] if c else s.response_text for (s, *_), c in zip(rows, chat)
+        ],
+        "completion_ids": [list(s.response_ids) for s, *_ in rows],
+        "label": [label for _, label, _, _ in rows],
+    }
+    for key in dict.fromkeys(k for _, _, meta, _ in rows for k in meta):
+        if key not in columns:
+            columns[key] = [meta.get(key) for _, _, meta, _ in rows]
+    return columns
+
+
+async def _call_batch(fn: RewardFn, cfg: RewardConfig, columns: dict[str, list[Any]]) -> Any:
+    try:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(**columns, **cfg.kwargs)
+        result = await _in_daemon_thread(fn, **columns, **cfg.kwargs)
+        return await result if inspect.isawaitable(result) else result
+    except Exception as e:  # classify: the call failed, so every row of the batch fails
+        raise RewardFailure("raised", f"reward {cfg.name!r} raised {type(e).__name__}: {e}") from e
+
+
+def _fail(sample: Sample, failure: RewardFailure) -> str:
+    sample.reward, sample.status, sample.status_reason = None, Status.FAILED, str(failure)
+    return failure.kind
 
 
 def check_reward_value(value: Any, name: str) -> float:
