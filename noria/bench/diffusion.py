@@ -17,7 +17,9 @@ Figures:
   the same device and dtype:
 
   - ``noria`` ``ode``: ``DiffusionEngine.generate_batch`` of B requests with noise level 0 (one
-    seed and generator per image, step-level continuous batching, each step's latent kept);
+    seed and generator per image, step-level continuous batching, each step's latent kept). The
+    requests are submitted one by one, as a rollout submits them, so the engine may start its first
+    step with part of the batch and finish the rest one step later: that costs it a step;
   - ``noria`` ``sde``: the same with Flow-GRPO's SDE (``diffusion.noise_level``): what an RL rollout
     costs, per-step log-probabilities included;
   - peer ``diffusers_pipeline``: ``DiTPipeline.__call__``'s denoising loop with guidance 1 (no
