@@ -157,3 +157,24 @@ def test_image_diversity_is_zero_for_copies_and_the_rms_pixel_distance_otherwise
     assert image_diversity([[black, half], [white]]) == pytest.approx(np.sqrt(0.5))  # a lone image is left out
     assert np.isnan(image_diversity([[black]]))
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_flow_grpo_raises_the_classifier_reward_of_a_digits_dit(tmp_path):
+    """The shipped recipes on a small budget: half of examples/sft_dit_digits.yaml's flow-matching
+    SFT, then 8 steps of examples/flow_grpo_digits.yaml at a higher learning rate; the reward's
+    mean over the held-out evaluation images (100 fixed seeds, ODE) rises from before RL to after."""
+    sft, grpo = tmp_path / "sft", tmp_path / "grpo"
+    model = REPO / "examples" / "models" / "dit-digits"
+    done = train(REPO / "examples" / "sft_dit_digits.yaml", "--run-dir", str(sft), "--model.path", str(model), "--train.max_steps", "120")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = train(
+        REPO / "examples" / "flow_grpo_digits.yaml", "--run-dir", str(grpo), "--model.path", str(sft / "final"),
+        "--train.max_steps", "8", "--eval.every", "8", "--eval.n_samples", "10", "--train.optim.lr", "3.0e-4",
+        "--train.loss.kl_coef", "0.0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after = rows(grpo / "eval.jsonl")
+    assert (before["step"], after["step"]) == (0, 8)
+    assert after["reward_mean"] > before["reward_mean"] + 0.01, (before, after)
+    assert all(r["train/pairs"] == 40 * 10 for r in rows(grpo / "metrics.jsonl"))  # 2 optimizer steps of 40 images x 10 steps
