@@ -22,11 +22,17 @@ Quick use::
     out = await engine.generate(GenerateRequest(input_ids=[...], sampling=SamplingParams(temperature=0)))
 """
 
+from typing import Any
+
 from noria.engine.engine import Engine, EngineDead
+from noria.engine.hf_engine import HFEngine
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from noria.engine.weights import WeightUpdateError
 
 __all__ = [
+    "HFEngine",
+    "in_process_engine",
+    "serves_natively",
     "Engine",
     "EngineDead",
     "GenerateOutput",
@@ -35,3 +41,20 @@ __all__ = [
     "SamplingParams",
     "WeightUpdateError",
 ]
+
+
+def serves_natively(path: Any, impl: str) -> bool:
+    """Whether the built-in engine serves this model (a native family and ``model.impl`` not ``hf``);
+    otherwise the generic transformers engine (``HFEngine``) does, in process only."""
+    from noria.models.catalog import model_path
+    from noria.models.checkpoint import read_config
+    from noria.models.config import NATIVE_FAMILIES
+
+    return impl != "hf" and read_config(model_path(path)).get("model_type") in NATIVE_FAMILIES
+
+
+def in_process_engine(path: Any, config: Any, impl: str, dtype: str, device: str, seed: int) -> Any:
+    """The engine for ``model.impl`` and the model's family: ``Engine`` (native, fast, exact mode)
+    or ``HFEngine`` (any transformers causal LM: slower, no exactness claim)."""
+    cls = Engine if serves_natively(path, impl) else HFEngine
+    return cls.from_path(path, config, dtype=dtype, device=device, seed=seed)

@@ -150,8 +150,8 @@ class Engine:
         dtype = hardware.resolve_dtype(dtype, device)
         model = load_model(path, dtype=getattr(torch, dtype), device=device, impl="native")
         folder = model_path(path)
-        tokenizer = _try_tokenizer(path)
-        eos = set(model.args.eos_token_ids) | _generation_eos(folder)
+        tokenizer = try_tokenizer(path)
+        eos = set(model.args.eos_token_ids) | generation_eos(folder)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         kwargs.setdefault("eos_token_ids", eos)
@@ -599,7 +599,8 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> 
         pass
 
 
-def _try_tokenizer(path: str | Path):
+def try_tokenizer(path: str | Path):
+    """The tokenizer at ``path``, or None for an ids-only checkpoint (logged)."""
     try:
         return load_tokenizer(path)
     except (OSError, ValueError) as e:  # ids-only checkpoints are fine: no text, no stop strings
@@ -607,7 +608,7 @@ def _try_tokenizer(path: str | Path):
         return None
 
 
-def _generation_eos(folder: Path) -> set[int]:
+def generation_eos(folder: Path) -> set[int]:
     """EOS ids from generation_config.json (chat models often list several there)."""
     if not (folder / "generation_config.json").is_file():
         return set()

@@ -206,6 +206,7 @@ class LocalJob:
 
     def start_parts(self, resume: bool) -> None:
         from noria.models.catalog import model_path
+        from noria.models.hf import disable_dropout
         from noria.train import FSDPBackend
 
         cfg = self.config
@@ -216,6 +217,7 @@ class LocalJob:
         with phase(f"loading the trainer's copy of the model ({cfg.train.param_dtype}, {cfg.train.device})"):
             self.backend = FSDPBackend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
             self.backend.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
+            disable_dropout(self.backend.lm)  # transformers' models (GPT-2...): train what the engine sampled from
         self.critic = None
         if cfg.train.loss.advantage == "gae":  # PPO: a value model gives per-token advantages
             from noria.train.critic import CriticBackend
@@ -235,11 +237,19 @@ class LocalJob:
         cfg = self.config
         timeout = cfg.rollout.engine_timeout_s
         if cfg.rollout.placement == "colocated":
-            from noria.engine import Engine
+            from noria.engine import in_process_engine
 
-            self.local_engine = Engine.from_path(path, cfg.engine, dtype=cfg.model.dtype, device=cfg.model.device, seed=cfg.seed)
+            m = cfg.model
+            self.local_engine = in_process_engine(path, cfg.engine, m.impl, m.dtype, m.device, cfg.seed)
             return LocalEngineClient(self.local_engine, timeout), self.local_engine
+        from noria.engine import serves_natively
         from noria.sync.targets import HttpEngine
+
+        if cfg.rollout.engine_url is None and not serves_natively(path, cfg.model.impl):
+            raise NoriaError(
+                f"{cfg.model.path}: the generic transformers engine (model.impl: hf, or a family with no native model) "
+                "runs in process only: set rollout.placement: colocated"
+            )
 
         url, key = cfg.rollout.engine_url, None
         if url is None:

@@ -129,3 +129,16 @@ def load_hf(
     if problems:
         raise CheckpointMismatch(f"config/checkpoint mismatch in {path}: {problems}")
     return HFCausalLM(model.to(device)).eval()
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Set every ``nn.Dropout`` of ``model`` to p = 0 (as TRL's GRPO does by default): in RL the
+    trainer's logprobs must come from the function the engine sampled from. Returns how many."""
+    dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    for m in dropouts:
+        m.p = 0.0
+    for name in ("attention_dropout", "attn_dropout"):  # attention kernels read a float, not a module
+        for m in model.modules():
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+    return len(dropouts)

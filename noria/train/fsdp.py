@@ -365,8 +365,10 @@ class FSDPBackend:
             )
 
     def _share(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
-        """``share_prefixes`` when ``train.share_prefix`` is on (the same losses, prompts computed once)."""
-        if not self.cfg.share_prefix:
+        """``share_prefixes`` when ``train.share_prefix`` is on (the same losses, prompts computed once).
+        Only the native decoder attends through a shared prefix; the transformers wrapper
+        (``model.impl: hf``) runs each packed sequence whole, so it gets them unshared."""
+        if not self.cfg.share_prefix or not isinstance(self.lm, DecoderLM):
             identity = torch.arange(batch.n_tokens)
             return batch, identity, identity
         return share_prefixes(batch)
