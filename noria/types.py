@@ -100,6 +100,9 @@ class Sample:
     position, as the rollout engine reported them ([] for non-policy tokens); None otherwise."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data (prompt metadata, reward details, timings)."""
+    advantage: float | None = None
+    """The sequence-level advantage the trainer weighted this sample with (set by the RL step; None
+    before it, for samples not trained, and under GAE, whose advantages are per token)."""
 
     @property
     def n_policy_tokens(self) -> int:

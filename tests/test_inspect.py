@@ -60,3 +60,19 @@ def test_inspect_defaults_to_the_last_step_and_names_the_steps_it_has(run, capsy
     assert capsys.readouterr().out.startswith("step 3:")
     assert noria_main(["inspect", str(run), "--step", "7"]) == 2
     assert "no rollouts for step 7; steps with rollouts: 1-3" in capsys.readouterr().err
+
+
+def test_inspect_shows_each_samples_advantage_and_the_templated_prompt(run, capsys):
+    recs = records(run, 1)
+    group = [r for r in recs if r["group_id"] == recs[0]["group_id"]]
+    rewards = [r["reward"] for r in group]
+    advantages = [r["advantage"] for r in group]
+    assert all(isinstance(a, float) for a in advantages) and sum(advantages) == pytest.approx(0.0, abs=1e-5)  # GRPO: centred
+    if len(set(rewards)) > 1:  # a better reward got a larger advantage
+        best, worst = max(range(len(group)), key=rewards.__getitem__), min(range(len(group)), key=rewards.__getitem__)
+        assert advantages[best] > advantages[worst]
+    templated = recs[0]["prompt_text"]
+    assert "<|im_start|>user" in templated and recs[0]["prompt"] in templated and templated.endswith("<|im_start|>assistant\n")
+    assert noria_main(["inspect", str(run), "--step", "1", "--limit", "2", "--no-tokens"]) == 0
+    out = capsys.readouterr().out
+    assert f"advantage {advantages[0]:+.3f}" in out and f"templated: {templated!r}" in out

@@ -1,7 +1,8 @@
 """``noria inspect RUN_DIR --step N``: a step's sampled trajectories, per token, readable in a terminal.
 
 Reads ``RUN_DIR/rollouts/step-NNNNNN.jsonl`` (written by ``RunLog.write_samples`` at the end of every
-RL step) and prints, per group, the prompt and label, then per sample its reward, status (and
+RL step) and prints, per group, the prompt, the prompt as the model saw it (after the chat template)
+and the label, then per sample its reward, the advantage it was trained with, status (and
 reason), length, mean logprob and response; then, unless ``--no-tokens``, one line per response
 token: position, the token's text, loss mask (1 = sampled by the policy, trained on), the rollout
 logprob with the token's probability as a bar, and the weight version that produced it.
@@ -73,6 +74,8 @@ def inspect_step(folder: str | Path, step: int | None = None, group: int | None 
             last_group = rec["group_id"]
             out.write("\n" + style.bold(f"== group {rec['group_id']}  label {rec.get('label')!r}") + "\n")
             out.write(f"   prompt ({rec.get('prompt_tokens', '?')} tokens): {prompt_text(rec['prompt'])}\n")
+            if rec.get("prompt_text"):  # what the model saw: the prompt after the chat template
+                out.write(f"   templated: {rec['prompt_text']!r}\n")
         out.write(sample_block(rec, style, tokens))
     if len(shown) < len(records):
         out.write(f"\n({len(records) - len(shown)} more samples: --limit 0 shows all, --group G one group)\n")
@@ -102,10 +105,11 @@ def sample_block(rec: dict[str, Any], style: Style, tokens: bool) -> str:
     lps = [lp for lp, m in zip(rec["logprobs"], rec["loss_mask"]) if m and lp is not None]
     mean_lp = f"{sum(lps) / len(lps):.3f}" if lps else "n/a"
     reward = "none" if rec.get("reward") is None else f"{rec['reward']:.3f}"
+    advantage = "n/a" if rec.get("advantage") is None else f"{rec['advantage']:+.3f}"
     status = rec["status"] + (f" ({rec['status_reason']})" if rec.get("status_reason") else "")
     versions = sorted({v for v in rec.get("weight_versions") or [] if v >= 0})
     lines = [
-        f"\n  sample {rec['index']}: reward {style.bold(reward)}  status {status}  "
+        f"\n  sample {rec['index']}: reward {style.bold(reward)}  advantage {advantage}  status {status}  "
         f"{len(rec['token_ids'])} tokens ({sum(rec['loss_mask'])} trained)  mean logprob {mean_lp}  "
         f"versions {versions}",
         f"  response: {rec['response']!r}",

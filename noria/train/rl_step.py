@@ -77,6 +77,8 @@ def _rl_step(
     else:
         advantages = compute_advantages(cfg.loss, [[s.reward for s in g] for g in kept])
         flat_adv = [a for per_group in advantages for a in per_group]
+        for sample, advantage in zip(samples, flat_adv):  # kept for the rollouts file (noria inspect)
+            sample.advantage = float(advantage)
         if cfg.loss.opd_coef > 0:  # on-policy distillation: per-token advantages (noria.train.opd)
             flat_adv, distill = distill_advantages(backend, samples, flat_adv, cfg, opd)
         size = math.ceil(len(samples) / k)
