@@ -101,7 +101,11 @@ class DataConfig:
     prompt_key: str = option("prompt", "Field holding the prompt: a string, or a list of chat messages.")
     label_key: str | None = option("label", "Field holding the reference answer; null if the data has none.")
     metadata_keys: list[str] = option(factory=list, help="Extra fields copied into each prompt's metadata.")
-    chat_template: bool = option(True, "Render prompts with the tokenizer's chat template.")
+    chat_template: bool | str = option(
+        True,
+        "true: render prompts with the tokenizer's chat template; false: plain text; a path to a Jinja file, or a "
+        "Jinja template itself (it holds `{%` or `{{`): render with that template instead of the tokenizer's.",
+    )
     system_prompt: str | None = option(None, "System message prepended when rendering string prompts as chat.")
     shuffle: bool = option(True, "Shuffle the training prompts each epoch (seeded).")
     seed: int = option(0, "Seed of the shuffle.")

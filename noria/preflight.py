@@ -12,7 +12,7 @@ its owner, and raises on the first that is missing, naming the key:
   plug point's contract (``noria.rewards.registry.get_reward``);
 - ``rollout.buffer.filters`` and ``rollout.buffer.impl``, ``rollout.rollout_fn`` / ``generate_fn`` /
   ``agent_fn``: built-in names or import paths through the one plug-in loader (``noria.plugins``);
-- ``data.task`` registered; ``data.path`` and ``data.test_path`` present on this machine.
+- ``data.task`` registered; ``data.path``, ``data.test_path`` and a ``data.chat_template`` file present here.
 
 It imports the registries (and so torch): about a second, spent only by the commands that run or
 show a config, never by ``load_config``, which stays free of anything outside the config (tests and
@@ -72,6 +72,10 @@ def _check_data(config: RunConfig) -> None:
             resolve_task_args(get_task(config.data.task), config.data.task_args)
         except ValueError as e:  # the task registry's own words, under the config key
             raise NoriaError(f"data.task: {e}") from e
+    if isinstance(config.data.chat_template, str):
+        from noria.data.chat import resolve_chat_template
+
+        resolve_chat_template(config.data.chat_template)
     for key in ("path", "test_path"):
         value = getattr(config.data, key)
         if value is not None and not Path(value).exists():

@@ -94,3 +94,30 @@ def test_drop_long_counts(chat_tok):
     kept, dropped = drop_long(rendered, limit)
     assert [r.prompt for r in kept] == prompts[:1] and dropped == 1
     assert drop_long(rendered, None) == (rendered, 0)
+
+
+TURNS = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+
+
+def test_a_custom_template_as_a_string_or_a_file(plain_tok, chat_tok, tmp_path):
+    prompt = Prompt("What is 1 + 1?", "2", {}, 0, "t")
+    want = "[system] Be brief.\n[user] What is 1 + 1?\n[assistant] "
+    # a tokenizer without a template gets one; one with a template gets this one instead
+    for tok in (plain_tok, chat_tok):
+        assert render_text(prompt, tok, TURNS, "Be brief.") == want
+    path = tmp_path / "turns.jinja"
+    path.write_text(TURNS)
+    assert render_text(prompt, chat_tok, str(path), "Be brief.") == want
+    ids = render_prompt(prompt, plain_tok, str(path), "Be brief.")
+    assert plain_tok.decode(ids) == want  # the template writes every token: no BOS added on top
+
+
+def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(chat_tok, tmp_path, capsys):
+    from noria.cli import main
+
+    with pytest.raises(DataError, match="data.chat_template: 'no/such.jinja' is neither a Jinja template nor a file"):
+        render_text(Prompt("q", None, {}, 0, "t"), chat_tok, "no/such.jinja")
+    assert main(["config", "--model.path", "m", "--data.task", "arithmetic", "--data.chat_template", "no/such.jinja"]) == 2
+    assert "data.chat_template" in capsys.readouterr().err
+    assert main(["config", "--model.path", "m", "--data.task", "arithmetic", "--data.chat_template", "false"]) == 0
+    assert "chat_template: false" in capsys.readouterr().out

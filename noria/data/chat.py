@@ -8,7 +8,9 @@ prompt, if any, prepended with a blank line). A message prompt without a usable 
 error, as is a prompt that renders to no tokens.
 
 The template is rendered to text and then tokenized without adding special tokens, because the
-template already writes the ones it wants (a BOS added on top would be doubled).
+template already writes the ones it wants (a BOS added on top would be doubled). ``data.chat_template``
+may also name a Jinja file or hold a template itself (``resolve_chat_template``): that template is
+applied with the tokenizer in place of its own.
 
 Not guaranteed: the rendered ids equal what a chat server would produce for the same messages only
 if it uses the same tokenizer and template; ``system_prompt`` is not added to message prompts
@@ -17,8 +19,10 @@ if it uses the same tokenizer and template; ``system_prompt`` is not added to me
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from noria.data.source import DataError
@@ -39,6 +43,24 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+@functools.lru_cache(maxsize=8)
+def resolve_chat_template(value: bool | str) -> bool | str:
+    """``data.chat_template`` as used: True / False as given; a string is a Jinja template if it looks
+    like one (``{%`` or ``{{`` in it), else the path of a file holding one (read once)."""
+    if isinstance(value, bool):
+        return value
+    if "{%" in value or "{{" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.chat_template: {value!r} is neither a Jinja template nor a file (not found: {path.resolve()})")
+    return path.read_text()
+
+
+def _template_on(chat_template: bool | str, tokenizer: Any) -> bool:
+    return isinstance(chat_template, str) or (chat_template and has_chat_template(tokenizer))
+
+
 def prompt_messages(prompt: Prompt, system_prompt: str | None = None) -> list[dict[str, str]]:
     """The chat messages of ``prompt``: its own, or ``[system?, user]`` for a string prompt."""
     if not isinstance(prompt.prompt, str):
@@ -47,11 +69,13 @@ def prompt_messages(prompt: Prompt, system_prompt: str | None = None) -> list[di
     return messages + [{"role": "user", "content": prompt.prompt}]
 
 
-def render_text(prompt: Prompt, tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None) -> str:
+def render_text(prompt: Prompt, tokenizer: Any, chat_template: bool | str = True, system_prompt: str | None = None) -> str:
     """The exact text the model sees before generating its answer."""
-    if chat_template and has_chat_template(tokenizer):
+    chat_template = resolve_chat_template(chat_template)
+    if _template_on(chat_template, tokenizer):
         messages = prompt_messages(prompt, system_prompt)
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        own = {"chat_template": chat_template} if isinstance(chat_template, str) else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **own)
     if not isinstance(prompt.prompt, str):
         why = "chat_template is off" if not chat_template else "the tokenizer has no chat template"
         raise DataError(f"{_where(prompt)}: prompt is a list of chat messages but {why}")
@@ -59,11 +83,11 @@ def render_text(prompt: Prompt, tokenizer: Any, chat_template: bool = True, syst
 
 
 def render_prompt(
-    prompt: Prompt, tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None
+    prompt: Prompt, tokenizer: Any, chat_template: bool | str = True, system_prompt: str | None = None
 ) -> list[int]:
     """Token ids of ``prompt`` ready for generation; an empty rendering raises ``DataError``."""
     text = render_text(prompt, tokenizer, chat_template, system_prompt)
-    add_special = not (chat_template and has_chat_template(tokenizer))
+    add_special = not _template_on(resolve_chat_template(chat_template), tokenizer)
     ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
     if not ids:
         raise DataError(f"{_where(prompt)}: prompt renders to no tokens")
@@ -71,7 +95,7 @@ def render_prompt(
 
 
 def render_prompts(
-    prompts: Iterable[Prompt], tokenizer: Any, chat_template: bool = True, system_prompt: str | None = None
+    prompts: Iterable[Prompt], tokenizer: Any, chat_template: bool | str = True, system_prompt: str | None = None
 ) -> list[RenderedPrompt]:
     """``render_prompt`` for each prompt, in order."""
     return [RenderedPrompt(p, render_prompt(p, tokenizer, chat_template, system_prompt)) for p in prompts]

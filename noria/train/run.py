@@ -44,6 +44,7 @@ from typing import Any
 from noria.config import RunConfig, save_config
 from noria.console import phase
 from noria.data import PromptSource
+from noria.data.chat import resolve_chat_template
 from noria.errors import NoriaError
 from noria.net import free_port
 from noria.run_folder import check_run_folder, discard_unstarted, keep_metrics_through, resolve_run_dir
@@ -93,6 +94,8 @@ def prepare_sft(config: RunConfig) -> SFTData:
         raise SFTDataError(f"{path}: no chat rows")
     lines = row_lines(path)
     tokenizer = load_tokenizer(model_path(config.model.path))
+    if isinstance(config.data.chat_template, str):  # a Jinja file or template of the config's own
+        tokenizer.chat_template = resolve_chat_template(config.data.chat_template)
     samples = [
         truncate(chat_sample(messages, tokenizer, where=f"{path}:{line}"), config.train.max_seq_tokens)
         for messages, line in zip(rows, lines)
