@@ -491,6 +491,11 @@ class LoraConfig:
         help="Linear layers that get adapters.",
     )
     sync: Literal["merged", "adapter"] = option("merged", "Send the engine merged weights, or the adapters alone.")
+    adapter_path: str | None = option(
+        None, "Start from an existing peft adapter folder (adapter_config.json + adapter_model.safetensors) of the same "
+        "rank, alpha and target modules; null starts from fresh adapters. The final export writes the adapters alone "
+        "to RUN/final/adapter besides the merged model.",
+    )
 
     def validate(self) -> None:
         if self.rank < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:

@@ -55,3 +55,29 @@ def test_adapter_sync_yields_peft_names(tiny_model_dir):
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
     assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+
+
+def test_the_export_writes_the_adapter_alone_and_a_run_can_start_from_it(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    backend = _with_lora(tiny_model_dir)
+    backend.train_step(_batch())
+    out = backend.export_hf(tmp_path / "final", dtype=torch.float32)
+    adapter = out / "adapter"
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    # peft itself loads the adapter onto the base model: the same function as the merged export
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+
+    # train.lora.adapter_path: a new run starts from those adapters
+    again = make_backend(tiny_model_dir, lora={**LORA, "adapter_path": str(adapter)})
+    before = {n: p for n, p in backend.lm.named_parameters() if ".lora_" in n}
+    after = {n: p for n, p in again.lm.named_parameters() if ".lora_" in n}
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    with pytest.raises(ValueError, match="the adapter has .*'r': 4.*train.lora asks for .*'r': 8"):
+        make_backend(tiny_model_dir, lora={**LORA, "rank": 8, "adapter_path": str(adapter)})

@@ -89,7 +89,7 @@ from noria.train.backend import (
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
 from noria.train.logprobs import token_logprobs
 from noria.train.moe import aux_loss_term, micro_batch_routing, route_metrics
-from noria.train.lora import adapter_tensors, apply_lora, lora_scaling, merge_lora
+from noria.train.lora import adapter_tensors, apply_lora, load_adapter, lora_scaling, merge_lora, save_adapter
 from noria.train.optim import build_optimizer, lr_at, set_lr
 from noria.train.packing import (
     batch_to,
@@ -281,6 +281,8 @@ class FSDPBackend:
         lm = load_model(model_path, dtype=torch.float32, device="cpu", impl=self.model_impl)
         if self.cfg.lora.enabled:
             lm = apply_lora(lm, self.cfg.lora)
+            if self.cfg.lora.adapter_path:
+                load_adapter(lm, self.cfg.lora.adapter_path, self.cfg.lora)
         self.skip_names = tied_duplicates(lm)
         self.lm = lm
         self.policy = self._wrap(lm, train=True)
@@ -581,8 +583,11 @@ class FSDPBackend:
         """Write an HF folder (weights in ``dtype``, default the compute dtype, plus tokenizer files)."""
         dtype = dtype or self.compute_dtype
         state = {name: t.cpu() for name, t in self._full_tensors(dtype)}
+        raw = list(self._raw_tensors()) if self.cfg.lora.enabled else []  # the adapters alone, unmerged
         if self.rank == 0:
             save_model(self._materialize(state, dtype), folder, source=self.model_path)
+            if raw:
+                save_adapter(iter(raw), self.cfg.lora, Path(folder) / "adapter", str(self.model_path))
         if self.distributed:
             dist.barrier()
         return Path(folder)

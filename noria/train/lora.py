@@ -14,6 +14,9 @@ Weights leave the trainer in one of two forms (``train.lora.sync``):
 - ``adapter``: ``adapter_tensors`` keeps only the adapters, with peft's saved names
   (``base_model.model.<module>.lora_A.weight``) for engines that load LoRA adapters.
 
+An adapter folder in peft's own format is written by ``save_adapter`` (the final export's
+``adapter/``) and read by ``load_adapter`` (``train.lora.adapter_path``: a run starts from it).
+
 The merge is computed in fp32 and then cast, so merged weights round once. Not supported: peft's
 DoRA, rsLoRA scaling, and dropout > 0 with bitwise-reproducible resumes (dropout draws RNG).
 """
@@ -21,6 +24,7 @@ DoRA, rsLoRA scaling, and dropout > 0 with bitwise-reproducible resumes (dropout
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -85,3 +89,52 @@ def adapter_tensors(tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dt
 def lora_scaling(cfg: LoraConfig) -> float:
     """alpha / r, the factor peft applies to ``B @ A``."""
     return cfg.alpha / cfg.rank
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""The file peft writes and reads an adapter's tensors from (beside ``adapter_config.json``)."""
+
+
+def save_adapter(tensors: Iterator[tuple[str, torch.Tensor]], cfg: LoraConfig, folder: Path, base: str) -> Path:
+    """The adapters alone as a peft folder (``adapter_config.json`` + ``adapter_model.safetensors``),
+    loadable by ``peft.PeftModel.from_pretrained(base_model, folder)`` and by engines that take LoRA."""
+    from peft import LoraConfig as PeftLoraConfig
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
+        base_model_name_or_path=base, task_type="CAUSAL_LM",
+    )  # fmt: skip
+    peft_cfg.save_pretrained(str(folder))
+    save_file({n: t.contiguous() for n, t in adapter_tensors(tensors, torch.float32)}, str(folder / ADAPTER_WEIGHTS))
+    return folder
+
+
+def load_adapter(model: nn.Module, folder: str | Path, cfg: LoraConfig) -> None:
+    """Start the injected adapters from an existing peft adapter folder (``train.lora.adapter_path``);
+    its rank, alpha and target modules must be the config's, and it must hold every adapter."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / "adapter_config.json").is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"train.lora.adapter_path {folder}: needs adapter_config.json and {ADAPTER_WEIGHTS} (a peft adapter folder)")
+    saved = json.loads((folder / "adapter_config.json").read_text())
+    want = {"r": cfg.rank, "lora_alpha": cfg.alpha, "target_modules": sorted(cfg.target_modules)}
+    have = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"), "target_modules": sorted(saved.get("target_modules") or [])}
+    if have != want:
+        raise ValueError(f"train.lora.adapter_path {folder}: the adapter has {have}, train.lora asks for {want}")
+    state = {_ours(n): t for n, t in load_file(str(folder / ADAPTER_WEIGHTS)).items()}
+    adapters = {n for n, _ in model.named_parameters() if n.endswith(_A) or n.endswith(_B)}
+    if set(state) != adapters:
+        missing, extra = sorted(adapters - set(state)), sorted(set(state) - adapters)
+        raise ValueError(f"train.lora.adapter_path {folder}: adapters missing {missing[:3]}, unknown {extra[:3]}")
+    model.load_state_dict(state, strict=False)
+
+
+def _ours(peft_name: str) -> str:
+    """peft's saved name (``base_model.model.<m>.lora_A.weight``) -> the injected parameter's name."""
+    name = peft_name.removeprefix("base_model.model.")
+    return name.replace(".lora_A.weight", _A).replace(".lora_B.weight", _B)
