@@ -52,6 +52,29 @@ def test_quickstart_matches_the_readme():
         assert (DOCS / image).is_file(), image
 
 
+def test_the_readme_names_every_config_section():
+    import dataclasses
+
+    from noria.config import RunConfig
+    from noria.config_schema import optional_section
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Configuration") : readme.index("### Models")]
+    hints = __import__("typing").get_type_hints(RunConfig)
+    names = [f.name for f in dataclasses.fields(RunConfig) if optional_section(hints[f.name]) is not None]
+    assert len(names) >= 10 and [n for n in names if f"`{n}`" not in section] == []
+
+
+def test_quickstart_and_readme_agree_on_the_first_run_and_its_timings():
+    readme, quick = (ROOT / "README.md").read_text(), (DOCS / "quickstart.md").read_text()
+    for command in ("noria models import tiny-llama", "noria train examples/grpo_tiny.yaml"):
+        assert command in readme and command in quick
+    # every progress line quoted in the quickstart is the README's measured one, with its CPU named
+    for line in re.findall(r"^(?:eval at step|step \d+/)\S*.*$", quick, flags=re.M):
+        assert line in readme, line
+    assert "Zen 4" in quick and "Zen 4" in readme
+
+
 def test_docs_links_resolve():
     for page in DOCS.glob("*.md"):
         for target in re.findall(r"\]\(([^)#:]+\.md)\)", page.read_text()):
