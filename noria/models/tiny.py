@@ -1,25 +1,33 @@
-"""``tiny-llama``: a small Llama built on this machine in about half a minute, for first runs and tests.
+"""``tiny-llama``: a small Llama built on this machine in a minute or two, for first runs and tests.
 
 Nothing is downloaded. The builder (:func:`build_tiny_llama`, the catalog entry ``tiny-llama``):
 
 1. trains a byte-level BPE tokenizer (``tokenizers``) on arithmetic chats in SmolLM2's ChatML format,
    with the same special tokens and chat template, so prompts render the way they do for the real
-   model;
-2. builds a random-init ``LlamaForCausalLM`` (4 layers, hidden 128, about 1M parameters);
-3. warm-starts it with a few hundred supervised steps on chats of the arithmetic task's own
-   prompts (addition of operands up to :data:`MAX_OPERAND`, answers as ``\\boxed{n}``) drawn from
-   the task's *train* split, so the model knows the answer format and is right on some problems,
-   not all: greedy held-out accuracy lands around 10-40%, leaving GRPO something to learn.
+   model; digits are split one per token (as Llama 3's and Qwen's tokenizers do), so that sums are
+   written digit by digit and the model can learn addition rather than a table of number tokens;
+2. builds a random-init ``LlamaForCausalLM`` (4 layers, hidden 128, about 0.8M parameters);
+3. warm-starts it with :data:`WARM_STEPS` supervised steps on chats of the arithmetic task's own
+   prompts (addition of operands up to :data:`MAX_OPERAND`) from the task's *train* split. The
+   prompt asks for the answer in ``\\boxed{}``; the warm start answers so only in
+   :data:`BOXED_SHARE` of its chats and with the bare number in the rest, so the model adds well
+   enough but often forgets the box. ``examples/grpo_tiny.yaml`` rewards only boxed right answers
+   (``exact_match`` with ``boxed: true``): GRPO learns to follow the instruction and the held-out
+   accuracy rises within a minute (measured: 17% -> 48% after 10 steps, 58% after 50).
 
-Seeded: the same torch build on the same CPU gives the same folder; CPUs whose matmuls sum in
-another order (AVX2 and AVX-512) give slightly different weights, with the same behaviour.
-Not guaranteed: the exact accuracy of the warm start (it is a tiny model trained for seconds).
+Single-threaded (``torch.set_num_threads(1)`` while it trains): a model this small gains nothing
+from a second thread and loses much when the cores are shared. Seeded: the same torch build on
+the same CPU gives the same folder; CPUs whose matmuls sum in another order (AVX2 and AVX-512) give
+slightly different weights, with the same behaviour. Not guaranteed: the exact accuracy of the warm
+start (a tiny model trained for a minute).
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+
+from noria.console import say
 
 MAX_OPERAND = 30
 """Operands of the warm start's problems (and of ``examples/grpo_tiny.yaml``'s task)."""
@@ -31,8 +39,12 @@ CHAT_TEMPLATE = (
 """ChatML, as SmolLM2-Instruct's template renders it (without its default system message)."""
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-WARM_STEPS = 400
-"""Supervised steps of the warm start (batch 32): about 20 s on 2 cores."""
+WARM_STEPS = 800
+"""Supervised steps of the warm start (batch 32): about a minute on one free core."""
+WARM_LR = 3e-3
+"""Peak learning rate of the warm start (linear warmup over 50 steps, then linear decay to 0)."""
+BOXED_SHARE = 0.4
+"""Share of the warm start's answers written as ``\\boxed{n}`` (the others: the bare number)."""
 
 
 def build_tiny_llama(entry, out: Path) -> None:
@@ -43,7 +55,12 @@ def build_tiny_llama(entry, out: Path) -> None:
     chats = _chats(n=800, seed=0)
     tokenizer = _tokenizer(chats)
     model = _model(tokenizer)
-    _warm_start(model, tokenizer, chats, steps=WARM_STEPS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _warm_start(model, tokenizer, chats, steps=WARM_STEPS)
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -54,9 +71,11 @@ def _chats(n: int, seed: int) -> list[str]:
 
     args = {"n_train": n, "n_test": 10, "seed": seed, "max_operand": MAX_OPERAND, "ops": ["+"]}
     records = generate_split("arithmetic", "train", args)
+    rng = random.Random(seed + 1)
+    answers = [f"\\boxed{{{r.label}}}" if rng.random() < BOXED_SHARE else str(r.label) for r in records]
     return [
-        f"<|im_start|>user\n{r.prompt}<|im_end|>\n<|im_start|>assistant\n\\boxed{{{r.label}}}<|im_end|>\n"
-        for r in records
+        f"<|im_start|>user\n{r.prompt}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
+        for r, answer in zip(records, answers)
     ]
 
 
@@ -65,7 +84,9 @@ def _tokenizer(corpus: list[str]):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
@@ -82,7 +103,7 @@ def _model(tokenizer):
 
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0,
     )  # fmt: skip
@@ -104,7 +125,7 @@ def _warm_start(model, tokenizer, chats: list[str], steps: int, batch: int = 32)
         prompt_ids = tokenizer(head + marker)["input_ids"]
         answer_ids = tokenizer(answer)["input_ids"]
         rows.append((prompt_ids + answer_ids, len(prompt_ids)))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=WARM_LR, weight_decay=0.0)
     rng = random.Random(0)
     model.train()
     for step in range(steps):
@@ -112,9 +133,11 @@ def _warm_start(model, tokenizer, chats: list[str], steps: int, batch: int = 32)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        for group in opt.param_groups:  # linear decay: the last steps settle
-            group["lr"] = 3e-3 * (1 - step / steps)
+        for group in opt.param_groups:  # short warmup, then linear decay: the last steps settle
+            group["lr"] = WARM_LR * min(1.0, (step + 1) / 50) * (1 - step / steps)
         opt.step()
+        if (step + 1) % 100 == 0:
+            say(f"noria: tiny-llama warm start: step {step + 1}/{steps}, loss {loss.item():.3f}")
     model.eval()
 
 
