@@ -73,6 +73,10 @@ METRICS: tuple[Metric, ...] = tuple(
         ("rollout/in_flight", "count", "Trajectories generating when the step's metrics were taken."),
         ("rollout/in_flight_groups", "groups", "Groups started and not yet finished when the step's metrics were taken."),
         ("rollout/groups_finished", "groups", "Groups the rollout scheduler finished since the previous step."),
+        ("rollout/groups_regenerated", "groups", "Groups started over since the previous step because their engine died (engine fleet)."),
+        ("rollout/mixed_fleet_frac", "fraction", "Requests since the previous step served while the fleet's live engines held different weight versions."),
+        ("fleet/engines", "count", "Engines of the fleet serving at the end of the step."),
+        ("fleet/restarts", "count", "Engine restarts so far in the run (each after an engine died)."),
         ("engine/busy_frac", "fraction", "Share of the time since the previous step during which at least one trajectory was generating."),
         ("reward/scored", "count", "Samples the reward function scored."),
         ("reward/skipped", "count", "Samples not scored (aborted or failed generation)."),
@@ -152,6 +156,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("sync/gb_per_s", "GB/s", "Push bandwidth (1e9 bytes per second)."),
         ("sync/tensors", "count", "Tensors pushed."),
         ("sync/verify_seconds", "s", "Checksum comparison after the push (sync.verify)."),
+        ("sync/engines", "count", "Engines pushed to (a fleet, or with trainer ranks in their own processes)."),
+        ("sync/fallback", "flag", "1 once a failed broadcast push made the run fall back to the disk transport."),
     ])
     + _table("eval", [
         ("eval/accuracy", "fraction", "Held-out accuracy: mean reward over every evaluation answer, one whose reward failed counting as wrong (eval.jsonl `accuracy`)."),

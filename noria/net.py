@@ -19,3 +19,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def node_address() -> str:
+    """The address other machines reach this one at: ``NORIA_NODE_ADDRESS`` when set (the Ray
+    launcher sets it to the node's Ray address), else 127.0.0.1 (one machine: loopback only)."""
+    import os
+
+    return os.environ.get("NORIA_NODE_ADDRESS", "127.0.0.1")

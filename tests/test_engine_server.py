@@ -325,9 +325,11 @@ def test_api_key(tiny_model_dir, tmp_path):
     try:
         proc.wait_ready(headers={"Authorization": "Bearer s3cret"})
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-            for method, path in (("GET", "/health"), ("POST", "/generate"), ("GET", "/v1/models")):
+            for method, path in (("GET", "/get_weight_version"), ("POST", "/generate"), ("GET", "/v1/models")):
                 r = httpx.request(method, proc.url + path, headers=headers, json={"input_ids": [5]})
                 assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized"
+        # Liveness alone is open, as in SGLang: sglang-router probes /health without a key.
+        assert httpx.get(proc.url + "/health").status_code == 200
         ok = {"Authorization": "Bearer s3cret"}
         r = httpx.post(proc.url + "/generate", headers=ok, json={"input_ids": [5], "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 200

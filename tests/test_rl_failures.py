@@ -70,7 +70,7 @@ def test_run_engine_takes_weights_only_from_the_run(tiny_model_dir, tmp_path):
         url, pid = job.client.base_url, job.engine_process.pid
         update = {"model_path": str(tiny_model_dir), "weight_version": 0}
         assert httpx.post(f"{url}/update_weights_from_disk", json=update, timeout=60).status_code == 401
-        assert httpx.get(f"{url}/health").status_code == 401
+        assert httpx.get(f"{url}/get_weight_version").status_code == 401
         environ = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
         key = environ["NORIA_API_KEY"]
         assert len(key) >= 32 and key not in Path(f"/proc/{pid}/cmdline").read_text()

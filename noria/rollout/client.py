@@ -182,9 +182,11 @@ def sampling_dict(req: GenerateRequest) -> dict[str, Any]:
     """SGLang's ``sampling_params`` for ``req`` (defaults left out)."""
     s = req.sampling
     out: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature}
-    for key, default in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("ignore_eos", False), ("seed", None)):
+    for key, default in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("ignore_eos", False)):
         if getattr(s, key) != default:
             out[key] = getattr(s, key)
+    if s.seed is not None:  # SGLang's name: sglang-router drops a field it does not know (``seed``)
+        out["sampling_seed"] = s.seed
     if s.stop:
         out["stop"] = list(s.stop)
     if s.stop_token_ids:

@@ -30,6 +30,12 @@ What blocks on what: the worker waits for a wake-up; the trainer waits in ``wait
 group lands or the worker stops. Everything runs on one asyncio event loop (the trainer's compute
 runs in a thread and never touches this object).
 
+Engine loss (a fleet, ``noria.launch.fleet``): a trajectory whose engine died raises ``EngineLost``;
+the whole group is then regenerated under the same group id and prompt, from scratch, once the
+fleet has an engine serving again (``EngineLost.ready``): no group is lost, and none reaches the
+buffer twice (a group is put only when all of it was generated). ``rollout/groups_regenerated``
+counts them. Any other ``EngineFailure`` stops the worker as below.
+
 Shutdown (``close``): no new group starts, in-flight trajectories are cancelled and awaited, and
 the prompts of unfinished groups are reported (``unfinished_prompts``) so that a checkpoint keeps
 them. A failure in any trajectory (``EngineFailure``) stops the worker and is raised to the trainer
@@ -49,6 +55,7 @@ from collections.abc import Awaitable, Callable
 from noria.config import RewardConfig
 from noria.rewards.runner import ScoreCounts, score_groups_async
 from noria.rollout.buffer import Buffer
+from noria.rollout.client import EngineFailure
 from noria.rollout.generate import GenerateFn, RolloutContext, RolloutResult, generate_one
 from noria.types import Group, Prompt, Sample
 
@@ -56,6 +63,15 @@ PromptFeed = Callable[[], "tuple[Prompt, list[int]] | None"]
 """The next (prompt, prompt ids) to roll out, or None when the data source has none now."""
 GroupRollout = Callable[..., Awaitable[RolloutResult]]
 """``(ctx, [(prompt, ids)], group_id, n_samples, reward) -> RolloutResult`` of that one group."""
+
+
+class EngineLost(EngineFailure):
+    """The engine that served a trajectory died and the fleet is replacing it: the group is
+    regenerated once ``await ready()`` returns (an engine serves the current weights again)."""
+
+    def __init__(self, message: str, ready: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(message)
+        self.ready = ready
 
 
 class RolloutScheduler:
@@ -184,10 +200,18 @@ class RolloutScheduler:
         task.add_done_callback(self._group_done)
 
     async def _run_group(self, group_id: int, prompt: Prompt, ids: list[int]) -> None:
-        if self.rollout_group is not None:
-            group, counts = await self._rollout_whole_group(group_id, prompt, ids)
-        else:
-            group, counts = await self._generate_group(group_id, prompt, ids)
+        while True:
+            try:
+                if self.rollout_group is not None:
+                    group, counts = await self._rollout_whole_group(group_id, prompt, ids)
+                else:
+                    group, counts = await self._generate_group(group_id, prompt, ids)
+                break
+            except EngineLost as lost:  # its places were freed: wait for an engine, then start the group over
+                self._stats.regenerated += 1
+                self._notify()  # the trainer side restarts engines between waits
+                await lost.ready()
+                self._hold(self.n_samples)
         self._stats.add(group, counts)
         await self.buffer.put(group)  # waits while the buffer is full; a dropped group went to on_drop
         del self.pending[group_id]
@@ -256,6 +280,7 @@ class _Interval:
         self.busy_s = 0.0
         self.tokens = 0
         self.groups = 0
+        self.regenerated = 0
         self.counts = ScoreCounts()
 
     def busy(self, before: int, after: int) -> None:
@@ -281,6 +306,7 @@ class _Interval:
             "rollout/in_flight": float(in_flight),
             "rollout/in_flight_groups": float(pending_groups),
             "rollout/groups_finished": float(self.groups),
+            "rollout/groups_regenerated": float(self.regenerated),
             "rollout/tokens": float(self.tokens),
             "rollout/tokens_per_s": self.tokens / seconds,
             "engine/busy_frac": min(busy / seconds, 1.0),

@@ -11,6 +11,10 @@ HTTP/2 preface; ``noria serve`` answers the first two and tolerates the probe. S
 after its workers are ready: a worker that answers 503 (loading) is registered late or not at all.
 The router also loads the tokenizer from the workers' ``model_path``, so serve local folders.
 
+With ``api_key`` (the run's per-run engine key), the router authenticates to its workers with it
+and asks it of its own clients too; the key travels in the router's environment
+(``NORIA_ROUTER_KEY``, appended to its arguments inside the process), never on its command line.
+
 Each router gets its own Prometheus port (the router binds one, default 29000, and a second
 router on the same port would fail). ``stop()`` sends SIGTERM and waits; the process renames itself
 ``sglang::router``, so find it by the ``Popen`` handle, not by name.
@@ -35,6 +39,13 @@ from noria.errors import NoriaError
 from noria.net import free_port
 
 
+ROUTER_WITH_KEY = (
+    "import os, sys; from sglang_router.launch_router import main; "
+    "sys.argv[1:1] = ['--api-key', os.environ.pop('NORIA_ROUTER_KEY')]; main()"
+)
+"""The router's entry point with the API key taken from its environment."""
+
+
 class RouterError(NoriaError):
     """sglang-router is missing, exited, or did not become ready in time."""
 
@@ -51,6 +62,7 @@ class SglangRouter:
         policy: str = "manual",
         extra_args: Sequence[str] = (),
         log_path: str | Path | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not worker_urls:
             raise RouterError("sglang-router needs at least one worker URL")
@@ -62,6 +74,8 @@ class SglangRouter:
         """``manual`` (session affinity by routing key) unless a benchmark asks for a load-based peer."""
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path else None
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.process: subprocess.Popen | None = None
         self._log: IO[Any] | None = None
 
@@ -70,8 +84,11 @@ class SglangRouter:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
+        launcher = ["-m", "sglang_router.launch_router"]
+        if self.api_key:  # the key joins the arguments inside the process, out of sight of ps
+            launcher = ["-c", ROUTER_WITH_KEY]
         return [
-            sys.executable, "-m", "sglang_router.launch_router",
+            sys.executable, *launcher,
             "--host", self.host, "--port", str(self.port),
             "--worker-urls", *self.worker_urls,
             "--policy", self.policy,
@@ -88,6 +105,8 @@ class SglangRouter:
             raise RouterError("sglang-router is not installed: pip install sglang-router==0.3.2") from e
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # never reach for a hub for a tokenizer
+        if self.api_key:
+            env["NORIA_ROUTER_KEY"] = self.api_key
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.wait_ready(timeout_s)
         return self
@@ -99,7 +118,7 @@ class SglangRouter:
             if self.process is not None and self.process.poll() is not None:
                 raise RouterError(f"sglang-router exited with code {self.process.returncode} (log: {self.log_path})")
             try:
-                workers = httpx.get(f"{self.url}/workers", timeout=2.0).json().get("workers", [])
+                workers = httpx.get(f"{self.url}/workers", headers=self.headers, timeout=2.0).json().get("workers", [])
                 healthy = {w["url"].rstrip("/") for w in workers if w.get("is_healthy")}
                 if healthy >= set(self.worker_urls):
                     return
@@ -112,7 +131,26 @@ class SglangRouter:
 
     def workers(self) -> list[dict[str, Any]]:
         """The router's view of its workers (url, is_healthy, load)."""
-        return httpx.get(f"{self.url}/workers", timeout=5.0).json()["workers"]
+        return httpx.get(f"{self.url}/workers", headers=self.headers, timeout=5.0).json()["workers"]
+
+    def add_worker(self, url: str, timeout_s: float = 60.0) -> None:
+        """Register one more worker (``POST /workers``) and wait until the router holds it healthy."""
+        url = url.rstrip("/")
+        response = httpx.post(f"{self.url}/workers", json={"url": url}, headers=self.headers, timeout=10.0)
+        if response.is_error:
+            raise RouterError(f"sglang-router refused worker {url}: {response.status_code} {response.text[:300]}")
+        self.worker_urls.append(url)
+        self.wait_ready(timeout_s)
+
+    def remove_worker(self, url: str) -> None:
+        """Take a worker out of rotation (``DELETE /workers/{id}``); nothing if the router does not hold it."""
+        url = url.rstrip("/")
+        self.worker_urls = [u for u in self.worker_urls if u != url]
+        for worker in self.workers():
+            if worker["url"].rstrip("/") == url:
+                response = httpx.delete(f"{self.url}/workers/{worker['id']}", headers=self.headers, timeout=10.0)
+                if response.is_error and response.status_code != 404:  # 404: its removal is under way already
+                    raise RouterError(f"sglang-router did not remove worker {url}: {response.status_code} {response.text[:300]}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process is not None and self.process.poll() is None:

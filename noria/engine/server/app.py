@@ -80,7 +80,8 @@ class ServerOptions:
     """Interface to bind; loopback by default (every Noria server binds 127.0.0.1 unless told otherwise)."""
     port: int = 30000
     api_key: str | None = None
-    """When set, every endpoint requires ``Authorization: Bearer <api_key>`` (401 otherwise)."""
+    """When set, every endpoint but ``/health`` (liveness only; sglang-router probes it without a key, and
+    SGLang leaves it open too) requires ``Authorization: Bearer <api_key>`` (401 otherwise)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, seconds in-flight requests may take to finish before they are aborted."""
     engine_id: str = ""
@@ -208,7 +209,7 @@ class EngineServer:
 
     def _authenticate(self, request: web.Request) -> None:
         key = self.options.api_key
-        if key is None:
+        if key is None or request.path == "/health":  # liveness only, open as in SGLang: a router's probe carries no key
             return
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):

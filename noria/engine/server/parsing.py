@@ -128,6 +128,11 @@ def check_ids(ids: Any, name: str, vocab_size: int | None) -> list[int]:
 def sampling_from(data: Any, name: str = "sampling_params") -> SamplingParams:
     if data is not None and not isinstance(data, dict):
         raise RequestError(f"{name} must be a JSON object, got {type(data).__name__}")
+    if data is not None and "sampling_seed" in data:  # SGLang's name of the seed (sglang-router passes only it on)
+        if "seed" in data:
+            raise RequestError(f"{name}: give seed or sampling_seed, not both")
+        data = {**data, "seed": data["sampling_seed"]}
+        del data["sampling_seed"]
     try:
         return SamplingParams.from_dict(data)
     except TypeError as e:  # e.g. a field given a value the dataclass cannot take

@@ -1,0 +1,274 @@
+"""Trainer ranks of an RL job: one ``TrainerRank`` per process, driven in lock step by a rank group.
+
+What this module owns: the trainer side of a job with ``train.world_size`` ranks (FSDP2 over
+torch.distributed: gloo on CPU, NCCL on CUDA) and the calls the job makes on them. Every call goes
+to every rank with the same arguments, in the same order (FSDP2's collectives need it), and the
+job keeps rank 0's answer::
+
+    job --call("train", groups, version)--> rank 0 .. rank W-1: noria.train.rl_step (same groups)
+    job --call("push", targets, version)--> every rank gathers the full tensors (collective);
+                                           rank 0 sends them to the engines (noria.sync)
+    job --call("save" | "load" | "export_hf")--> DCP checkpoint / HF folder (collective)
+
+Rank groups: ``InProcessRanks`` (one rank in the job's process), ``ProcessRanks`` (local
+processes, a pipe each; ``noria.launch.scaled``) and the Ray launcher's actors (``noria.launch.ray``).
+The rendezvous of a group binds 127.0.0.1 locally, or the node address Ray gives rank 0.
+
+Weight sync from rank 0 (``push``): the transport ``sync.transport`` names, where ``auto`` means
+broadcast (one torch.distributed group from rank 0 to every engine, bucketed) when every engine is
+reachable on rank 0's node, and disk (a safetensors folder in the run folder, which must then be
+on a filesystem every node shares) otherwise; a broadcast push that fails while every engine is
+alive falls back to disk for the rest of the run (``sync/fallback`` says so). One ``WeightSync``
+is kept per set of engines (its broadcast group lives across pushes); a changed fleet (an engine
+restarted) gets a new one.
+
+Failure: a rank that dies (its process exits, its actor is lost) makes the call raise
+``TrainerRankFailure`` naming the rank and how it ended; the job stops (the other ranks may be
+stuck in a collective: the group is torn down) and ``--resume`` continues from the last committed
+checkpoint. Not guaranteed: the PPO critic (``advantage: gae``) runs with one rank only.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+from noria.config import RunConfig
+from noria.errors import NoriaError
+
+
+class TrainerRankFailure(NoriaError):
+    """A trainer rank died or failed; the message names the rank."""
+
+
+class TrainerRank:
+    """One rank: the backend on this process's device, the RL step, and (rank 0) the weight sync."""
+
+    def __init__(self, config: RunConfig, rank: int, world: int, folder: str, device: str | None = None) -> None:
+        self.config, self.rank, self.world, self.folder = config, rank, world, Path(folder)
+        self.device = device or config.train.device
+        self.backend: Any = None
+        self.syncs: dict[tuple, Any] = {}
+        self.fallback = False
+
+    def setup(self, master_addr: str, master_port: int, total_steps: int) -> str:
+        """Join the group (W > 1), load the model, build the optimizer; returns this rank's node address."""
+        import dataclasses
+
+        from noria.launch.local import backend_options
+        from noria.models.catalog import model_path
+        from noria.net import node_address
+        from noria.train import FSDPBackend
+
+        cfg = self.config
+        if self.world > 1:
+            os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                              WORLD_SIZE=str(self.world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))  # fmt: skip
+            from noria.train.fsdp import init_distributed
+
+            init_distributed(self.device)
+        train = dataclasses.replace(cfg.train, device=self.device)
+        self.backend = FSDPBackend(train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
+        self.backend.init(model_path(cfg.model.path), total_steps=total_steps)
+        return node_address()
+
+    def train(self, groups: list, weight_version: int) -> dict[str, float]:
+        from noria.train.rl_step import rl_step
+
+        cfg = self.config
+        return rl_step(self.backend, groups, cfg.train, weight_version, None, cfg.rollout.routing_replay)
+
+    def push(self, targets: list[tuple[str, str | None]], version: int, verify: bool = False) -> dict[str, float]:
+        """Every rank gathers the full tensors; rank 0 sends them to ``targets`` ((url, api key) each)."""
+        from noria.sync import WeightSyncError
+        from noria.train.rl_step import on_device
+
+        bucket = self.config.sync.bucket_mb << 20
+        with on_device(self.backend.device):
+            if self.rank != 0:
+                for _ in self.backend.state_dict_for_sync(bucket):  # the gathers are collective
+                    pass
+                return {}
+            sync = self.sync_for(targets, verify)
+            try:
+                metrics = sync.push(self.backend.state_dict_for_sync(bucket), version)
+            except WeightSyncError:
+                if sync.transport != "broadcast" or self.config.sync.transport != "auto" or self.world > 1:
+                    raise  # other ranks have finished their gathers: a second push would hang them
+                self.fallback = True
+                self.drop_syncs()
+                metrics = self.sync_for(targets, verify).push(self.backend.state_dict_for_sync(bucket), version)
+        metrics["sync/fallback"] = float(self.fallback)
+        metrics["sync/engines"] = float(len(targets))
+        return metrics
+
+    def sync_for(self, targets: list[tuple[str, str | None]], verify: bool) -> Any:
+        """The ``WeightSync`` to exactly these engines (kept: its broadcast group lives across pushes)."""
+        import dataclasses
+
+        from noria.models.catalog import model_path
+        from noria.sync import HttpEngine, build_sync
+
+        key = (tuple(targets), verify)
+        if key not in self.syncs:
+            cfg = self.config.sync
+            if cfg.transport == "auto":
+                cfg = dataclasses.replace(cfg, transport="disk" if self.fallback or not all(local_url(u) for u, _ in targets) else "broadcast")
+            cfg = dataclasses.replace(cfg, verify=cfg.verify or verify)
+            if cfg.broadcast_backend == "auto" and self.device.startswith("cuda"):
+                cfg = dataclasses.replace(cfg, broadcast_backend="gloo")  # engines may share the trainer's GPU
+            engines = [HttpEngine(url, api_key=k) for url, k in targets]
+            self.syncs[key] = build_sync(cfg, engines, run_dir=self.folder, source=model_path(self.config.model.path))
+        return self.syncs[key]
+
+    def drop_syncs(self) -> None:
+        for sync in self.syncs.values():
+            try:
+                sync.close()
+            except Exception:  # noqa: BLE001 -- best effort: an engine of it may be gone
+                pass
+        self.syncs.clear()
+
+    def save(self, folder: str, extra: dict[str, Any]) -> str:
+        return str(self.backend.save(folder, extra=extra))
+
+    def load(self, folder: str) -> dict[str, Any]:
+        return self.backend.load(folder)
+
+    def export_hf(self, folder: str) -> str:
+        return str(self.backend.export_hf(folder))
+
+    def optimizer_steps(self) -> int:
+        return int(self.backend.optimizer_steps)
+
+    def close(self) -> None:
+        self.drop_syncs()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def local_url(url: str) -> bool:
+    """Whether an engine URL is on this machine (loopback), so a broadcast group can reach it."""
+    from urllib.parse import urlparse
+
+    from noria.net import node_address
+
+    host = urlparse(url).hostname or ""
+    return host in ("127.0.0.1", "localhost", "::1") or host == node_address()
+
+
+class RankBackend:
+    """The job's view of its ranks where it needs a backend (``save``, ``load``, ``export_hf``):
+    every call goes to every rank, rank 0's answer comes back."""
+
+    def __init__(self, ranks: Any) -> None:
+        self.ranks = ranks
+
+    def save(self, folder: Path, extra: dict[str, Any]) -> Path:
+        return Path(self.ranks.call("save", str(folder), extra)[0])
+
+    def load(self, folder: Path) -> dict[str, Any]:
+        return self.ranks.call("load", str(folder))[0]
+
+    def export_hf(self, folder: Path) -> Path:
+        return Path(self.ranks.call("export_hf", str(folder))[0])
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.ranks.call("optimizer_steps")[0]
+
+
+class InProcessRanks:
+    """One rank in the job's own process (``train.world_size`` 1)."""
+
+    def __init__(self, rank: TrainerRank) -> None:
+        self.rank = rank
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.rank, method)(*args)]
+
+    def close(self) -> None:
+        self.rank.close()
+
+
+def rank_main(connection: Any, config: RunConfig, rank: int, world: int, folder: str) -> None:
+    """A local rank process: run each ``(method, args)`` from the pipe, answer ``(ok, result)``."""
+    from noria.launch.env import multicast_off
+
+    multicast_off()
+    trainer = TrainerRank(config, rank, world, folder)
+    while True:
+        try:
+            method, args = connection.recv()
+        except EOFError:  # the job is gone
+            return
+        try:
+            connection.send((True, getattr(trainer, method)(*args)))
+        except BaseException as e:  # noqa: BLE001 -- sent to the job, which raises it naming the rank
+            connection.send((False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+        if method == "close":
+            return
+
+
+class ProcessRanks:
+    """``train.world_size`` local rank processes (spawned), each driven through a pipe."""
+
+    def __init__(self, config: RunConfig, folder: Path, poll_s: float = 0.5) -> None:
+        import multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        self.poll_s = poll_s
+        self.pipes, self.processes = [], []
+        world = config.train.world_size
+        for rank in range(world):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=rank_main, args=(theirs, config, rank, world, str(folder)), daemon=True, name=f"noria-rank-{rank}")
+            process.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.processes.append(process)
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every rank; raises ``TrainerRankFailure`` naming the first rank that
+        died or failed (the others are stopped: they may wait in a collective forever)."""
+        for pipe in self.pipes:
+            pipe.send((method, args))
+        return [self._answer(rank, method) for rank in range(len(self.pipes))]
+
+    def _answer(self, rank: int, method: str) -> Any:
+        pipe, process = self.pipes[rank], self.processes[rank]
+        while not pipe.poll(self.poll_s):
+            dead = [r for r, p in enumerate(self.processes) if p.exitcode is not None]
+            if dead:
+                self.fail(f"trainer rank {dead[0]} (pid {self.processes[dead[0]].pid}) died with exit code "
+                          f"{self.processes[dead[0]].exitcode} during {method}")  # fmt: skip
+        try:
+            ok, result = pipe.recv()
+        except EOFError:
+            process.join(5)
+            self.fail(f"trainer rank {rank} (pid {process.pid}) died with exit code {process.exitcode} during {method}")
+        if not ok:
+            self.fail(f"trainer rank {rank} failed in {method}: {result}")
+        return result
+
+    def fail(self, message: str) -> None:
+        self.close(graceful=False)
+        raise TrainerRankFailure(message)
+
+    def close(self, graceful: bool = True) -> None:
+        for pipe, process in zip(self.pipes, self.processes):
+            if graceful and process.exitcode is None:
+                try:
+                    pipe.send(("close", ()))
+                    pipe.poll(30) and pipe.recv()
+                except (OSError, EOFError):
+                    pass
+            process.join(5 if graceful else 0)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        self.pipes, self.processes = [], []

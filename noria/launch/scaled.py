@@ -1,0 +1,135 @@
+"""``ScaledJob``: the local launcher's job with an engine fleet and trainer ranks in their own processes.
+
+``run_rl`` picks it when ``rollout.engines`` > 1 or ``train.world_size`` > 1 (and the Ray launcher
+builds on it: ``noria.launch.ray.RayJob`` changes only where engines and ranks start). It is
+``LocalJob`` (the same ``noria.loop.Job`` calls, scheduler, buffer, run folder and checkpoints)
+with two parts swapped:
+
+- engines: ``noria.launch.fleet.EngineFleet`` (``rollout.engines`` ``noria serve`` processes behind
+  sglang-router, one per-run API key) and its ``FleetClient`` as the rollout's engine client;
+- trainer: ``noria.launch.ranks`` (one ``TrainerRank`` in this process for ``world_size`` 1, else
+  ``ProcessRanks``), each rank running ``noria.train.rl_step`` on the same groups; rank 0 pushes the
+  weights to every engine of the fleet (``noria.sync``; broadcast in one group, disk as fallback).
+
+When what happens (the safe points, where the trainer's weights are the version the engines serve):
+
+- before each batch is taken: every serving engine must report ``weight_version`` (``check_versions``);
+- while ``take_groups`` waits: dead engines are restarted and get the current version pushed to them
+  with checksums verified, then rejoin the router (``between_waits``);
+- each ``sync_weights``: dead engines are restarted first, and the push reaches them too.
+
+Not guaranteed: the PPO critic (``advantage: gae``) with several ranks; colocated placement (the
+engines here are always their own processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+from noria.config import RunConfig, ensure_valid, save_config
+from noria.errors import NoriaError
+from noria.launch.fleet import EngineFleet, FleetClient, start_local_engine
+from noria.launch.local import LocalJob
+from noria.launch.ranks import InProcessRanks, ProcessRanks, RankBackend, TrainerRank
+from noria.metrics import RunLog
+from noria.types import Group
+
+
+class ScaledJob(LocalJob):
+    """An RL job over an engine fleet and trainer ranks (see the module docstring)."""
+
+    fleet: EngineFleet
+    ranks: Any
+
+    @staticmethod
+    def check_supported(config: RunConfig) -> None:
+        ensure_valid(config)
+        if config.train.algorithm != "rl":
+            raise NoriaError("run_rl needs train.algorithm: rl")
+        if config.train.loss.advantage == "gae" and config.train.world_size > 1:
+            raise NoriaError("train.loss.advantage gae (PPO with a critic) runs on one trainer rank; set train.world_size 1")
+        if config.rollout.placement != "disaggregated" or config.rollout.engine_url is not None:
+            raise NoriaError("an engine fleet or several trainer ranks need rollout.placement: disaggregated and no engine_url")
+
+    def start_parts(self, resume: bool) -> None:
+        cfg = self.config
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.api_key = secrets.token_urlsafe(32)
+        r = cfg.rollout
+        self.fleet = EngineFleet(self.engine_starter(), r.engines, self.api_key, r.engine_restarts, r.engine_timeout_s, self.folder)
+        self.fleet.start()
+        self.client = FleetClient(self.fleet)
+        self.start_teacher()
+        self.ranks = self.start_ranks(self.total_steps * cfg.train.steps_per_rollout)
+        self.backend = RankBackend(self.ranks)
+        self.critic = None
+        if resume:
+            self.restore()
+        cfg.run_dir = str(self.folder)
+        save_config(cfg, self.folder / "config.yaml")
+        self.log = RunLog(self.folder, self.total_steps, self.step, self.progress, config=cfg)
+
+    def engine_starter(self) -> Any:
+        """``start(index) -> EngineProc`` of this launcher: a local ``noria serve`` child."""
+        return start_local_engine(self.config, self.folder, self.api_key)
+
+    def start_ranks(self, total_steps: int) -> Any:
+        """The trainer ranks, set up (model loaded, group joined); rendezvous on 127.0.0.1."""
+        from noria.net import free_port
+
+        cfg = self.config
+        if cfg.train.world_size == 1:
+            ranks: Any = InProcessRanks(TrainerRank(cfg, 0, 1, str(self.folder)))
+        else:
+            ranks = ProcessRanks(cfg, self.folder)
+        ranks.call("setup", "127.0.0.1", free_port(), total_steps)
+        return ranks
+
+    # ------------------------------------------------------------------------------ loop calls
+
+    async def take_groups(self) -> list[Group]:
+        await self.fleet.check_versions(self.weight_version)  # every engine serves what the run pushed
+        return await super().take_groups()
+
+    async def between_waits(self) -> None:
+        if any(s.state == "lost" for s in self.fleet.slots):
+            await asyncio.to_thread(self.restart_and_resync)
+            self.fleet.mark_ready()
+
+    def restart_and_resync(self) -> None:
+        """Restart dead engines and push them the current version, checksums verified (blocking)."""
+        started = self.fleet.restart_lost()
+        if started:
+            self.ranks.call("push", [(s.proc.url, self.api_key) for s in started], self.weight_version, True)
+            self.fleet.rejoin(self.weight_version)
+
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        """The RL step on every rank with the same groups; rank 0's metrics (reduced over ranks)."""
+        return self.ranks.call("train", groups, self.weight_version)[0]
+
+    async def sync_weights(self, advance: bool = True) -> dict[str, float]:
+        metrics = await super().sync_weights(advance)
+        self.fleet.mark_ready()
+        return metrics
+
+    def push(self, version: int, bucket_bytes: int) -> dict[str, float]:
+        """Restart dead engines, then every rank gathers and rank 0 pushes ``version`` to the whole fleet."""
+        started = self.fleet.restart_lost()
+        metrics = self.ranks.call("push", self.fleet.targets(), version, bool(started))[0]
+        self.fleet.rejoin(version)
+        return metrics
+
+    def engine_metrics(self) -> dict[str, float]:
+        return self.fleet.metrics()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if getattr(self, "ranks", None) is not None:
+                self.ranks.close()
+            if getattr(self, "fleet", None) is not None:
+                self.fleet.close()
+
