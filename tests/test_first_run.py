@@ -61,13 +61,15 @@ def test_first_run_speaks_every_few_seconds_and_learns_the_format(tmp_path):
                   "exporting the final model"):  # fmt: skip
         assert f"noria: {phase}" in said, phase
 
-    # What GRPO learns here for sure: to put the answer in \boxed{} as the prompt asks (the warm start
-    # does so 40% of the time, the reward counts boxed answers only). Held-out accuracy is recorded;
-    # its rise is not asserted (see examples/grpo_tiny.yaml: it depends on the warm start's luck).
+    # GRPO learns to put the answer in \boxed{} as the prompt asks (the warm start does so 40% of the
+    # time, the reward counts boxed answers only). The held-out accuracy is printed, not asserted: it
+    # rose 16.7% -> 57.8% on an AVX-512 CPU but only 6.7% -> 12.2% with NORIA_CPU_ISA=avx2, whose
+    # fp32 sums build a slightly different warm start (docs/quickstart.md).
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 10, 20, 30, 40, 50]
     boxed = [boxed_share(run / "eval" / f"step-{e['step']:06d}.jsonl") for e in evals]
     assert boxed[-1] >= boxed[0] + 0.3 and boxed[-1] > 0.9, boxed
+    print("held-out accuracy by eval:", [round(e["accuracy"], 3) for e in evals])
 
 
 def boxed_share(path: Path) -> float:
