@@ -143,7 +143,7 @@ def run(shape: str, device: str, dtype: str, parts: list[str], json_path: str | 
 def write_random_dit(folder: Path, shape: str, dtype: str) -> Path:
     """A diffusers folder of a seeded random DiT of ``shape`` whose adaLN-Zero gates are not zero (a
     fresh DiT predicts 0 and its blocks would be skipped by nothing, but the numbers would be dull)."""
-    from noria.diffusion.model import load_dit, save_dit
+    from noria.diffusion.model import cast, load_dit, save_dit
 
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({**BASE, **SHAPES[shape]}))
@@ -153,7 +153,7 @@ def write_random_dit(folder: Path, shape: str, dtype: str) -> Path:
         for p in model.parameters():
             if not p.any():
                 p.normal_(0.0, 0.02, generator=gen)
-    save_dit(model.to(getattr(torch, dtype)), folder)
+    save_dit(cast(model, dtype=getattr(torch, dtype)), folder)
     return folder
 
 

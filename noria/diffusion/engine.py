@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from noria.diffusion import sde
-from noria.diffusion.model import latent_shape, load_dit, num_classes, set_exact_numerics, velocity
+from noria.diffusion.model import cast, latent_shape, load_dit, num_classes, set_exact_numerics, velocity
 from noria.diffusion.protocol import ImageOutput, ImageRequest
 from noria.engine.weight_updates import WeightUpdates
 from noria.engine.protocol import RequestError
@@ -113,7 +113,7 @@ class DiffusionEngine:
         if lora is not None and lora.enabled and lora.sync == "adapter":
             from noria.train.lora import apply_lora
 
-            model = apply_lora(model, lora).to(device=device, dtype=getattr(torch, dtype))
+            model = cast(apply_lora(model, lora), device, getattr(torch, dtype))
         return cls(model, engine_cfg.max_running_requests, engine_cfg.deterministic, weight_version)
 
     # ------------------------------------------------------------------------------ requests

@@ -96,7 +96,16 @@ def load_dit(path: str | Path, dtype: torch.dtype = torch.float32, device: str |
             model = DiTTransformer2DModel.from_config(config)
     else:
         raise ModelFolderError(f"{path}: no {WEIGHTS_FILE}; train it first (a config-only folder starts SFT from scratch)")
-    return model.to(device=device, dtype=dtype).eval()  # buffers too (sincos positions), as the trainer casts them
+    return cast(model, device, dtype).eval()  # buffers too (sincos positions), as the trainer casts them
+
+
+def cast(model: nn.Module, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> nn.Module:
+    """``model`` moved and cast in place (parameters and buffers). Through ``nn.Module.to``: diffusers'
+    override warns on every dtype cast about modules kept in float32, even when a model has none,
+    as a DiT has none; a model that does keep some goes through diffusers' own ``to``."""
+    if getattr(model, "_keep_in_fp32_modules", None):
+        return model.to(device=device, dtype=dtype)
+    return nn.Module.to(model, device=device, dtype=dtype)
 
 
 def save_dit(model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
@@ -109,7 +118,7 @@ def save_dit(model: nn.Module, folder: str | Path, state: dict[str, torch.Tensor
     if state is not None:
         target = DiTTransformer2DModel.from_config(dict(model.config))
         target.load_state_dict(state, strict=True)
-        target = target.to(next(iter(state.values())).dtype)
+        target = cast(target, dtype=next(iter(state.values())).dtype)
     target.save_pretrained(str(folder), safe_serialization=True)
     return folder
 
