@@ -44,7 +44,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -77,6 +78,7 @@ class Slot:
     restarts: int = 0
     version: int = 0
     lost_note: str = ""
+    losses: int = 0
 
     @property
     def name(self) -> str:
@@ -88,7 +90,8 @@ class FleetCounters:
     requests: int = 0
     mixed: int = 0
     restarts: int = 0
-    extra: dict = field(default_factory=dict)
+    losses: int = 0
+    """Engines found dead so far: a request that fails after this grew while it ran failed on one."""
 
 
 class EngineFleet:
@@ -100,6 +103,11 @@ class EngineFleet:
         self.slots: list[Slot] = []
         self.router: Any = None
         self.counters = FleetCounters()
+        self.spawner = ThreadPoolExecutor(1, thread_name_prefix="noria-fleet-spawn")
+        """Restarts start engines from this one thread, which lives as long as the fleet: a child dies with
+        the thread that started it (``noria.launch.lifecycle``), and the job's worker threads come and go."""
+        self.dead_urls: set[str] = set()
+        """URLs of engines found dead (a request the router sent there before it dropped them fails naming one)."""
         self._ready: asyncio.Event | None = None
 
     def start(self) -> EngineFleet:
@@ -133,10 +141,6 @@ class EngineFleet:
     def mixed(self) -> bool:
         return len({s.version for s in self.serving()}) > 1
 
-    def recovering(self) -> list[Slot]:
-        """Engines found dead and not serving again yet (a request that failed meanwhile failed on them)."""
-        return [s for s in self.slots if s.state in ("lost", "restarted")]
-
     def ready_event(self) -> asyncio.Event:
         if self._ready is None:
             self._ready = asyncio.Event()
@@ -158,6 +162,9 @@ class EngineFleet:
         lost = [s for s in lost if s.state == "serving"]  # another failed request may have marked it meanwhile
         for slot in lost:
             slot.state, slot.lost_note = "lost", slot.proc.exit_note()
+            slot.losses += 1
+            self.counters.losses += 1
+            self.dead_urls.add(slot.proc.url)
             if self.router is not None:
                 await asyncio.to_thread(self.router.remove_worker, slot.proc.url)
         if not self.serving():
@@ -185,7 +192,7 @@ class EngineFleet:
                 slot.state = "retired"
                 continue
             slot.proc.stop()
-            slot.proc = self.start_engine(slot.index)
+            slot.proc = self.spawner.submit(self.start_engine, slot.index).result()
             slot.client = self.client_for(slot.proc)
             slot.restarts += 1
             slot.state = "restarted"
@@ -241,6 +248,7 @@ class EngineFleet:
             self.router.stop()
         for slot in self.slots:
             slot.proc.stop()
+        self.spawner.shutdown(wait=False)
 
 
 class FleetClient:
@@ -259,12 +267,14 @@ class FleetClient:
         await fleet.wait_ready()
         serving = fleet.serving()
         client = self.router_client if self.router_client is not None else serving[0].client
-        mixed = fleet.mixed
+        mixed, losses = fleet.mixed, fleet.counters.losses
         try:
             out = await client.generate(req)
         except EngineFailure as e:
-            lost = await fleet.find_lost() or fleet.recovering()  # or another request found its engine dead first
-            if not lost:
+            await fleet.find_lost()
+            dead = [url for url in fleet.dead_urls if url in str(e)]  # the router names the worker it could not reach
+            lost = [s for s in fleet.slots if s.losses > 0] if fleet.counters.losses > losses or dead else []
+            if not lost:  # no engine died while it ran: a failure of its own, which stops the run
                 raise
             names = ", ".join(f"{s.name} ({s.lost_note})" for s in lost)
             raise EngineLost(f"{names} died under a request; its group is regenerated", fleet.wait_ready) from e

@@ -348,6 +348,7 @@ class LocalJob:
         start = time.perf_counter()
         groups: list[Group] = []
         while True:
+            await self.between_waits()  # before the look at the buffer: nothing may await between it and wait_change
             taken = self.buffer.take(n - len(groups), self.weight_version)
             scheduler.on_taken(len(taken))  # at once: the scheduler's staleness bound counts them
             if taken:
@@ -355,8 +356,9 @@ class LocalJob:
             groups += taken
             if len(groups) == n or scheduler.finished:
                 break
-            await self.between_waits()
             await scheduler.wait_change()
+        if scheduler.error is not None:  # it stopped on a failure: never train on what it left behind
+            raise scheduler.error
         if not groups and self.step == 0:
             raise NoriaError(f"the data ran out before one group could be trained: {self.drops.describe()}")
         check_served_versions(groups, self.weight_version)

@@ -31,6 +31,7 @@ checkpoint. Not guaranteed: the PPO critic (``advantage: gae``) runs with one ra
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -242,18 +243,23 @@ class ProcessRanks:
     def _answer(self, rank: int, method: str) -> Any:
         pipe, process = self.pipes[rank], self.processes[rank]
         while not pipe.poll(self.poll_s):
-            dead = [r for r, p in enumerate(self.processes) if p.exitcode is not None]
-            if dead:
-                self.fail(f"trainer rank {dead[0]} (pid {self.processes[dead[0]].pid}) died with exit code "
-                          f"{self.processes[dead[0]].exitcode} during {method}")  # fmt: skip
+            self.fail_if_dead(method)
         try:
             ok, result = pipe.recv()
         except EOFError:
             process.join(5)
-            self.fail(f"trainer rank {rank} (pid {process.pid}) died with exit code {process.exitcode} during {method}")
-        if not ok:
+            self.fail_if_dead(method)
+            self.fail(f"trainer rank {rank} (pid {process.pid}) closed its pipe during {method}")
+        if not ok:  # a collective broken by a rank that died fails the others too: name the dead one
+            time.sleep(self.poll_s)
+            self.fail_if_dead(method, f"; rank {rank} then failed: {result.splitlines()[0]}")
             self.fail(f"trainer rank {rank} failed in {method}: {result}")
         return result
+
+    def fail_if_dead(self, method: str, more: str = "") -> None:
+        for rank, process in enumerate(self.processes):
+            if process.exitcode is not None:
+                self.fail(f"trainer rank {rank} (pid {process.pid}) died with exit code {process.exitcode} during {method}{more}")
 
     def fail(self, message: str) -> None:
         self.close(graceful=False)

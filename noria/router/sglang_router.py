@@ -136,7 +136,8 @@ class SglangRouter:
     def add_worker(self, url: str, timeout_s: float = 60.0) -> None:
         """Register one more worker (``POST /workers``) and wait until the router holds it healthy."""
         url = url.rstrip("/")
-        response = httpx.post(f"{self.url}/workers", json={"url": url}, headers=self.headers, timeout=10.0)
+        body = {"url": url, **({"api_key": self.api_key} if self.api_key else {})}  # the key it talks to the worker with
+        response = httpx.post(f"{self.url}/workers", json=body, headers=self.headers, timeout=10.0)
         if response.is_error:
             raise RouterError(f"sglang-router refused worker {url}: {response.status_code} {response.text[:300]}")
         self.worker_urls.append(url)
