@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gpu-multi": ("gpu_multi", "several CUDA GPUs: FSDP2 over 2 GPUs vs 1, async RL with engine and trainer on separate GPUs"),
     "rl": ("rl", "seconds per RL step and held-out accuracy: Noria's GRPO loop vs TRL's GRPOTrainer, same steps"),
     "async": ("async_rl", "trained tokens/s, trainer and engine idle: synchronous vs fully asynchronous RL, long-tailed responses"),
+    "fleet": ("fleet", "scale-out: launch local vs ray step time, 2 engines vs 1 tokens/s and busy fraction, a weight push to N engines vs the raw broadcast"),
     "diffusion": ("diffusion", "images/s of the diffusion engine vs diffusers' DiTPipeline loop on the same DiT, and the DiT trainer's samples/s"),
 }
 """``noria bench NAME`` -> (module of ``noria.bench``, one-line help)."""

@@ -12,7 +12,10 @@ these changes only (each is a config override, listed in the JSON row's ``overri
 - ``reward.name``: ``noria.bench.gpu_rl:digit_share`` (below); ``eval.every`` 0 (no evaluation);
 - ``engine.kv_cache_tokens``: at least one step's worth, ``prompts x samples x (64 + new tokens)``,
   so a larger setting is not throttled by retractions (the example's 32768 fits 8 x 8 x 32);
-- anything passed with ``--set KEY=VALUE`` (e.g. ``--set engine.max_running_requests=512``).
+- anything passed with ``--set KEY=VALUE`` (e.g. ``--set engine.max_running_requests=512``);
+- ``--launch ray``: ``launch=ray``, ``rollout.placement=disaggregated`` and engine and trainer actors
+  of half the GPU each (``ray.engine_resources`` / ``ray.trainer_resources``), so the same job runs
+  on the Ray launcher (``noria.launch.ray``; Ray must be installed) against the local launcher's rows.
 
 The model: the Qwen3 body of ``--model`` (``qwen3-0.6b``: 28 layers, hidden 1024, 16 query and 8
 KV heads of 128, tied embeddings), N(0, 0.02) weights, bf16 safetensors, with ``vocab_size``
@@ -86,14 +89,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vocab", type=int, default=QWEN3_VOCAB, help="vocab_size of model and tokenizer")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="one more config override (repeatable), e.g. engine.max_running_requests=512")
+    parser.add_argument("--launch", choices=("local", "ray"), default="local",
+                        help="ray: the same job on the Ray launcher (a private instance; engine and trainer actors sharing "
+                             "the GPU, half each), the rows' overrides say so")
     parser.add_argument("--work-dir", help="keep the model and run folders here (default: a temp folder, removed)")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
 def main(args) -> int:
     run(args.model, args.device, args.steps, settings(args.prompts, args.samples, args.new_tokens), args.vocab,
-        args.set, args.json, args.work_dir)
+        launch_settings(args.launch, args.device) + args.set, args.json, args.work_dir)
     return 0
+
+
+def launch_settings(launch: str, device: str) -> list[str]:
+    """``--launch ray`` as ``--set`` items: the Ray launcher, the engine its own actor (disaggregated), engine
+    and trainer actors each given half of the one GPU (or one CPU)."""
+    if launch == "local":
+        return []
+    share = "{CPU: 1, GPU: 0.5}" if device.startswith("cuda") else "{CPU: 1}"
+    return ["launch=ray", "rollout.placement=disaggregated", f"ray.engine_resources={share}", f"ray.trainer_resources={share}"]
 
 
 def settings(prompts: str, samples: str, new_tokens: str) -> list[tuple[int, int, int]]:
