@@ -115,7 +115,9 @@ def test_bad_row_is_named_before_the_model_loads(tmp_path, tiny_model_dir, capsy
     data.write_text(json.dumps({"messages": CHATS[0]}) + "\n\n" + json.dumps({"text": "no messages"}) + "\n")
     assert main(["train", "examples/sft_tiny.yaml", *args_for(no_weights, data)]) == 2
     err = capsys.readouterr().err
-    assert f"{data}:3" in err and "messages" in err and len(err.strip().splitlines()) == 1
+    lines = err.strip().splitlines()  # the run's header line, then the one error line, no traceback
+    assert lines[0].startswith("noria train: sft-tiny") and len(lines) == 2 and "Traceback" not in err
+    assert f"{data}:3" in lines[1] and "messages" in lines[1]
 
 
 def test_template_that_breaks_prefix_consistency_is_named(tmp_path, tiny_model_dir, capsys):
