@@ -580,6 +580,12 @@ class SyncConfig:
     bucket_mb: int = option(256, "Tensors are sent in buckets of about this many MiB.")
     verify: bool = option(False, "After every update, compare a checksum of every engine tensor with the trainer's.")
     disk_dir: str | None = option(None, "disk transport: folder the weights are written to; null uses RUN_DIR/weights.")
+    delta: bool = option(
+        False,
+        "disk transport: write only what changed since the last version (XOR, compressed, per-tensor checksums); an "
+        "engine not serving that version, or refusing the delta, gets a full snapshot. noria engines only (SGLang and "
+        "vLLM load full folders: refused at start). See docs/concepts.md.",
+    )
     broadcast_backend: Literal["auto", "nccl", "gloo"] = option(
         "auto",
         "broadcast transport's group: nccl (CUDA weights, the engine on another GPU), gloo (any tensors; CUDA ones "
@@ -590,6 +596,8 @@ class SyncConfig:
     def validate(self) -> None:
         if self.bucket_mb < 1:
             raise ConfigError(f"sync.bucket_mb must be >= 1, got {self.bucket_mb}")
+        if self.delta and self.transport != "disk":
+            raise ConfigError(f"sync.delta writes deltas to disk: it needs sync.transport: disk, not {self.transport}")
 
 
 @dataclass

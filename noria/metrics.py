@@ -158,6 +158,10 @@ METRICS: tuple[Metric, ...] = tuple(
         ("sync/verify_seconds", "s", "Checksum comparison after the push (sync.verify)."),
         ("sync/engines", "count", "Engines pushed to (a fleet, or with trainer ranks in their own processes)."),
         ("sync/fallback", "flag", "1 once a failed broadcast push made the run fall back to the disk transport."),
+        ("sync/bytes_written", "bytes", "Disk transport: bytes of the folders the push wrote (with sync.delta: the delta, plus any full snapshot)."),
+        ("sync/changed_frac", "fraction", "sync.delta: elements pushed whose bits differ from the last version (all of them on a first push)."),
+        ("sync/full_snapshots", "count", "sync.delta: engines given a full snapshot (first push, an engine that missed a version or refused the delta)."),
+        ("sync/delta_refused", "count", "sync.delta: engines that refused the delta (corrupt, or their weights were not its base) and got a full snapshot."),
     ])
     + _table("eval", [
         ("eval/accuracy", "fraction", "Held-out accuracy: mean reward over every evaluation answer, one whose reward failed counting as wrong (eval.jsonl `accuracy`)."),

@@ -18,11 +18,17 @@ def test_bench_sync_writes_the_json_shape(tmp_path, tiny_model_dir):
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "sync" and {"command", "date", "machine"} <= set(doc)
     assert doc["results"] == results
-    pushes = [r for r in results if r["metric"] in ("gb_per_s", "push_s")]
-    assert len(pushes) == 2 * len(bench_sync.TRANSPORT_CASES)
+    delta = {r["metric"]: r for r in results if "disk delta" in r["case"]}
+    pushes = [r for r in results if r["metric"] in ("gb_per_s", "push_s") and "disk delta" not in r["case"]]
+    assert len(pushes) == 2 * (len(bench_sync.TRANSPORT_CASES) - 1)
     for row in pushes:
         assert row["noria"] > 0 and row["bound"] > 0 and row["peers"] == {}
+    for row in results:
         assert set(row) == {"case", "metric", "noria", "peers", "bound"}
+    assert set(delta) == {"push_s", "bytes_written", "changed_frac"}  # against the full disk push of the same run
+    assert delta["push_s"]["noria"] > 0 and delta["push_s"]["peers"]["disk"] > 0
+    assert 0 < delta["bytes_written"]["noria"] < delta["bytes_written"]["peers"]["disk"]
+    assert 0 < delta["changed_frac"]["noria"] < 1
     cases = " ".join(r["case"] for r in pushes)
     for words in ("in-process", "shared-memory (noria serve subprocess, cpu)", "broadcast gloo", "disk", "vs memcpy", "vs gloo_broadcast"):
         assert words in cases

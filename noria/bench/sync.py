@@ -15,7 +15,16 @@ ipc shared-memory    ``noria serve`` subprocess: the trainer      memcpy, as abo
 broadcast gloo       ``noria serve`` subprocess (gloo group;      gloo broadcast of the bytes as flat
                      large tensors alone, small ones packed)      bucket buffers to a subprocess, acked
 disk                 ``Engine`` in this process                   safetensors ``save_file`` + ``load_file``
+disk-delta           ``Engine`` in this process, ``sync.delta``   the ``disk`` case's full push (peer)
 ==================== ============================================ ======================================
+
+The ``disk_delta`` case pushes weights that change as in RL: fp32 master weights take Adam-sized
+steps (every weight moves by +-``delta_lr``, the size of Adam's first updates; the main job's
+learning rate, 5e-6, by default) and are sent in bf16, so only the elements whose bf16 rounding
+moves change bits. One full snapshot first (the warm-up), then ``repeats`` deltas; its rows: seconds
+per push (best), bytes written per push (mean) and the fraction of elements changed (mean), with
+the ``disk`` case's full push as the peer (``disk``: seconds measured in the same run when that
+case runs; bytes: the full snapshot of the same weights).
 
 With ``device="cuda"`` the trainer's tensors and the engines are on the GPU: ipc in-process is a
 device copy, the cross-process case goes through a CUDA IPC handle, and there is no broadcast
@@ -52,7 +61,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-TRANSPORT_CASES = ("ipc", "ipc_shm", "broadcast", "disk")
+TRANSPORT_CASES = ("ipc", "ipc_shm", "broadcast", "disk", "disk_delta")
+DELTA_LR = 5e-6
+"""The main job's learning rate (examples/grpo_smollm2_arithmetic.yaml): the default step size of
+the disk_delta case's updates."""
 RANDOM_1B = "random-llama-1b"
 RANDOM_MODELS: dict[str, dict[str, Any]] = {
     RANDOM_1B: {  # TinyLlama-1.1B's shapes
@@ -82,6 +94,7 @@ def case_name(case: str, device: str) -> str:
         "ipc_shm": f"ipc {'CUDA IPC' if cuda else 'shared-memory'} (noria serve subprocess, {device})",
         "broadcast": f"broadcast {'nccl' if cuda else 'gloo'} (noria serve subprocess, {device})",
         "disk": f"disk safetensors (Engine in this process, {device})",
+        "disk_delta": f"disk delta (Engine in this process, {device})",
     }[case]
 
 
@@ -92,17 +105,19 @@ def add_arguments(parser) -> None:
                           "broadcast, safetensors write+read). Best of --repeats after a warm-up.")
     parser.add_argument("--models", default="smollm2-135m-instruct,random-llama-1b",
                         help="comma-separated catalog names, model folders, random-llama-1b (random 1.1B Llama) or random-smollm2-135m")
-    parser.add_argument("--transports", default="ipc,ipc_shm,broadcast,disk", help="comma-separated cases")
+    parser.add_argument("--transports", default="ipc,ipc_shm,broadcast,disk,disk_delta", help="comma-separated cases")
     parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size of the push")
     parser.add_argument("--repeats", type=int, default=3, help="timed pushes per case (after one warm-up)")
     parser.add_argument("--device", default="cpu", help="where the trainer's tensors and the engines are (cpu, cuda)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads of the trainer and the engine server (default: torch's)")
+    parser.add_argument("--delta-lr", type=float, default=DELTA_LR,
+                        help="disk_delta: size of each weight's step between pushes (Adam-sized steps at this learning rate)")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
 def main(args) -> int:
     run([m for m in args.models.split(",") if m], [t for t in args.transports.split(",") if t],
-        args.bucket_mb, args.repeats, args.json, device=args.device, threads=args.threads)
+        args.bucket_mb, args.repeats, args.json, device=args.device, threads=args.threads, delta_lr=args.delta_lr)
     return 0
 
 
@@ -115,6 +130,7 @@ def run(
     work_dir: str | None = None,
     device: str = "cpu",
     threads: int | None = None,
+    delta_lr: float = DELTA_LR,
 ) -> list[dict]:
     """Measure every (model, transport) case, print the table, write the JSON; returns the results.
     ``device``: where the trainer's tensors and the engines are (``cuda``: no broadcast case, which
@@ -123,11 +139,11 @@ def run(
     a copy is memory-bound (one thread copies about as fast as two), while a two-thread copy waits
     at every tensor for whichever thread another process has preempted."""
     with _threads(threads):
-        return _run(list(models), list(transports), bucket_mb, repeats, json_path, work_dir, device)
+        return _run(list(models), list(transports), bucket_mb, repeats, json_path, work_dir, device, delta_lr)
 
 
 def _run(models: list[str], transports: list[str], bucket_mb: int, repeats: int, json_path: str | None,
-         work_dir: str | None, device: str) -> list[dict]:  # fmt: skip
+         work_dir: str | None, device: str, delta_lr: float = DELTA_LR) -> list[dict]:  # fmt: skip
     from noria.bench import write_json
 
     unknown = set(transports) - set(TRANSPORT_CASES)
@@ -139,7 +155,7 @@ def _run(models: list[str], transports: list[str], bucket_mb: int, repeats: int,
     root = Path(tempfile.mkdtemp(prefix="noria-bench-sync-", dir=work_dir))
     try:
         for model in models:
-            results += measure_model(model, transports, bucket_mb << 20, repeats, root, device)
+            results += measure_model(model, transports, bucket_mb << 20, repeats, root, device, delta_lr)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_results(results)
@@ -215,7 +231,8 @@ def trainer_tensors(lm) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- measure
 
 
-def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats: int, root: Path, device: str = "cpu") -> list[dict]:
+def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats: int, root: Path, device: str = "cpu",
+                  delta_lr: float = DELTA_LR) -> list[dict]:  # fmt: skip
     import torch
 
     lm, folder, label = load_case_model(model, root)
@@ -227,6 +244,10 @@ def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats:
     try:
         for case in transports:
             gc.collect()
+            if case == "disk_delta":
+                full_s = next((r["noria"] for r in rows if r["metric"] == "push_s" and " disk safetensors " in r["case"]), None)
+                rows += measure_delta(lm, sent, bucket_bytes, repeats, root, delta_lr, full_s, f"{label} bf16 params={params / 1e6:.0f}M")
+                continue
             if case in SERVED and server is None:  # one subprocess serves every cross-process case
                 server = _Server(folder, device)
             with _pusher(case, lm, server, sent, bucket_bytes, root) as push, _primitive(case, sent, bucket_bytes, repeats, root) as prim:
@@ -246,6 +267,50 @@ def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
+
+
+def measure_delta(lm, sent: dict, bucket_bytes: int, repeats: int, root: Path, lr: float, full_s: float | None, label: str) -> list[dict]:
+    """The disk_delta case (module docstring): a full snapshot, then ``repeats`` timed deltas of
+    Adam-sized steps; the update itself is made outside the timing."""
+    import torch
+
+    from noria.config import EngineConfig, SyncConfig
+    from noria.engine import Engine
+    from noria.sync import build_sync, bucketize
+
+    master = {n: t.float() for n, t in sent.items()}
+    gen = torch.Generator(device=next(iter(master.values())).device).manual_seed(0)
+
+    def step() -> dict:
+        for t in master.values():  # +-lr on every weight
+            t.add_(torch.empty_like(t).bernoulli_(0.5, generator=gen).mul_(2 * lr).sub_(lr))
+        return {n: t.to(sent[n].dtype) for n, t in master.items()}
+
+    cfg = SyncConfig(transport="disk", delta=True, bucket_mb=max(1, bucket_bytes >> 20), disk_dir=str(root / "weights-delta"))
+    engine = Engine(lm, None, EngineConfig(**ENGINE))
+    sync = build_sync(cfg, [engine])
+    try:
+        version = engine.weight_version + 1
+        full = sync.push(bucketize(step(), bucket_bytes), version)
+        pushes = []
+        for k in range(repeats):
+            state = step()
+            start = time.perf_counter()
+            metrics = sync.push(bucketize(state, bucket_bytes), version + 1 + k)
+            pushes.append((time.perf_counter() - start, metrics))
+            del state
+    finally:
+        sync.close()
+        engine.shutdown(1)
+    name = f"{label} disk delta (Engine in this process) adam-like steps lr={lr:g} vs full disk"
+    mean = lambda key: sum(m[key] for _, m in pushes) / len(pushes)  # noqa: E731
+    return [
+        {"case": name, "metric": "push_s", "noria": _sig(min(s for s, _ in pushes)),
+         "peers": {"disk": full_s} if full_s is not None else {}, "bound": None},
+        {"case": name, "metric": "bytes_written", "noria": _sig(mean("sync/bytes_written")),
+         "peers": {"disk": _sig(full["sync/bytes_written"])}, "bound": None},
+        {"case": name, "metric": "changed_frac", "noria": _sig(mean("sync/changed_frac")), "peers": {}, "bound": None},
+    ]  # fmt: skip
 
 
 def _row(name: str, nbytes: int, push_s: float, prim_s: float) -> list[dict]:
@@ -467,6 +532,16 @@ def print_results(results: list[dict]) -> None:
             rows.append([r["case"], s["noria"], r["noria"], s["bound"], r["bound"], s["noria"] / s["bound"]])
     header = ["case", "push_s", "push_GB/s", "primitive_s", "primitive_GB/s", "ratio"]
     print_table("weight sync: one push of every tensor, best of the repeats (ratio = push / primitive time)", header, rows)
+    delta = {(r["case"], r["metric"]): r for r in results if r["metric"] in ("bytes_written", "changed_frac")}
+    if delta:
+        rows = []
+        for (case, metric), r in delta.items():
+            if metric == "bytes_written":
+                s, changed = seconds[case], delta[(case, "changed_frac")]["noria"]
+                full_b, full_s = r["peers"].get("disk"), s["peers"].get("disk")
+                rows.append([case, s["noria"], full_s, r["noria"] / 1e6, full_b / 1e6, r["noria"] / full_b, changed])
+        header = ["case", "push_s", "full_disk_s", "written_MB", "full_MB", "bytes_ratio", "changed_frac"]
+        print_table("weight sync on disk: a delta per push against a full snapshot (seconds: best; bytes: mean)", header, rows)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from noria.engine import weight_delta
 from noria.engine import weight_sources as sources
 from noria.engine.weights import WeightStage, WeightUpdateError, stage_tensors, tensor_checksum
 
@@ -73,8 +74,31 @@ class WeightUpdates:
 
     def update_from_disk(self, folder: str | Path, version: int) -> None:
         """Load a safetensors folder (HF names; a subset is fine): every header is checked, then every
-        tensor is read into staging, then swapped in. A bad or unreadable folder changes nothing."""
-        self._single_update(lambda uid: self.stage_from_disk(folder, uid), version)
+        tensor is read into staging, then swapped in. Or apply a weight-delta folder to the version
+        served (:mod:`noria.engine.weight_delta`). A bad or unreadable folder changes nothing."""
+        if weight_delta.is_delta(folder):
+            self._delta_update(folder, version)
+        else:
+            self._single_update(lambda uid: self.stage_from_disk(folder, uid), version)
+
+    def _delta_update(self, folder: str | Path, version: int) -> None:
+        """Stage a delta against the served weights, then commit it if they are still its base."""
+        check_version(version)
+        update_id = f"delta-{uuid.uuid4().hex}"
+        with self.stage_area.transaction(update_id) as stage:
+            manifest = weight_delta.stage_from_delta(stage, folder, self.version)
+            if manifest.version != version:
+                raise WeightUpdateError(f"weight delta {folder} makes version {manifest.version}, the update names {version}")
+        if manifest.entries:
+            self.commit(update_id, version, base_version=manifest.base_version)
+            return
+        self.stage_area.discard(update_id)
+
+        def same_weights() -> None:  # nothing changed: only the version moves
+            _check_base(self.version, manifest.base_version)
+            self.version = version
+
+        self._between_steps(same_weights)
 
     def update_from_ipc(self, handle: dict[str, Any], tensors: list[dict[str, Any]], version: int) -> None:
         """Copy tensors out of another process's shared-memory segment or CUDA IPC buffer
@@ -153,12 +177,16 @@ class WeightUpdates:
 
     # ------------------------------------------------------------------------------ commit
 
-    def commit(self, update_id: str, version: int) -> list[str]:
+    def commit(self, update_id: str, version: int, base_version: int | None = None) -> list[str]:
         """Swap the staged update into the model between two steps and tag it ``version``; returns the
-        parameters changed. Generated tokens from the next step on carry the new version."""
+        parameters changed. Generated tokens from the next step on carry the new version. With
+        ``base_version`` (a delta), the engine must still serve that version, else nothing changes."""
         check_version(version)
 
         def apply() -> list[str]:
+            if base_version is not None and self.version != base_version:
+                self.stage_area.discard(update_id)
+                _check_base(self.version, base_version)
             changed = self.stage_area.commit(update_id)
             self._refresh()
             self.version = version
@@ -213,6 +241,11 @@ class WeightUpdates:
 
     def leave_group(self, group_name: str) -> None:
         self._groups.pop(group_name, None)
+
+
+def _check_base(served: int, base_version: int) -> None:
+    if served != base_version:
+        raise WeightUpdateError(f"weight delta: made against version {base_version}, but the engine now serves {served}")
 
 
 def check_version(version: Any) -> None:

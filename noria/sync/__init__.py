@@ -99,4 +99,4 @@ def _transport(name: str, targets: list[Any], pool: Any, cfg: SyncConfig, run_di
     if cfg.disk_dir is None and run_dir is None:
         raise WeightSyncError("the disk transport needs sync.disk_dir or a run folder")
     folder = Path(cfg.disk_dir) if cfg.disk_dir is not None else Path(run_dir) / "weights"
-    return DiskTransport(targets, pool, folder, Path(source) if source is not None else None)
+    return DiskTransport(targets, pool, folder, Path(source) if source is not None else None, cfg.delta, cfg.bucket_mb << 20)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import re
 import shutil
@@ -38,40 +39,97 @@ from typing import Any
 
 import torch
 
+from noria.models.checkpoint import bucketize
+from noria.sync.delta import DeltaBase, DeltaStats
 from noria.sync.errors import WeightSyncError
 from noria.sync.weight_sync import Bucket, Transport, for_each
 
 KEEP = 2
-"""Version folders kept after a successful push (the newest ones)."""
+"""Version folders kept after a successful push (the newest ones; as many delta folders)."""
 VERSION_DIR = re.compile(r"^v\d{8}$")
+DELTA_DIR = re.compile(r"^d\d{8}$")
+log = logging.getLogger(__name__)
 
 
 class DiskTransport(Transport):
     name = "disk"
 
-    def __init__(self, targets: list[Any], pool: concurrent.futures.ThreadPoolExecutor, folder: Path, source: Path | None = None) -> None:
+    def __init__(self, targets: list[Any], pool: concurrent.futures.ThreadPoolExecutor, folder: Path, source: Path | None = None,
+                 delta: bool = False, bucket_bytes: int = 256 << 20) -> None:  # fmt: skip
+        """``delta``: write deltas against the last version (every target must apply them: asked
+        here, so that a config that cannot work stops at start); ``bucket_bytes``: the shard size
+        of a full snapshot written from the base."""
         super().__init__(targets, pool)
         self.folder = Path(folder)
         self.source = Path(source) if source is not None else None
         self.last_folder: Path | None = None
+        self.bucket_bytes = bucket_bytes
+        self.base = DeltaBase(delta_dtypes(targets, pool)) if delta else None
+        self.push_metrics: dict[str, float] = {}
 
     def send(self, buckets: Iterator[Bucket], version: int, update_id: str) -> None:
+        if self.base is not None:
+            self._send_delta(buckets, version)
+            return
         final = self.write(buckets, version)
         try:
             for_each(self.pool, self.targets, lambda t: t.load_disk(final, version))
         except BaseException:
             shutil.rmtree(final, ignore_errors=True)
             raise
+        self.push_metrics = {"sync/bytes_written": float(_folder_bytes(final))}
         self.last_folder = final
         self._prune()
 
-    def commit(self, version: int, update_id: str) -> None:
-        pass  # each engine loads a folder in one update
+    def _send_delta(self, buckets: Iterator[Bucket], version: int) -> None:
+        """Engines serving the base get the delta; the others, and any that refuses it, a full
+        snapshot written from the (new) base."""
+        served = for_each(self.pool, self.targets, lambda t: t.version())
+        on_base = [t for t, v in zip(self.targets, served) if self.base.version is not None and v == self.base.version]
+        written: list[Path] = []
+        try:
+            delta, stats = self._write_delta(buckets, version, bool(on_base))
+            written += [delta] if delta is not None else []
+            refused = [t for t in for_each(self.pool, on_base, lambda t: _load_or_refuse(t, delta, version)) if t is not None]
+            need_full = [t for t in self.targets if t not in on_base] + refused
+            if need_full:
+                full = self.write(bucketize(self.base.tensors, self.bucket_bytes), version)
+                written.append(full)
+                for_each(self.pool, need_full, lambda t: t.load_disk(full, version))
+        except BaseException:
+            for folder in written:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self.push_metrics = {
+            "sync/bytes_written": float(sum(_folder_bytes(f) for f in written)),
+            "sync/changed_frac": stats.changed / max(stats.elements, 1),
+            "sync/full_snapshots": float(len(need_full)),
+            "sync/delta_refused": float(len(refused)),
+        }
+        self.last_folder = written[-1] if written else None
+        self._prune()
+
+    def _write_delta(self, buckets: Iterator[Bucket], version: int, encode: bool) -> tuple[Path | None, DeltaStats]:
+        """The delta folder ``DIR/dNNNNNNNN`` (published by one rename), or with ``encode`` False
+        only the base updated (no engine serves the base: none could use a delta)."""
+        if not encode:
+            return None, self.base.write(None, buckets, version)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        final = self.folder / f"d{version:08d}"
+        tmp = self.folder / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            stats = self.base.write(tmp, buckets, version)
+            _publish(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final, stats
 
     def write(self, buckets: Iterator[Bucket], version: int) -> Path:
         """Write the buckets as a complete folder ``DIR/vNNNNNNNN`` (published by one rename)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        for stale in self.folder.glob(".v*.partial-*"):  # left by a crashed push
+        for stale in self.folder.glob(".[vd]*.partial-*"):  # left by a crashed push
             shutil.rmtree(stale, ignore_errors=True)
         final = self.folder / f"v{version:08d}"
         tmp = self.folder / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
@@ -96,9 +154,42 @@ class DiskTransport(Transport):
                 shutil.copy2(self.source / name, folder / name)
 
     def _prune(self) -> None:
-        versions = sorted(p for p in self.folder.iterdir() if p.is_dir() and VERSION_DIR.match(p.name))
-        for old in versions[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
+        for kind in (VERSION_DIR, DELTA_DIR):
+            versions = sorted(p for p in self.folder.iterdir() if p.is_dir() and kind.match(p.name))
+            for old in versions[:-KEEP]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def delta_dtypes(targets: list[Any], pool: concurrent.futures.ThreadPoolExecutor) -> dict[str, torch.dtype]:
+    """The dtype every target holds each tensor in (deltas are made in it); raises for a target
+    that cannot apply deltas (not a noria engine: SGLang and vLLM load only full HF folders) or
+    targets that disagree on a dtype."""
+    specs = for_each(pool, targets, lambda t: t.specs())
+    dtypes: dict[str, torch.dtype] = {}
+    for target, spec in zip(targets, specs):
+        if spec is None:
+            raise WeightSyncError(
+                f"sync.delta: engine {target.name} cannot apply weight deltas (only noria engines can; SGLang and vLLM "
+                "load full HF folders): set sync.delta false"
+            )
+        for name, (dtype, _) in spec.tensors.items():
+            if dtypes.setdefault(name, dtype) != dtype:
+                raise WeightSyncError(f"sync.delta: the engines hold tensor '{name}' in different dtypes ({dtypes[name]}, {dtype})")
+    return dtypes
+
+
+def _load_or_refuse(target: Any, folder: Path, version: int) -> Any:
+    """Load the delta; the target if it refused it (it kept its weights: it gets a full snapshot)."""
+    try:
+        target.load_disk(folder, version)
+    except WeightSyncError as e:
+        log.warning("weight sync: %s refused the delta for version %d (%s); sending it a full snapshot", target.name, version, e)
+        return target
+    return None
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
 
 def hf_layout(bucket: Bucket) -> Bucket:

@@ -50,6 +50,9 @@ class Transport:
     def __init__(self, targets: list[Any], pool: concurrent.futures.ThreadPoolExecutor) -> None:
         self.targets = targets
         self.pool = pool
+        self.push_metrics: dict[str, float] = {}
+        """Figures of the last push that only this transport knows (the disk transport's bytes
+        written, a delta's changed fraction); ``WeightSync.push`` adds them to its metrics."""
 
     def send(self, buckets: Iterator[Bucket], version: int, update_id: str) -> None:
         raise NotImplementedError
@@ -109,6 +112,7 @@ class WeightSync:
             "sync/bytes": float(stats["bytes"]),
             "sync/gb_per_s": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
             "sync/tensors": float(stats["tensors"]),
+            **self.transport_impl.push_metrics,
         }
         if self.verify:
             t0 = time.perf_counter()
