@@ -17,6 +17,10 @@ config key                 contract (what the caller passes)                    
 ``rollout.buffer.impl``    a class built as ``cls(capacity=, max_staleness=,      ``noria.rollout.buffer:GroupBuffer``
                            filters=, on_drop=)`` with the methods of
                            ``noria.rollout.buffer.Buffer``
+``eval.backend``           a class built as ``cls(config=)`` whose one method     ``noria.eval.vllm_backend:
+                           ``evaluate(request) -> list[list[str]]`` answers the   VllmCheckpointBackend``
+                           held-out prompts from an HF folder
+                           (``noria.eval.checkpoint``)
 =========================  =====================================================  ============================
 
 What is checked at load (before any model loads): the path's form, the import, the attribute
@@ -79,6 +83,7 @@ PLUG_POINTS: dict[str, PlugPoint] = {
     "rollout.buffer.impl": PlugPoint(
         ("capacity", "max_staleness", "filters", "on_drop"), None, "class", "noria.rollout.buffer:GroupBuffer", BUFFER_METHODS
     ),
+    "eval.backend": PlugPoint(("config",), None, "class", "noria.eval.vllm_backend:VllmCheckpointBackend", ("evaluate",)),
 }
 
 

@@ -29,6 +29,7 @@ EXAMPLES = {
     "reward.name": "reward_plugins:length_at_least",
     "rollout.buffer.filters": "test_async_buffer:drop_odd",
     "rollout.buffer.impl": "test_async_buffer:ListBuffer",
+    "eval.backend": "test_eval_modes:SlowFlakyBackend",
 }
 """A plug-in per point that meets its contract (the tests' own, used by the behaviour tests too)."""
 
@@ -39,6 +40,7 @@ BROKEN = {
     "reward.name": ("test_plugin_contracts:reward_of_response_only", "cannot be called as \\(response, label, metadata\\)"),
     "rollout.buffer.filters": ("test_plugin_contracts:async_filter", "must be a plain function"),
     "rollout.buffer.impl": ("test_plugin_contracts:BufferWithoutState", "lacks state_dict, load_state_dict"),
+    "eval.backend": ("test_plugin_contracts:BackendWithoutEvaluate", "lacks evaluate"),
 }
 """A plug-in per point that breaks its contract, and what the error must say."""
 
@@ -113,7 +115,8 @@ def _buffer_behaves(cls, path):
 
 
 BEHAVIOUR = {"reward.name": _reward_behaves, "rollout.buffer.filters": _filter_behaves, "rollout.buffer.impl": _buffer_behaves}
-"""The generate, rollout and agent functions need an engine: tests/test_agent_plugins.py runs them."""
+"""The generate, rollout and agent functions need an engine: tests/test_agent_plugins.py runs them; an
+eval.backend needs a run: tests/test_eval_modes.py runs one."""
 
 
 # ------------------------------------------------------------------------------ contract breakers
@@ -210,3 +213,11 @@ def test_a_batched_reward_that_breaks_its_contract_fails_loudly():
     # a column the function needs but the data lacks: every sample fails, naming it (never a silent 0)
     counts, rewards, reasons = _scored("trl_rewards:reward_func", [_answers("p", ["a"])])
     assert rewards == [None] and "ground_truth" in reasons[0]
+
+
+class BackendWithoutEvaluate:
+    def __init__(self, config):
+        pass
+
+    def run(self, request):
+        return []

@@ -80,6 +80,8 @@ class DiffusionJob(LocalJob):
         from noria.metrics import RunLog
 
         cfg = self.config
+        if cfg.eval.every > 0 and cfg.eval.mode != "shared":
+            raise NoriaError(f"eval.mode {cfg.eval.mode}: image runs (model.family diffusion) evaluate in shared mode only")
         path = Path(cfg.model.path)
         self.client, target = self.start_engine(path)
         self.backend = DiffusionTrainer(cfg.train, cfg.diffusion, seed=cfg.seed, deterministic=cfg.engine.deterministic)
@@ -134,13 +136,9 @@ class DiffusionJob(LocalJob):
         from noria.diffusion.evaluate import evaluate_images
         from noria.rollout import EngineFailure
 
-        every = self.config.eval.every
-        if every <= 0 or not self.test_prompts or self.last_eval_step == self.step:
+        if not self.evals.due(when):  # image evaluation runs in shared mode only (start_parts refuses the others)
             return
-        due = {"start": self.step == 0, "step": self.step % every == 0 and self.step < self.total_steps, "end": True}[when]
-        if not due:
-            return
-        self.last_eval_step = self.step
+        self.evals.last_step = self.step
         head = {"step": self.step, "version": self.weight_version}
         try:
             row, samples = await evaluate_images(self.client, self.config, self.test_prompts, self.folder / "eval" / f"step-{self.step:06d}.png")

@@ -167,7 +167,10 @@ class LocalJob:
         self.teacher: Any = None
         """On-policy distillation with teacher engines (``noria.distill.teacher.EngineTeacher``), or None."""
         self.teacher_process: subprocess.Popen | None = None
-        self.last_eval_step: int | None = None
+        from noria.eval.modes import Evaluations
+
+        self.evals = Evaluations(self)
+        """The evaluator (``noria.eval.modes.Evaluations``): shared mode until ``start_parts`` builds the configured one."""
         self.timer: dict[str, float] = {}
 
     def load_data(self) -> None:
@@ -209,8 +212,11 @@ class LocalJob:
         from noria.models.hf import disable_dropout
         from noria.train import FSDPBackend
 
+        from noria.eval.modes import Evaluations
+
         cfg = self.config
         path = model_path(cfg.model.path)
+        self.evals = Evaluations.build(self)  # eval.mode fleet: its engines; checkpoint: its backend
         with phase(f"starting the rollout engine ({cfg.rollout.placement}) with {path} ({cfg.model.dtype}, {cfg.model.device})"):
             self.client, target = self.start_engine(path)
         self.start_teacher()
@@ -439,44 +445,9 @@ class LocalJob:
         self.log.write_samples(self.step, groups, self.tokenizer)  # rollouts/step-N.jsonl (noria inspect)
 
     async def evaluate(self, when: str) -> None:
-        """Greedy accuracy on the held-out prompts, on the rollout engine (an answer whose reward failed
-        counts as wrong); a failure, or an evaluation with no answer scored, is logged as skipped, not raised."""
-        from noria.eval.runner import accuracy, check_scored
-
-        every = self.config.eval.every
-        if every <= 0 or not self.test_prompts or self.last_eval_step == self.step:
-            return
-        due = {"start": self.step == 0, "step": self.step % every == 0 and self.step < self.total_steps, "end": True}[when]
-        if not due:
-            return
-        self.last_eval_step = self.step
-        start = time.perf_counter()
-        try:
-            ctx = RolloutContext(self.client, self.tokenizer, eval_sampling(self.config), seed=self.config.eval.seed, greedy=self.config.eval.temperature == 0)
-            with phase(f"eval at step {self.step} on {len(self.test_prompts)} held-out prompts", end_line=False):
-                result = await run_rollout(ctx, self.test_prompts, 0, self.config.eval.n_samples, self.reward)
-        except EngineFailure:
-            raise
-        except Exception as e:  # an evaluation failure never stops training
-            self.log.write_eval({"step": self.step, "version": self.weight_version, "skipped": f"{type(e).__name__}: {e}"})
-            return
-        samples = [s for g in result.groups for s in g.samples]
-        try:
-            check_scored(samples, f"evaluation at step {self.step}")
-        except NoriaError as e:  # logged (and printed) as skipped; an evaluation never stops training
-            self.log.write_eval({"step": self.step, "version": self.weight_version, "skipped": str(e)}, samples)
-            return
-        row = {
-            "step": self.step,
-            "version": self.weight_version,
-            "accuracy": accuracy(samples),
-            "n_prompts": len(result.groups),
-            "n_answers": len(samples),
-            "failed": sum(s.reward is None for s in samples),
-            "truncated": sum(s.status is Status.TRUNCATED for s in samples),
-            "seconds": time.perf_counter() - start,
-        }
-        self.log.write_eval(row, samples)
+        """Held-out accuracy if due, where ``eval.mode`` says (``noria.eval.modes.Evaluations``); a
+        failure is logged as skipped, not raised (except a failure of the rollout engine in shared mode)."""
+        await self.evals.evaluate(when)
 
     def save(self, when: str) -> None:
         every = self.config.train.save_every
@@ -525,7 +496,7 @@ class LocalJob:
             self.buffer.load_state_dict(extra["buffer"])
         for name in ("metrics.jsonl", "eval.jsonl"):
             keep_metrics_through(self.folder / name, self.step)
-        self.last_eval_step = self.step if self.step > 0 else None
+        self.evals.last_step = self.step if self.step > 0 else None
         print(f"noria train: resuming {self.folder} at step {self.step} ({ckpt or 'no checkpoint yet'})", file=sys.stderr)
 
     def engine_metrics(self) -> dict[str, float]:
@@ -535,6 +506,7 @@ class LocalJob:
         return {"engine/prefix_hit_rate": float(m["prefix_hit_rate"]), "engine/retractions": float(m["retractions"])}
 
     def close(self) -> None:
+        self.evals.close()  # evaluation engines stopped, evaluations in flight cancelled
         if self.log is not None:
             self.log.close()
         if self.sync is not None:

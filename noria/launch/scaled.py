@@ -30,6 +30,7 @@ from typing import Any
 
 from noria.config import RunConfig, ensure_valid, save_config
 from noria.errors import NoriaError
+from noria.eval.modes import Evaluations
 from noria.launch.fleet import EngineFleet, FleetClient, start_local_engine
 from noria.launch.local import LocalJob
 from noria.launch.ranks import InProcessRanks, ProcessRanks, RankBackend, TrainerRank
@@ -62,6 +63,7 @@ class ScaledJob(LocalJob):
         self.fleet.start()
         self.client = FleetClient(self.fleet)
         self.start_teacher()
+        self.evals = Evaluations.build(self)  # eval.mode fleet: its engines; checkpoint: its backend
         self.ranks = self.start_ranks(self.total_steps * cfg.train.steps_per_rollout)
         self.backend = RankBackend(self.ranks)
         self.critic = None

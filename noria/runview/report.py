@@ -89,7 +89,7 @@ def load_run(folder: str | Path) -> RunData:
     steps = [r for r in rows if "step" in r]
     events = read_jsonl(folder / "events.jsonl")
     resumed = sorted({int(r["at_step"]) for r in events if r.get("event") == "resumed" and _finite(r.get("at_step"))})
-    evals = [r for r in read_jsonl(folder / "eval.jsonl") if _finite(r.get("accuracy"))]
+    evals = measured_evals(read_jsonl(folder / "eval.jsonl"))
     nll, lengths = rollout_stats(folder)
     return RunData(folder, config_text, config, steps, evals, nll, lengths, resumed)
 
@@ -211,7 +211,8 @@ def empty(ax: Any, text: str) -> None:
 
 
 @figure("reward", "Reward and held-out accuracy", "Mean rollout reward per step (training prompts, sampled) and "
-        "accuracy on the held-out split (greedy evaluation, eval.jsonl) at the steps it was measured.",
+        "accuracy on the held-out split (greedy evaluation, eval.jsonl) plotted at the step whose weights it measured "
+        "(with eval.mode fleet or checkpoint the score arrives eval/lag_steps later; rows marked invalid are left out).",
         ("rollout/reward_mean", "eval/accuracy"))  # fmt: skip
 def _reward(run: RunData, fig: Any) -> None:
     ax = fig.add_subplot()
@@ -305,6 +306,19 @@ STAGES = (
 )
 
 
+def measured_evals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Evaluations with an accuracy that is valid, in order of the step they measured (fleet and
+    checkpoint rows are written when they finish, out of step order)."""
+    kept = [r for r in rows if _finite(r.get("accuracy")) and r.get("valid") is not False]
+    return sorted(kept, key=lambda r: int(r["step"]))
+
+
+def blocking_eval_s(row: dict[str, Any]) -> float:
+    """Seconds the loop waited for an evaluation: all of it in shared mode, the export otherwise."""
+    key = "seconds" if row.get("mode", "shared") == "shared" else "export_s"
+    return _get(row, key)
+
+
 def _get(row: dict[str, Any], key: str) -> float:
     value = row.get(key)
     return float(value) if _finite(value) else 0.0
@@ -321,7 +335,7 @@ def _stage_times(run: RunData, fig: Any) -> None:
         empty(ax, "no step times recorded")
         return
     steps = [int(r["step"]) for r in rows]
-    eval_s = {int(e["step"]): float(e["seconds"]) for e in run.evals if _finite(e.get("seconds"))}
+    eval_s = {int(e["step"]): blocking_eval_s(e) for e in run.evals}
     bottom = [0.0] * len(rows)
     stages = [*STAGES, ("evaluation (after the step)", lambda r: eval_s.get(int(r["step"]), 0.0))]
     for label, fn in stages:
