@@ -41,6 +41,7 @@ from noria.diffusion.config import DiffusionConfig
 from noria.distill.config import OpdConfig
 from noria.eval.config import EvalConfig
 from noria.launch.config import RayConfig
+from noria.train.megatron.config import MegatronConfig
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -508,7 +509,7 @@ class TrainConfig:
     ``noria.train.FSDPBackend``; the RL step (``noria.train.rl_step``) reads ``steps_per_rollout``."""
 
     algorithm: Literal["rl", "sft"] = option("rl", "rl: policy-gradient on rollouts; sft: supervised fine-tuning on chat data.")
-    backend: Literal["fsdp2", "single"] = option("single", "single: one process; fsdp2: torch fully_shard over world_size processes.")
+    backend: Literal["fsdp2", "single", "megatron"] = option("single", "single: one process; fsdp2: torch fully_shard over world_size processes; megatron: megatron-core (CUDA; docs/megatron.md).")
     world_size: int = option(1, "Trainer processes (fsdp2).")
     device: str = option("cpu", "cpu or cuda; fsdp2 uses gloo on CPU and NCCL on CUDA.")
     param_dtype: Literal["auto", "bfloat16", "float32"] = option(
@@ -530,6 +531,7 @@ class TrainConfig:
     loss: LossConfig = option(factory=LossConfig, help="RL objective.")
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA.")
     critic: CriticConfig = option(factory=CriticConfig, help="Value model for PPO with GAE.")
+    megatron: MegatronConfig = option(factory=MegatronConfig, help="megatron-core parallelism (backend: megatron).")
     max_nonfinite_skips: int = option(0, "Consecutive steps with a non-finite loss or grad norm to skip before stopping.")
     logprob_chunk_tokens: int = option(1024, "Tokens per chunk when computing logprobs from hidden states (bounds [N, V] memory).")
     teacher: str | None = option(
@@ -563,8 +565,10 @@ class TrainConfig:
         for key in ("max_steps", "max_seq_tokens", "global_batch", "steps_per_rollout"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1 or null, got {getattr(self, key)}")
-        for section in (self.optim, self.loss, self.lora, self.critic):
+        for section in (self.optim, self.loss, self.lora, self.critic, self.megatron):
             section.validate()
+        if self.backend == "megatron":
+            self.megatron.check_world(self.world_size)
 
 
 @dataclass

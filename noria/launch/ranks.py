@@ -61,7 +61,7 @@ class TrainerRank:
         from noria.launch.local import backend_options
         from noria.models.catalog import model_path
         from noria.net import node_address
-        from noria.train import FSDPBackend
+        from noria.train import build_backend
 
         cfg = self.config
         if self.world > 1:
@@ -71,7 +71,7 @@ class TrainerRank:
 
             init_distributed(self.device)
         train = dataclasses.replace(cfg.train, device=self.device)
-        self.backend = FSDPBackend(train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
+        self.backend = build_backend(train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
         self.backend.init(model_path(cfg.model.path), total_steps=total_steps)
         return node_address()
 

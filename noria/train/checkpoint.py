@@ -27,6 +27,7 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,12 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
-    """Write model, optimizer, RNG and ``state`` (JSON-able) to ``folder``; collective on all ranks."""
+def save_checkpoint(
+    folder: str | Path, model: nn.Module, optimizer: Any, state: dict[str, Any], write: Callable[[Path], None] | None = None
+) -> Path:
+    """Write model, optimizer, RNG and ``state`` (JSON-able) to ``folder``; collective on all ranks.
+    ``write(tmp)``: writes model and optimizer into the uncommitted folder instead of DCP (the
+    Megatron backend's dist_checkpointing)."""
     target = Path(folder)
     tmp = target.with_name(f".{target.name}.partial")
     rank = _rank()
@@ -80,9 +85,12 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _single_process_ok():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    if write is not None:
+        write(tmp)
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _single_process_ok():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
     _barrier()
     if rank == 0:
@@ -95,8 +103,11 @@ def save_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
     return target
 
 
-def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG from a committed checkpoint; return its state."""
+def load_checkpoint(
+    folder: str | Path, model: nn.Module, optimizer: Any, read: Callable[[Path], None] | None = None
+) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from a committed checkpoint; return its state.
+    ``read(folder)``: restores model and optimizer instead of DCP (pairs with ``save_checkpoint``'s ``write``)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder not found: {folder}")
@@ -105,11 +116,14 @@ def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
             f"checkpoint {folder} is not committed (no {MARKER} marker): it was interrupted while "
             "being written; use noria.train.checkpoint.latest_checkpoint(run_dir) to find a complete one"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
-    with _single_process_ok():
-        dcp.load(sd, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    if read is not None:
+        read(folder)
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
+        with _single_process_ok():
+            dcp.load(sd, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     rng = folder / f"rng-{_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved: keep the fresh seeds
         _set_rng_state(_load_rng(rng))

@@ -264,6 +264,9 @@ class FSDPBackend:
         """Optimizer steps applied so far (skipped non-finite steps do not count); only the backend
         changes it. Not the weight version the engines serve (the loop's count of syncs)."""
         self.nonfinite_streak = 0
+        self.reduce_group = None
+        """Group over which per-token results and metrics are summed (None: all ranks; the Megatron
+        backend sets its data-parallel group, since tensor-parallel ranks hold the same tokens)."""
 
     # ------------------------------------------------------------------------------------ init
 
@@ -419,9 +422,9 @@ class FSDPBackend:
                 if with_entropy:
                     ent[lo:hi] = out_ent
         if self.distributed:  # each token was computed on exactly one rank; others hold 0
-            dist.all_reduce(lp)
+            dist.all_reduce(lp, group=self.reduce_group)
             if with_entropy:
-                dist.all_reduce(ent)
+                dist.all_reduce(ent, group=self.reduce_group)
         if original is not batch:  # back to the caller's layout: each prefix copy gets its values
             lp, ent = lp[index.to(lp.device)], None if ent is None else ent[index.to(ent.device)]
         return TokenLogprobs(lp.cpu(), None if ent is None else ent.cpu())
@@ -534,7 +537,7 @@ class FSDPBackend:
     def _all_reduce_metrics(self, sums: dict[str, list[float]]) -> dict[str, list[float]]:
         # Ranks may lack a metric (nothing to measure there), so agree on the key set first.
         key_sets: list[list[str]] = [[] for _ in range(self.world)]
-        dist.all_gather_object(key_sets, sorted(sums))
+        dist.all_gather_object(key_sets, sorted(sums), group=self.reduce_group)
         keys = sorted(set().union(*key_sets))
         out: dict[str, list[float]] = {}
         for suffix, op, fill in (("_max", dist.ReduceOp.MAX, -math.inf), ("_min", dist.ReduceOp.MIN, math.inf), ("", dist.ReduceOp.SUM, 0.0)):
@@ -542,7 +545,7 @@ class FSDPBackend:
             if not group:
                 continue
             t = torch.tensor([sums.get(k, [fill, 0.0]) for k in group], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=op)
+            dist.all_reduce(t, op=op, group=self.reduce_group)
             out.update(zip(group, t.cpu().tolist()))
         return out
 

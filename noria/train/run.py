@@ -7,7 +7,7 @@ The loop (``run_sft``), one optimizer step per pass::
 
     chat JSONL --prepare_sft (validate + tokenize every row; errors name file:line) --> samples
     PromptSource (seeded shuffle per epoch, resumable cursor) --next_batch(global_batch)--> rows
-      -> pack_samples -> FSDPBackend.train_step (sft_loss: token-mean NLL on assistant tokens)
+      -> pack_samples -> backend.train_step (noria.train.build_backend) (sft_loss: token-mean NLL on assistant tokens)
       -> metrics.jsonl line (+ progress bar or plain line) -> every save_every steps: checkpoint
     after the last step: RUN_DIR/final/ (HF folder: transformers and ``noria eval`` load it)
 
@@ -131,7 +131,8 @@ def total_steps(config: RunConfig, n_rows: int) -> int:
 def run_sft(config: RunConfig, data: SFTData, run_dir: str | None, resume: str | None, progress: bool | None) -> Path:
     """The SFT loop on this process (one rank of it under FSDP2); see the module docstring."""
     from noria.models.catalog import model_path
-    from noria.train.fsdp import FSDPBackend, init_distributed
+    from noria.train import build_backend
+    from noria.train.fsdp import init_distributed
     from noria.train.losses import sft_loss
     from noria.train.packing import pack_samples
 
@@ -141,7 +142,7 @@ def run_sft(config: RunConfig, data: SFTData, run_dir: str | None, resume: str |
     source = PromptSource.from_config(data.records, config.data)
     steps = total_steps(config, len(data.samples))
     with phase(f"loading the model {config.model.path} for training ({config.train.param_dtype}, {config.train.device})"):
-        backend = FSDPBackend(config.train, loss_fn=sft_loss, model_impl=config.model.impl, seed=config.seed)
+        backend = build_backend(config.train, loss_fn=sft_loss, model_impl=config.model.impl, seed=config.seed)
         backend.init(model_path(config.model.path), total_steps=steps)
     if resume is not None:
         restore(backend, source, folder)
