@@ -6,6 +6,7 @@
 #   PARTS="tests engine train sync" scripts/gpu.sh
 #   PARTS=moe scripts/gpu.sh; PARTS=moe-train scripts/gpu.sh   (Qwen3-MoE: GPU tests, noria bench gpu-moe)
 #   PARTS=diffusion scripts/gpu.sh              (image models; bring diffusers' wheel: see docs/diffusion.md)
+#   PARTS=megatron scripts/gpu.sh               (train.backend megatron vs FSDP2; bring megatron-core's wheel: docs/megatron.md)
 #   PARTS=multi scripts/gpu.sh                  (2 GPUs; LAYOUT=one-gpu on one, see noria bench gpu-multi --help)
 set -u
 cd "$(dirname "$0")/.."
@@ -42,6 +43,12 @@ for p in $PARTS; do
     diffusion)  # issue 26: needs diffusers (pip install its wheel first): image engine/trainer tests, then noria bench diffusion
       part gpu-diffusion-tests ${T_DIFFUSION_TESTS:-300} $PY -m pytest -q -p no:cacheprovider tests/test_diffusion_cuda.py
       part gpu-diffusion ${T_DIFFUSION:-540} $PY -m noria bench diffusion --device cuda --json "$RESULTS/gpu-diffusion.json" ${DIFFUSION_ARGS:-} ;;
+    megatron)  # issue 27: train.backend megatron (megatron-core installed first: docs/megatron.md): GPU tests against
+      # FSDP2, one RL step side by side (1.7B dense, pruned Qwen3-30B-A3B MoE), the RL loop with weight sync
+      part gpu-megatron-tests ${T_MEGATRON_TESTS:-420} $PY -m pytest -q -s -p no:cacheprovider tests/test_megatron_gpu.py tests/test_megatron.py
+      part gpu-megatron-train ${T_MEGATRON_TRAIN:-420} $PY -m noria bench gpu-train --backend megatron,fsdp2 --json "$RESULTS/gpu-megatron-train.json" ${MEGATRON_TRAIN_ARGS:-}
+      part gpu-megatron-moe-train ${T_MEGATRON_MOE:-420} $PY -m noria bench gpu-train --backend megatron,fsdp2 --model qwen3-30b-a3b --layers 6 --json "$RESULTS/gpu-megatron-moe-train.json" ${MEGATRON_MOE_ARGS:-}
+      part gpu-megatron-rl ${T_MEGATRON_RL:-420} $PY -m noria bench gpu-rl --set train.backend=megatron --json "$RESULTS/gpu-megatron-rl.json" ${MEGATRON_RL_ARGS:---prompts 8 --new-tokens 64} ;;
     fp8) part gpu-fp8 ${T_FP8:-300} $PY -m noria bench gpu-fp8 --json "$RESULTS/gpu-fp8.json" ${FP8_ARGS:-} ;;
     multi)  # issue 10: needs 2 GPUs (LAYOUT=one-gpu runs the same code on one); NVLink multicast off in every process
       export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
