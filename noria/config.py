@@ -568,7 +568,7 @@ class TrainConfig:
         for section in (self.optim, self.loss, self.lora, self.critic, self.megatron):
             section.validate()
         if self.backend == "megatron":
-            self.megatron.check_world(self.world_size)
+            self.megatron.check_train(self)
 
 
 @dataclass

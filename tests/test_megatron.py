@@ -63,6 +63,13 @@ def test_megatron_config_section():
     cfg.megatron.ep, cfg.megatron.cp = 1, 0
     with pytest.raises(ConfigError, match="train.megatron.cp must be >= 1"):
         cfg.validate()
+    cfg.megatron.cp = 1
+    cfg.compile = True
+    with pytest.raises(ConfigError, match="train.compile needs train.backend single or fsdp2"):
+        cfg.validate()
+    cfg.compile, cfg.lora.enabled = False, True
+    with pytest.raises(ConfigError, match="train.lora.enabled needs train.backend single or fsdp2"):
+        cfg.validate()
 
 
 @pytest.mark.parametrize("config", [DENSE, MOE, BIASED], ids=["qwen2-tied-qkv-bias", "qwen3-moe-mixed", "llama-all-bias-mqa"])

@@ -162,7 +162,3 @@ def test_refusals_on_cuda(dense_dir):
         build_backend(cfg)
     with pytest.raises(TrainError, match="engine.deterministic"):
         build_backend(TrainConfig(backend="megatron", device="cuda"), deterministic=True)
-    lora = TrainConfig(backend="megatron", device="cuda")
-    lora.lora.enabled = True
-    with pytest.raises(TrainError, match="train.lora"):
-        build_backend(lora)

@@ -19,8 +19,9 @@ run as native models on the PyTorch path, outside Megatron, on every rank). The 
 GAE also runs on the PyTorch path (``noria.train.critic``).
 
 Refused at construction (``require_megatron``): CPU, no CUDA, megatron-core missing, pp > 1, cp > 1;
-also deterministic mode (engine.deterministic: Megatron's kernels are not the engine's exact ones),
-LoRA, and route replay of MoE batches (rollout.routing_replay).
+also deterministic mode (engine.deterministic: Megatron's kernels are not the engine's exact ones)
+and model.impl hf; route replay of MoE batches (rollout.routing_replay) at the first such batch.
+LoRA and train.compile are refused when the config is loaded (``MegatronConfig.check_train``).
 
 Not guaranteed: bitwise equality with FSDP2 (bf16 parameters with fp32 masters vs bf16 autocast over
 fp32 parameters; the logprobs agree to bf16 rounding); Megatron's MoE load-balancing loss
@@ -101,8 +102,6 @@ class MegatronBackend(FSDPBackend):
         require_megatron(cfg)
         if deterministic:
             raise TrainError("engine.deterministic needs train.backend single or fsdp2 (the engine's exact kernels)")
-        if cfg.lora.enabled:
-            raise TrainError("train.lora needs train.backend single or fsdp2 (peft adapters on the native model)")
         if model_impl == "hf":
             raise TrainError("model.impl hf: the Megatron backend runs the native families (llama, qwen2, qwen3, qwen3_moe)")
         if not cfg.megatron.sequence_packing:  # one sequence per micro-batch: a budget every sequence exceeds

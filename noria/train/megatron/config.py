@@ -38,10 +38,16 @@ class MegatronConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.megatron.{key} must be >= 1, got {getattr(self, key)}")
 
-    def check_world(self, world_size: int) -> None:
-        """``train.world_size`` splits into these groups: tp * pp * cp divides it, ep divides the data-parallel size."""
+    def check_train(self, train) -> None:
+        """With ``train.backend: megatron`` (``train`` is the TrainConfig): ``train.world_size`` splits into
+        these groups (tp * pp * cp divides it, ep divides the data-parallel size), and no setting only the
+        PyTorch backend implements is on."""
+        world_size = train.world_size
         model = self.tp * self.pp * self.cp
         if world_size % model:
             raise ConfigError(f"train.world_size {world_size} is not a multiple of train.megatron tp*pp*cp = {model}")
         if (world_size // model) % self.ep:
             raise ConfigError(f"train.megatron.ep {self.ep} does not divide the data-parallel size {world_size // model}")
+        for key, on in (("train.lora.enabled", train.lora.enabled), ("train.compile", train.compile)):
+            if on:
+                raise ConfigError(f"{key} needs train.backend single or fsdp2 (the Megatron backend does not implement it)")
