@@ -1,5 +1,5 @@
 """Weight sync to a real ``noria serve`` subprocess on 127.0.0.1: ipc (the engine's shared staging
-area, and the trainer's own /dev/shm segments), gloo broadcast and disk, with verification; failed
+area, and the trainer's own /dev/shm segments), gloo broadcast and disk (full, and deltas), with verification; failed
 pushes and refused manifests change nothing; KV memory release and resume over HTTP.
 
 CPU only; one server (tiny random Llama, bf16) for the module.
@@ -22,7 +22,7 @@ from noria.hardware import auto_dtype
 from noria.models import load_model
 from noria.sync import WeightSyncError, build_sync, bucketize
 
-CASES = ("ipc", "ipc_segments", "broadcast", "disk")
+CASES = ("ipc", "ipc_segments", "broadcast", "disk", "disk_delta")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,9 @@ def state(server) -> tuple[int, dict[str, str]]:
 
 
 def make_sync(case: str, server, tmp_path):
-    transport = "ipc" if case == "ipc_segments" else case
-    sync = build_sync(SyncConfig(transport=transport, verify=True, bucket_mb=1), [server.url], run_dir=tmp_path)
+    transport = {"ipc_segments": "ipc", "disk_delta": "disk"}.get(case, case)
+    cfg = SyncConfig(transport=transport, verify=True, bucket_mb=1, delta=case == "disk_delta")
+    sync = build_sync(cfg, [server.url], run_dir=tmp_path)
     if case == "ipc_segments":
         sync.transport_impl.use_staging_area = False
     return sync
@@ -63,6 +64,8 @@ def test_push_to_a_server_and_verify(case, server, trainer, tmp_path):
         for v in (version + 1, version + 2):
             metrics = sync.push(bucketize(sent_for(trainer, v), 30_000), v)  # verify=True: checksums compared
     assert metrics["sync/verify_seconds"] > 0
+    if case == "disk_delta":  # the second push: a delta folder through /update_weights_from_disk
+        assert metrics["sync/full_snapshots"] == 0 and (tmp_path / "weights" / f"d{version + 2:08d}" / "delta.json").is_file()
     now, sums = state(server)
     assert now == version + 2
     out = httpx.post(f"{server.url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}).json()

@@ -22,7 +22,9 @@ ipc        hand the tensors over; the engine copies  write straight into the eng
 broadcast  a gloo/NCCL group; the engine joins it    gloo/NCCL group via /init_weights_update_group and
            in a thread                               /update_weights_from_distributed
 disk       a safetensors folder per version, loaded  the same folder via /update_weights_from_disk
-           by ``engine.weights.update_from_disk``    (an external SGLang or vLLM loads it too)
+           by ``engine.weights.update_from_disk``;   (an external SGLang or vLLM loads it too); with
+           with ``sync.delta`` a folder of what      ``sync.delta`` the delta folder, same call (noria
+           changed (:mod:`noria.sync.disk`)          engines only)
 ========== ========================================= ====================================================
 
 ``auto`` picks ipc for in-process engines and broadcast for engine servers (the RL job picks disk

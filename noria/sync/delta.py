@@ -107,20 +107,18 @@ class DeltaBase:
         if old is None or old.dtype != new.dtype or old.shape != new.shape:
             self.tensors[name] = new.clone() if new.data_ptr() == t.data_ptr() else new
             stats.changed += new.numel()
-            payload, encoding = new, "raw"
-        else:
-            view = INT_VIEW[new.element_size()]
-            payload = torch.bitwise_xor(new.view(view), old.view(view))
-            changed = int(torch.count_nonzero(payload))
-            if changed == 0:
-                stats.unchanged_tensors += 1
-                return None, None
+            return self._encode(name, new, "raw", new, offset) if encode else (None, None)
+        view = INT_VIEW[new.element_size()]
+        try:  # the XOR goes into the base's own buffer (no allocation), which then takes the new bits
+            changed = int(torch.count_nonzero(old.view(view).bitwise_xor_(new.view(view))))
             stats.changed += changed
+            stats.unchanged_tensors += changed == 0
+            return self._encode(name, new, "xor", old, offset) if encode and changed else (None, None)
+        finally:
             old.copy_(new)
-            encoding = "xor"
-        if not encode:
-            return None, None
+
+    def _encode(self, name: str, new: torch.Tensor, encoding: str, payload: torch.Tensor, offset: int) -> tuple[bytes, DeltaEntry]:
         frame = compress(payload.reshape(-1).view(torch.uint8).numpy().data, self.codec)
         entry = DeltaEntry(name, new.dtype, tuple(new.shape), encoding, offset, len(frame), frame_checksum(frame, self.algo),
-                           tensor_checksum(self.tensors[name], self.algo))  # fmt: skip
+                           tensor_checksum(new, self.algo))  # fmt: skip
         return frame, entry

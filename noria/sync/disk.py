@@ -16,12 +16,29 @@ How data moves::
 The rename is the publication: an engine is only ever given a complete folder, and a crashed
 trainer leaves a ``.partial`` folder that no engine is pointed at (the next push removes it). A
 push that fails removes its folder. After a successful push only the newest :data:`KEEP` version
-folders remain. Tensors are written straight from their memory (no serialised copy in between);
+folders (and as many delta folders) remain. Tensors are written straight from their memory (no serialised copy in between);
 CUDA tensors are copied to the host first.
+
+With ``sync.delta`` (noria engines only: :func:`delta_dtypes` refuses any other target when the
+sync is built), a push asks every engine which version it serves, then::
+
+    trainer:  the delta against the base (the last version written, :mod:`noria.sync.delta`) into
+              DIR/.d00000013.partial-<id>/ ─▶ rename to DIR/d00000013
+    engines serving the base: apply it (``noria.engine.weight_delta``)
+    the others (first push, restarted, missed a version), and any engine that refused the delta
+    (corrupt, or its weights are not the base; it kept them): a full snapshot DIR/v00000013
+              written from the base, as above
+
+A full snapshot rather than the chain of deltas since the engine's version: it is bounded (one
+model's bytes, written only when some engine needs it, once for all of them), needs no history of
+deltas kept on disk, and a restarted engine holds the original weights, which no delta chain
+starts from anyway. Metrics of a push (``WeightSync.push`` adds them): ``sync/bytes_written``
+(both kinds), ``sync/changed_frac``, ``sync/full_snapshots``, ``sync/delta_refused``.
 
 Blocking: ``send`` writes on the calling thread, then waits for every engine to load. Not
 guaranteed: durability across a power loss (no fsync); that engines on other machines see ``DIR``
-(it must be a shared filesystem for them).
+(it must be a shared filesystem for them); deltas for SGLang or vLLM (they load only complete HF
+folders: use full snapshots, ``sync.delta: false``).
 """
 
 from __future__ import annotations
