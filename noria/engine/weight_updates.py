@@ -16,7 +16,9 @@ caller's thread while the engine keeps generating; :meth:`commit` swaps the stag
 between two engine steps (through the ``between_steps`` callable the engine gives: it runs a
 function on the engine thread with no step in flight), refreshes the runner's packed weights and
 drops the prefix cache (its KV was computed with the old weights). The ``update_from_*`` calls are
-one-part updates: stage, then commit.
+one-part updates: stage, then commit. ``update_from_disk`` on a weight-delta folder
+(:mod:`noria.engine.weight_delta`) stages the changed tensors against the live ones and commits
+only if the engine still serves the delta's base version.
 
 What blocks on what: every call blocks its caller (call it through ``asyncio.to_thread`` from async
 code). Staging waits for a staging copy in progress (the stage's lock); a commit waits for the

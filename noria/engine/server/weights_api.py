@@ -8,7 +8,8 @@ machine, or the engine's own staging area that such a process wrote, see
 a part only), ``/commit_weights`` and ``/discard_weights`` (apply or drop all parts of one update),
 ``/weights_info`` (names, dtypes, shapes) and ``/weights_checksum`` (bitwise hashes of the live
 weights). ``noria.sync`` is the client; every call goes to the engine's weight component
-(``engine.weights``, :mod:`noria.engine.weight_updates`).
+(``engine.weights``, :mod:`noria.engine.weight_updates`). ``/update_weights_from_disk`` also takes a
+weight-delta folder (``sync.delta``, :mod:`noria.engine.weight_delta`): applied to the version served.
 
 Every update is staged, then committed, so a refused or failed one (HTTP 400, naming the tensor or
 file) leaves the weights and version as they were. Updates, group joins (a rendezvous that waits for
