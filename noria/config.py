@@ -231,9 +231,10 @@ class RolloutConfig:
         "colocated: the engine runs in the trainer's process and pauses (KV memory released) while it trains; "
         "disaggregated: the engine is its own `noria serve` process (or the server at engine_url).",
     )
-    engine_url: str | None = option(
-        None, "disaggregated: base URL of a running engine server (noria serve, SGLang); null starts `noria serve` itself."
-    )
+    engine_url: str | None = option(None, "disaggregated: base URL of a running engine server (of rollout.engine's API); null starts one.")
+    engine: Literal["noria", "sglang", "vllm"] = option(
+        "noria", "disaggregated: the engine server's API: noria (`noria serve`, started by the run or at engine_url), sglang (an "
+        "SGLang server at engine_url), vllm (a vLLM server at engine_url, or started by the run); see docs/engines.md.")
     engine_device: str | None = option(
         None,
         "disaggregated: torch device of the `noria serve` engine the run starts (its --device), e.g. cuda:0 while "
@@ -263,11 +264,11 @@ class RolloutConfig:
         "When places free up: group (when every trajectory of a group has finished) or sample (each finished trajectory "
         "frees its place; a new group starts once n_samples places are free). auto: sample when max_staleness > 0, else group.",
     )
-    pause_mode: Literal["retract", "in_place"] = option(
+    pause_mode: Literal["retract", "in_place", "drain"] = option(
         "retract",
         "How a disaggregated engine takes a weight update during generation: retract (in-flight requests are aborted and "
-        "resumed from their partial tokens under the new weights) or in_place (generation pauses, the weights change, "
-        "generation continues with its KV cache).",
+        "resumed from their partial tokens under the new weights), in_place (generation pauses, the weights change, it continues "
+        "with its KV cache) or drain (no request starts; the update waits for the running ones: the mode of vLLM, which reports no versions).",
     )
     routing_replay: bool = option(
         False,
@@ -309,6 +310,9 @@ class RolloutConfig:
                               "disaggregated and no rollout.engine_url")
         if self.engine_timeout_s <= 0:
             raise ConfigError(f"rollout.engine_timeout_s must be > 0, got {self.engine_timeout_s}")
+        if self.engine != "noria" and (self.placement != "disaggregated" or self.engines > 1 or (self.engine == "sglang" and not self.engine_url)):
+            raise ConfigError(f"rollout.engine {self.engine} is one engine server: it needs rollout.placement: disaggregated, rollout.engines: 1"
+                              + (" and rollout.engine_url (Noria does not start SGLang)" if self.engine == "sglang" else ""))
         if self.engine_url is not None and self.placement != "disaggregated":
             raise ConfigError("rollout.engine_url names an external engine: it needs rollout.placement: disaggregated")
         if self.engine_device is not None:

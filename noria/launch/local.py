@@ -251,6 +251,11 @@ class LocalJob:
         from noria.engine import serves_natively
         from noria.sync.targets import HttpEngine
 
+        if cfg.rollout.engine == "vllm":  # a vLLM OpenAI server (noria.launch.external)
+            from noria.launch.external import start_vllm_engine
+
+            self.engine_process, client, target = start_vllm_engine(path, cfg, self.folder)
+            return client, target
         if cfg.rollout.engine_url is None and not serves_natively(path, cfg.model.impl):
             raise NoriaError(
                 f"{cfg.model.path}: the generic transformers engine (model.impl: hf, or a family with no native model) "
@@ -260,6 +265,9 @@ class LocalJob:
         url, key = cfg.rollout.engine_url, None
         if url is None:
             self.engine_process, url, key = start_server(path, cfg, self.folder)
+        from noria.launch.external import check_engine
+
+        check_engine(cfg, url, key)  # a config needing what the engine lacks stops here, before the trainer loads
         return HttpEngineClient(url, api_key=key, timeout_s=timeout, process=self.engine_process), HttpEngine(url, api_key=key)
 
     def start_teacher(self) -> None:
@@ -420,7 +428,8 @@ class LocalJob:
         """A disaggregated engine generating meanwhile pauses (``rollout.pause_mode``) for a weight update:
         retracted requests resume from their partial tokens, in-place ones keep their KV cache; the
         tokens after carry the new version either way. A colocated engine is already paused here."""
-        if self.config.rollout.placement == "colocated" or self.scheduler is None:
+        tags = getattr(self.client, "tags_versions", False)  # a client keeping versions sees every update
+        if self.config.rollout.placement == "colocated" or (self.scheduler is None and not tags):
             yield
             return
         await self.client.pause(self.config.rollout.pause_mode)
@@ -514,7 +523,11 @@ class LocalJob:
                 self.sync.close()
         if self.local_engine is not None:
             self.local_engine.shutdown(drain_timeout_s=1.0)
-        if self.engine_process is not None:
+        if self.engine_process is not None and self.config.rollout.engine == "vllm":
+            from noria.engine.vllm_server import stop_vllm_server
+
+            stop_vllm_server(self.engine_process)  # its whole process group (vLLM's engine core too)
+        elif self.engine_process is not None:
             stop_server(self.engine_process)
         if self.teacher_process is not None:
             stop_server(self.teacher_process)
@@ -588,8 +601,10 @@ def build_weight_sync(config: RunConfig, target: Any, folder: Path) -> Any:
     from noria.sync import build_sync
 
     cfg = config.sync
-    if cfg.transport == "auto" and config.rollout.engine_url is not None:
-        cfg = dataclasses.replace(cfg, transport="disk")  # an external server loads a folder
+    from noria.launch.external import sync_transport
+
+    if cfg.transport == "auto" and sync_transport(config) == "disk":
+        cfg = dataclasses.replace(cfg, transport="disk")  # an external server or vLLM loads a folder
     if cfg.broadcast_backend == "auto" and same_cuda_device(config.train.device, engine_device(config)):
         cfg = dataclasses.replace(cfg, broadcast_backend="gloo")  # NCCL: one rank per GPU
     from noria.models.catalog import model_path

@@ -9,8 +9,9 @@ and its two implementations:
   through SGLang's native HTTP API (``/generate`` with ``input_ids``, ``return_logprob``).
 
 Both return ``GenerateOutput`` records: token ids, the log-probability of every sampled token and
-the weight version that produced each token (an SGLang server reports one version per request; it
-is repeated per token), and on request the MoE routes of each output token (``routed_experts``).
+the weight version that produced each token (an SGLang server reports one version per request, a
+string such as ``"3"``; it is repeated per token; a missing or non-numeric one is an error, never a
+guess), and on request the MoE routes of each output token (``routed_experts``).
 
 Failure: a dead engine (the in-process thread stopped, the server refuses connections or its
 process exited) raises ``EngineFailure`` naming the engine; a request running past
@@ -27,6 +28,7 @@ import httpx
 
 from noria.engine.protocol import GenerateOutput, GenerateRequest, decode_routes
 from noria.errors import NoriaError
+from noria.rollout.capabilities import parse_version
 from noria.router.client import RoutedClient
 
 
@@ -138,9 +140,10 @@ class HttpEngineClient:
         await self._post("/resume_memory_occupation", {}, missing_ok=True)
 
     async def weight_version(self) -> int:
-        data = await self._call(self.http.http.get("/get_weight_version"))
-        data.raise_for_status()
-        return int(data.json()["weight_version"])
+        response = await self._call(self.http.http.get("/get_weight_version"))
+        if response.is_error:
+            raise EngineFailure(f"{self.name}/get_weight_version answered {response.status_code}: {response.text[:300]}")
+        return parse_version(response.json().get("weight_version"), self.name)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -204,9 +207,8 @@ def output_from_sglang(data: dict[str, Any], req: GenerateRequest) -> GenerateOu
             f"engine answered {len(ids)} output ids but {len(logprobs)} logprobs (was return_logprob honoured?)"
         )
     versions = info.get("weight_versions")
-    if versions is None:  # SGLang: one version (a string) for the whole request
-        version = info.get("weight_version")
-        versions = [int(version) if version is not None else -1] * len(ids)
+    if versions is None:  # SGLang: one version (a string such as "3") for the whole request
+        versions = [response_version(info)] * len(ids)
     routes = decode_routes(info, len(ids)) if req.return_routed_experts else None
     if req.return_routed_experts and ids and (routes is None or len(routes) != len(ids)):
         raise EngineFailure(
@@ -229,6 +231,16 @@ def output_from_sglang(data: dict[str, Any], req: GenerateRequest) -> GenerateOu
         input_logprobs=scored[0],
         input_top_logprobs=scored[1],
     )
+
+
+def response_version(info: dict[str, Any]) -> int:
+    """The one weight version of an SGLang answer (``meta_info.weight_version``, a string); a missing
+    or non-numeric one is an ``EngineFailure``: a token of unknown version can never be trained on
+    (the connect-time check, ``noria.rollout.capabilities``, makes this rare)."""
+    try:
+        return parse_version(info.get("weight_version"), "engine answer")
+    except NoriaError as e:
+        raise EngineFailure(f"{e}: cannot tell which weights produced these tokens") from e
 
 
 def scored_input(info: dict[str, Any], req: GenerateRequest) -> tuple[list | None, list | None]:

@@ -134,7 +134,12 @@ class HttpEngine:
         return Specs(tensors, tuple(body.get("checksum_algos", ("sha256",))), str(body.get("device", "cpu")))
 
     def version(self) -> int:
-        return int(self._request("GET", "/get_weight_version", None)["weight_version"])
+        from noria.rollout.capabilities import MissingCapability, parse_version
+
+        try:  # SGLang reports a string ("3"; "default" when started without --weight-version)
+            return parse_version(self._request("GET", "/get_weight_version", None).get("weight_version"), f"engine {self.name}")
+        except MissingCapability as e:
+            raise WeightSyncError(str(e)) from e
 
     def checksums(self, names: list[str], algo: str) -> dict[str, str]:
         body = self._request("POST", "/weights_checksum", {"names": names, "algo": algo}, missing_ok=True)
@@ -172,7 +177,10 @@ class HttpEngine:
         self._request("POST", "/update_weights_from_distributed", body)
 
     def load_disk(self, folder: Path, version: int) -> None:
-        self._request("POST", "/update_weights_from_disk", {"model_path": str(folder), "weight_version": version})
+        # SGLang's weight_version is a string; noria serve reads digit strings too.
+        body = self._request("POST", "/update_weights_from_disk", {"model_path": str(folder), "weight_version": str(version)})
+        if isinstance(body, dict) and body.get("success") is False:  # SGLang: 200 with success false on some failures
+            raise WeightSyncError(f"engine {self.name}: /update_weights_from_disk failed: {body.get('message', '')[:500]}")
 
     def commit(self, update_id: str, version: int) -> None:
         self._request("POST", "/commit_weights", {"update_id": update_id, "weight_version": version})
