@@ -154,12 +154,14 @@ GPT_ROUND_TRIP = textwrap.dedent(
 def test_round_trip_through_a_real_gptmodel(tmp_path):
     """HF weights -> megatron-core's GPTModel (local spec, built on the CPU; every parameter must be
     filled with its exact shape) -> HF weights, bit for bit. In a child process: it owns a gloo group."""
+    import os
     from pathlib import Path
 
     from noria.net import free_port
 
     tests = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)  # keep a wheel dir on the path
     out = subprocess.run([sys.executable, "-c", GPT_ROUND_TRIP, str(free_port())], capture_output=True, text=True,
-                         timeout=120, cwd=tests, env={**__import__("os").environ, "PYTHONPATH": tests})
+                         timeout=120, cwd=tests, env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line.split()[:2] for line in out.stdout.splitlines()] == [["qwen2", "ok"], ["qwen3_moe", "ok"], ["llama", "ok"]]
