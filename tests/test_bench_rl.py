@@ -62,3 +62,16 @@ def test_bad_arguments_are_refused():
         bench_rl.run("unused", peers=["openrlhf"])
     with pytest.raises(ValueError, match="n_samples"):
         bench_rl.run("unused", n_samples=1, peers=[])
+
+
+def test_engine_peers_change_only_the_rollout_engine(tmp_path, tiny_model_dir):
+    """`--peers vllm,noria_serve` rerun Noria's own config with another rollout engine and nothing else."""
+    import yaml
+
+    settings = {"steps": 2, "prompts_per_step": 3, "n_samples": 2, "max_new_tokens": 4, "lr": 1e-3, "temperature": 1.0}
+    path = bench_rl.write_config(tmp_path / "c.yaml", tiny_model_dir, settings, "numeric", 4, None)
+    base = yaml.safe_load(path.read_text())
+    for peer, changes in bench_rl.ENGINE_PEERS.items():
+        variant = yaml.safe_load(bench_rl.engine_config(path, peer).read_text())
+        assert {k: v for k, v in variant.items() if k not in changes} == {k: v for k, v in base.items() if k not in changes}
+        assert variant["rollout"] == {**base["rollout"], **changes["rollout"]} and variant["sync"] == changes["sync"]

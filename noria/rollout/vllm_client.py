@@ -53,6 +53,8 @@ class VllmEngineClient(HttpEngineClient):
                  version: int = 0) -> None:  # fmt: skip
         super().__init__(base_url, api_key=api_key, timeout_s=timeout_s, process=process)
         self.name = f"vLLM engine at {self.base_url}"
+        self.api_key = api_key
+        """The bearer key of its ``/v1`` routes (the run's own, when it started the server)."""
         self.version = version
         """The version every request admitted now is tagged with (changed by ``resume`` only)."""
         self._open = asyncio.Event()

@@ -21,8 +21,8 @@ call                   in process (``engine.weights.*``)    HTTP (noria serve; *
 ``commit`` / discard   ``commit`` / ``discard``             ``POST /commit_weights`` * / ``/discard_weights`` *
 =====================  ===================================  ======================================
 
-An external SGLang or vLLM-compatible server answers only the SGLang calls: ``load_disk`` and
-``version`` (so the disk transport, without verification). Every failure is raised as a
+An external SGLang server answers only the SGLang calls: ``load_disk`` and ``version`` (so the
+disk transport, without verification); a vLLM server is a :class:`noria.sync.vllm.VllmEngine`. Every failure is raised as a
 :class:`WeightSyncError` naming the engine (``local[i]`` or its URL) and what the engine said.
 
 Blocking: every call blocks its caller (HTTP calls have no read timeout beyond
