@@ -343,3 +343,13 @@ def test_engine_choice_is_checked_with_the_config():
             setattr(cfg.rollout, key, value)
         with pytest.raises(ConfigError, match=message):
             cfg.rollout.validate()
+
+
+def test_launchers_with_noria_serve_engines_refuse_other_engines():
+    from noria.errors import NoriaError
+    from noria.launch.scaled import ScaledJob
+
+    cfg = run_config(engine="vllm", pause_mode="drain")
+    cfg.model.path, cfg.data.task, cfg.train.world_size, cfg.train.backend = "smollm2-135m-instruct", "arithmetic", 2, "fsdp2"
+    with pytest.raises(NoriaError, match="rollout.engine: noria"):
+        ScaledJob.check_supported(cfg)

@@ -51,8 +51,9 @@ class ScaledJob(LocalJob):
             raise NoriaError("run_rl needs train.algorithm: rl")
         if config.train.loss.advantage == "gae" and config.train.world_size > 1:
             raise NoriaError("train.loss.advantage gae (PPO with a critic) runs on one trainer rank; set train.world_size 1")
-        if config.rollout.placement != "disaggregated" or config.rollout.engine_url is not None:
-            raise NoriaError("an engine fleet or several trainer ranks need rollout.placement: disaggregated and no engine_url")
+        if config.rollout.placement != "disaggregated" or config.rollout.engine_url is not None or config.rollout.engine != "noria":
+            raise NoriaError("an engine fleet, several trainer ranks or launch: ray need rollout.placement: disaggregated, no "
+                             "engine_url and rollout.engine: noria (their engines are `noria serve`)")
 
     def start_parts(self, resume: bool) -> None:
         cfg = self.config
