@@ -11,7 +11,8 @@ its owner, and raises on the first that is missing, naming the key:
 - ``reward.name``: a registered reward, or an import path loaded and checked against the reward
   plug point's contract (``noria.rewards.registry.get_reward``);
 - ``rollout.buffer.filters`` and ``rollout.buffer.impl``, ``rollout.rollout_fn`` / ``generate_fn`` /
-  ``agent_fn``: built-in names or import paths through the one plug-in loader (``noria.plugins``);
+  ``agent_fn``, and ``eval.backend`` (``eval.mode: checkpoint``): built-in names or import paths
+  through the one plug-in loader (``noria.plugins``);
 - ``data.task`` registered; ``data.path``, ``data.test_path`` and a ``data.chat_template`` file present here.
 
 It imports the registries (and so torch): about a second, spent only by the commands that run or
@@ -62,6 +63,8 @@ def _check_plugins(config: RunConfig) -> None:
     for key in ("rollout_fn", "generate_fn", "agent_fn"):
         if getattr(r, key):
             load_plugin(getattr(r, key), f"rollout.{key}")
+    if config.eval.every > 0 and config.eval.mode == "checkpoint":
+        load_plugin(config.eval.backend, "eval.backend")
 
 
 def _check_data(config: RunConfig) -> None:

@@ -24,6 +24,8 @@ BASE = ["--model.path", "m", "--data.task", "arithmetic"]
         (["--reward.name", "reward_plugins:no_such_fn"], ["reward.name", "has no 'no_such_fn'"]),
         (["--rollout.buffer.filters", "nowhere_module:keep"], ["rollout.buffer.filters", "nowhere_module"]),
         (["--rollout.generate_fn", "reward_plugins:length_at_least"], ["rollout.generate_fn", "async"]),
+        (["--eval.every", "2", "--eval.mode", "checkpoint", "--eval.backend", "test_plugin_contracts:BackendWithoutEvaluate"],
+         ["eval.backend", "lacks evaluate"]),
         (["--data.task", "arithmetik"], ["data.task", "'arithmetik'", "arithmetic"]),
         (["--data.task_args", "{max_operands: 3}"], ["data.task", "max_operands", "max_operand"]),
         (["--data.task", "null", "--data.path", "no/such/prompts.jsonl", "--reward.name", "numeric"],
