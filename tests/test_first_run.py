@@ -3,7 +3,8 @@
 
 Every line is time-stamped as it arrives: no phase may be silent for more than 5 s (a training step
 prints its own line; the kernel build, import, loads, evaluations and export print theirs), and the
-policy must learn what the reward asks. Slow: the import trains the tiny model's warm start (1-2 min).
+policy must learn what the reward asks: held-out accuracy rises by 15 points or more (on AVX-512 and
+under ``NORIA_CPU_ISA=avx2``). Slow: the import trains the tiny model's warm start (1-2 min).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def silences(lines: list[tuple[float, str]]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_first_run_speaks_every_few_seconds_and_learns_the_format(tmp_path):
+def test_first_run_speaks_every_few_seconds_and_lifts_held_out_accuracy(tmp_path):
     env = {**os.environ, "NORIA_HOME": str(tmp_path / "home")}
     env.pop("PYTHONUNBUFFERED", None)  # the CLI itself must make its output line-buffered
     noria = [sys.executable, "-m", "noria"]
@@ -61,15 +62,19 @@ def test_first_run_speaks_every_few_seconds_and_learns_the_format(tmp_path):
                   "exporting the final model"):  # fmt: skip
         assert f"noria: {phase}" in said, phase
 
-    # GRPO learns to put the answer in \boxed{} as the prompt asks (the warm start does so 40% of the
-    # time, the reward counts boxed answers only). The held-out accuracy is printed, not asserted: it
-    # rose 16.7% -> 57.8% on an AVX-512 CPU but only 6.7% -> 12.2% with NORIA_CPU_ISA=avx2, whose
-    # fp32 sums build a slightly different warm start (docs/quickstart.md).
+    # The warm start adds most held-out pairs right but boxes the sum in only 30% of its training
+    # answers; the reward counts boxed right sums only, so GRPO must teach the box (examples/
+    # grpo_tiny.yaml). Measured here: 13-17% at step 0, 81-92% at steps 20-30, as built on AVX-512 and
+    # under NORIA_CPU_ISA=avx2. The rise is judged by the mean of the last two evaluations (one eval
+    # of 90 problems moves by 5-10 points); the recipe before this one rose by 5.5 points under AVX2.
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 10, 20, 30, 40, 50]
+    accuracy = [e["accuracy"] for e in evals]
+    print("held-out accuracy by eval:", [round(a, 3) for a in accuracy])
+    print(f"import {imported[-1][0]:.0f} s, train {trained[-1][0]:.0f} s")
+    assert [e["step"] for e in evals] == [0, 10, 20, 30]
+    assert (accuracy[-1] + accuracy[-2]) / 2 >= accuracy[0] + 0.15, accuracy
     boxed = [boxed_share(run / "eval" / f"step-{e['step']:06d}.jsonl") for e in evals]
     assert boxed[-1] >= boxed[0] + 0.3 and boxed[-1] > 0.9, boxed
-    print("held-out accuracy by eval:", [round(e["accuracy"], 3) for e in evals])
 
 
 def boxed_share(path: Path) -> float:

@@ -8,11 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 
 import pytest
 
 from noria.models import list_models, model_path
-from noria.models.catalog import CATALOG, CatalogError, SMOLLM2_INSTALL, cache_path, import_model, package_folder
+from noria.models.catalog import (
+    BUILD_MARK,
+    CATALOG,
+    SMOLLM2_INSTALL,
+    CatalogEntry,
+    CatalogError,
+    built_version,
+    cache_path,
+    import_model,
+    package_folder,
+)
 
 
 @pytest.fixture
@@ -67,3 +78,24 @@ def test_failed_import_leaves_no_folder(noria_home, monkeypatch):
     with pytest.raises(CatalogError, match="pip install gguf accelerate"):
         import_model("broken")
     assert list((noria_home / "models").iterdir()) == []
+
+
+def test_a_build_of_an_older_recipe_is_rebuilt(noria_home, monkeypatch):
+    """The cached folder is reused while its recipe version matches, and rebuilt once it changes."""
+    builds = []
+
+    def build(entry, out):
+        builds.append(entry.version)
+        (out / "weights.txt").write_text(f"recipe {entry.version}")
+
+    entry = CatalogEntry(name="toy", description="toy", build=build, version=1)
+    monkeypatch.setitem(CATALOG, "toy", entry)
+    folder = import_model("toy")
+    assert import_model("toy") == folder and builds == [1]  # reused
+    assert built_version(folder) == 1 and json.loads((folder / BUILD_MARK).read_text())["name"] == "toy"
+    monkeypatch.setitem(CATALOG, "toy", dataclasses.replace(entry, version=2))
+    assert model_path("toy") == folder and builds == [1, 2]
+    assert (folder / "weights.txt").read_text() == "recipe 2" and built_version(folder) == 2
+    (folder / BUILD_MARK).unlink()  # a folder from before the mark counts as version 1
+    import_model("toy")
+    assert builds == [1, 2, 2]

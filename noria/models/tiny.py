@@ -8,18 +8,23 @@ Nothing is downloaded. The builder (:func:`build_tiny_llama`, the catalog entry 
    written digit by digit and the model can learn addition rather than a table of number tokens;
 2. builds a random-init ``LlamaForCausalLM`` (4 layers, hidden 128, about 0.8M parameters);
 3. warm-starts it with :data:`WARM_STEPS` supervised steps on chats of the arithmetic task's own
-   prompts (addition of operands up to :data:`MAX_OPERAND`) from the task's *train* split. The
-   prompt asks for the answer in ``\\boxed{}``; the warm start answers so only in
-   :data:`BOXED_SHARE` of its chats and with the bare number in the rest, so the model adds well
-   enough but often forgets the box. ``examples/grpo_tiny.yaml`` rewards only boxed right answers
-   (``exact_match`` with ``boxed: true``): GRPO learns to follow the instruction and the held-out
-   accuracy rises within a minute (measured: 17% -> 48% after 10 steps, 58% after 50).
+   prompts (addition of operands up to :data:`MAX_OPERAND`) from the task's *train* split only (the
+   task's held-out prompts are never seen). Each answer first restates the sum, ``12 + 7 = 19``:
+   with the operands written right before it, this tiny model learns to add pairs it never saw
+   (greedy, on the 90 held-out problems of ``examples/grpo_tiny.yaml``: 92% as built on an AVX-512
+   CPU, 98% as AVX2; answering a bare ``19`` instead, it got 9% after 800 steps as AVX2 and 28-40%
+   after 1200, so the CPU's rounding decided whether it generalised). The prompt asks for the answer in ``\\boxed{}``; only :data:`BOXED_SHARE` of the warm
+   start's answers go on to box it (``12 + 7 = 19, so \\boxed{19}``), the others stop after the sum.
+   ``examples/grpo_tiny.yaml`` rewards only boxed right answers (``exact_match`` with ``boxed:
+   true``), so held-out accuracy starts near that share and GRPO's job is the format: to always box
+   the sum it already computes. The box holds a copy of a number already written, so learning it
+   does not disturb the arithmetic.
 
 Single-threaded (``torch.set_num_threads(1)`` while it trains): a model this small gains nothing
 from a second thread and loses much when the cores are shared. Seeded: the same torch build on
 the same CPU gives the same folder; CPUs whose matmuls sum in another order (AVX2 and AVX-512) give
-slightly different weights, with the same behaviour. Not guaranteed: the exact accuracy of the warm
-start (a tiny model trained for a minute).
+slightly different weights. Not guaranteed: the exact accuracy of the warm start (a tiny model
+trained for a minute); the figures above are what this recipe gave on one machine.
 """
 
 from __future__ import annotations
@@ -39,12 +44,16 @@ CHAT_TEMPLATE = (
 """ChatML, as SmolLM2-Instruct's template renders it (without its default system message)."""
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+RECIPE_VERSION = 2
+"""Raised whenever the built folder changes (the catalog rebuilds cached folders of other versions).
+1: bare answers, 800 steps; 2: answers restate the sum, then box it in BOXED_SHARE of the chats."""
 WARM_STEPS = 800
-"""Supervised steps of the warm start (batch 32): about a minute on one free core."""
+"""Supervised steps of the warm start (batch 32): about a minute on one free core. 400 were not enough
+(held-out sums 64% as AVX2, 80% on AVX-512, and almost no boxed answers left for GRPO to find)."""
 WARM_LR = 3e-3
 """Peak learning rate of the warm start (linear warmup over 50 steps, then linear decay to 0)."""
-BOXED_SHARE = 0.4
-"""Share of the warm start's answers written as ``\\boxed{n}`` (the others: the bare number)."""
+BOXED_SHARE = 0.3
+"""Share of the warm start's answers that box the sum (``a + b = n, so \\boxed{n}``; the others: ``a + b = n``)."""
 
 
 def build_tiny_llama(entry, out: Path) -> None:
@@ -66,17 +75,23 @@ def build_tiny_llama(entry, out: Path) -> None:
 
 
 def _chats(n: int, seed: int) -> list[str]:
-    """Rendered chats of train-split arithmetic problems: the prompt, then ``\\boxed{answer}``."""
+    """Rendered chats of train-split arithmetic problems: the prompt, then the answer (:func:`_answer`)."""
     from noria.data.tasks import generate_split
 
     args = {"n_train": n, "n_test": 10, "seed": seed, "max_operand": MAX_OPERAND, "ops": ["+"]}
     records = generate_split("arithmetic", "train", args)
     rng = random.Random(seed + 1)
-    answers = [f"\\boxed{{{r.label}}}" if rng.random() < BOXED_SHARE else str(r.label) for r in records]
+    answers = [_answer(r.metadata["expression"], r.label, boxed=rng.random() < BOXED_SHARE) for r in records]
     return [
         f"<|im_start|>user\n{r.prompt}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
         for r, answer in zip(records, answers)
     ]
+
+
+def _answer(expression: str, label: str, boxed: bool) -> str:
+    """The warm start's answer: the sum restated after its operands, then boxed if ``boxed``."""
+    equation = f"{expression} = {label}"
+    return f"{equation}, so \\boxed{{{label}}}" if boxed else equation
 
 
 def _tokenizer(corpus: list[str]):
