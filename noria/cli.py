@@ -35,7 +35,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.config import load_config
 
-    from noria.console import say
+    from noria.console import phase, say
     from noria.launch.lifecycle import sigterm_as_interrupt
     from noria.preflight import check_references
 
@@ -49,7 +49,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         config_file = saved_config(args.resume)
     config = load_config(config_file, overrides)
     say(f"noria train: {config.name} ({config.train.algorithm}, model {config.model.path}); checking what the config names ...")
-    check_references(config)  # registry names, import paths, data files: before any folder or model
+    # registry names, import paths, data files: before any folder or model. It imports the registries
+    # (and so torch): a second on a quiet machine, 15 s on a busy one, so it beats like any phase.
+    with phase("checking what the config names", start_line=False, end_line=False):
+        check_references(config)
     progress = False if args.no_progress else None
     if config.diffusion is not None:  # an image model (noria.diffusion): the same loop, its own parts
         from noria.diffusion.job import train_diffusion
@@ -137,7 +140,11 @@ def _models_list(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _models_import(args: argparse.Namespace, overrides: list[str]) -> int:
-    from noria.models.catalog import import_model
+    from noria.console import phase
+
+    # noria.models imports torch and transformers: seconds on a quiet machine, far more on a busy one
+    with phase(f"models import {args.name}: loading torch and transformers"):
+        from noria.models.catalog import import_model
 
     path = import_model(args.name, force=args.force)
     print(f"{args.name}: {path}")

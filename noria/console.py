@@ -34,12 +34,18 @@ def say(message: str) -> None:
 
 @contextmanager
 def phase(
-    what: str, detail: Callable[[], str] | None = None, every_s: float = HEARTBEAT_S, end_line: bool = True
+    what: str,
+    detail: Callable[[], str] | None = None,
+    every_s: float = HEARTBEAT_S,
+    end_line: bool = True,
+    start_line: bool = True,
 ) -> Iterator[None]:
     """``noria: {what} ...`` now, ``noria: {what}: {s} s[, {detail()}]`` every ``every_s`` seconds while
     the body runs, and ``noria: {what}: done in {s} s`` when it ends (not with ``end_line=False``, where
-    the caller prints the result; nothing more if it failed: the error says the rest)."""
-    say(f"noria: {what} ...")
+    the caller prints the result; nothing more if it failed: the error says the rest). With
+    ``start_line=False`` the caller has already said what starts (only the heartbeats are added)."""
+    if start_line:
+        say(f"noria: {what} ...")
     start = time.monotonic()
     stop = threading.Event()
 

@@ -1,5 +1,6 @@
 """The `noria` command: help for every subcommand, one-line errors for bad input."""
 
+import re
 import subprocess
 import sys
 
@@ -78,3 +79,19 @@ def test_reference_into_a_closed_pipe_is_quiet():
     done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True)
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert done.stdout.strip() == "0"
+
+
+def test_a_phase_whose_caller_said_the_start_only_beats(capsys):
+    """``phase(start_line=False, end_line=False)`` (around ``noria train``'s config check) adds only
+    the heartbeats to the caller's own line: a slow check is not silent, a quick one prints nothing."""
+    import time
+
+    from noria.console import phase
+
+    with phase("checking", every_s=0.05, start_line=False, end_line=False):
+        time.sleep(0.3)
+    beats = capsys.readouterr().err.splitlines()
+    assert beats and all(re.fullmatch(r"noria: checking: \d+ s", line) for line in beats), beats
+    with phase("checking", every_s=5, start_line=False, end_line=False):
+        pass
+    assert capsys.readouterr().err == ""
