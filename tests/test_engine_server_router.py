@@ -159,3 +159,19 @@ def test_local_router_has_the_same_semantics():
         assert one.pick("x", session=True) == 0 and one.pick(None) == 0
 
     asyncio.run(run())
+
+
+@pytest.mark.router
+def test_a_key_that_starts_with_a_dash_reaches_the_router_whole():
+    """``secrets.token_urlsafe`` starts with ``-`` about once in 64 keys; the router's argument
+    parser must take it as the key's value, not as an option of its own."""
+    import os
+    import subprocess
+    import sys
+
+    from noria.router.sglang_router import ROUTER_WITH_KEY
+
+    pytest.importorskip("sglang_router")
+    env = {**os.environ, "NORIA_ROUTER_KEY": "-Zq3_key"}
+    done = subprocess.run([sys.executable, "-c", ROUTER_WITH_KEY, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-400:]

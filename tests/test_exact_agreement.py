@@ -142,9 +142,7 @@ def test_exact_across_micro_batches(folders, dtype):
 
 
 def _fsdp2_worker(rank: int, port: int, folder: str, batch, out) -> None:
-    import torch.distributed as dist
-
-    from noria.train.fsdp import init_distributed
+    from noria.train.fsdp import init_distributed, shutdown_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
@@ -155,8 +153,10 @@ def _fsdp2_worker(rank: int, port: int, folder: str, batch, out) -> None:
         metrics = backend.train_step(batch)
         if rank == 0:
             torch.save({"logprobs": logprobs, "metrics": metrics}, out)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        shutdown_distributed(clean=False)  # the other rank may be gone: no barrier
+        raise
+    shutdown_distributed()
 
 
 def test_exact_under_fsdp2_on_two_ranks(folders, tmp_path):

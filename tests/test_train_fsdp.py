@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, port: int, model_dir, out_dir) -> None:
     import torch.distributed as dist
 
     from noria.train.backend import NonFiniteError
-    from noria.train.fsdp import init_distributed
+    from noria.train.fsdp import init_distributed, shutdown_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -79,8 +79,10 @@ def _worker(rank: int, world: int, port: int, model_dir, out_dir) -> None:
             )
         else:
             assert sync == [] and raised and nan_unchanged
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        shutdown_distributed(clean=False)  # the other rank may be gone: no barrier
+        raise
+    shutdown_distributed()
 
 
 def test_fsdp2_two_gloo_ranks_match_single_process(tiny_model_dir, tmp_path):

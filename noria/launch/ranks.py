@@ -146,10 +146,9 @@ class TrainerRank:
 
     def close(self) -> None:
         self.drop_syncs()
-        import torch.distributed as dist
+        from noria.train.fsdp import shutdown_distributed
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()
 
 
 def local_url(url: str) -> bool:

@@ -41,7 +41,7 @@ from noria.net import free_port
 
 ROUTER_WITH_KEY = (
     "import os, sys; from sglang_router.launch_router import main; "
-    "sys.argv[1:1] = ['--api-key', os.environ.pop('NORIA_ROUTER_KEY')]; main()"
+    "sys.argv[1:1] = ['--api-key=' + os.environ.pop('NORIA_ROUTER_KEY')]; main()"
 )
 """The router's entry point with the API key taken from its environment."""
 

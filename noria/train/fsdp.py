@@ -60,6 +60,7 @@ the policy (FSDP2's ``CPUOffloadPolicy`` needs an accelerator).
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import time
@@ -118,6 +119,22 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
         else:
             dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed(clean: bool = True) -> None:
+    """Tear the process group down so the process exits cleanly (no-op when none is up).
+
+    A clean exit first waits for every rank, so no peer is still sending when the group goes, then
+    collects garbage: FSDP modules and DTensors hold the group too, and a gloo group whose last
+    reference dies while the interpreter finalizes aborts the process ("terminate called without an
+    active exception"). ``clean=False`` (a rank that failed) skips the barrier a dead peer would hang.
+    """
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 EXTREMA = ("_max", "_min")

@@ -266,13 +266,15 @@ def _rank_main(rank: int, world: int, port: int, config: RunConfig, data: SFTDat
 
 def run_rank(config: RunConfig, data: SFTData, run_dir: str | None, resume: str | None, progress: bool | None) -> Path:
     """``run_sft`` as one FSDP2 rank, leaving the process group torn down."""
-    import torch.distributed as dist
+    from noria.train.fsdp import shutdown_distributed
 
+    clean = False
     try:
-        return run_sft(config, data, run_dir, resume, progress)
+        folder = run_sft(config, data, run_dir, resume, progress)
+        clean = True
+        return folder
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed(clean)
 
 
 def barrier() -> None:
