@@ -30,7 +30,7 @@ from noria.hardware import cpu_info
 from noria.models.attention import EXACT_ROW_TILE, attention_scale, exact_attention, exact_causal_attention
 from noria.models.config import ModelArgs, RopeScaling
 from noria.models.decoder import DETERMINISTIC_ROWS, row_chunked_linear
-from noria.train.fsdp import FSDPBackend
+from noria.train.fsdp import FSDPBackend, rank_process
 from noria.train.packing import pack_samples
 from noria.types import Sample
 
@@ -142,21 +142,16 @@ def test_exact_across_micro_batches(folders, dtype):
 
 
 def _fsdp2_worker(rank: int, port: int, folder: str, batch, out) -> None:
-    from noria.train.fsdp import init_distributed, shutdown_distributed
+    from noria.train.fsdp import init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     init_distributed("cpu")
-    try:
-        backend = trainer(folder, True, backend="fsdp2", world_size=2, micro_batch_tokens=64, activation_checkpointing=True)
-        logprobs = backend.compute_logprobs(batch).logprobs
-        metrics = backend.train_step(batch)
-        if rank == 0:
-            torch.save({"logprobs": logprobs, "metrics": metrics}, out)
-    except BaseException:
-        shutdown_distributed(clean=False)  # the other rank may be gone: no barrier
-        raise
-    shutdown_distributed()
+    backend = trainer(folder, True, backend="fsdp2", world_size=2, micro_batch_tokens=64, activation_checkpointing=True)
+    logprobs = backend.compute_logprobs(batch).logprobs
+    metrics = backend.train_step(batch)
+    if rank == 0:
+        torch.save({"logprobs": logprobs, "metrics": metrics}, out)
 
 
 def test_exact_under_fsdp2_on_two_ranks(folders, tmp_path):
@@ -167,7 +162,7 @@ def test_exact_under_fsdp2_on_two_ranks(folders, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_fsdp2_worker, args=(port, folders["qwen3"], batch, tmp_path / "rank0.pt"), nprocs=2, join=True)
+    mp.spawn(rank_process, args=(_fsdp2_worker, port, folders["qwen3"], batch, tmp_path / "rank0.pt"), nprocs=2, join=True)
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)
     trained = batch.loss_mask > 0
     assert (got["logprobs"][trained] - batch.rollout_logprobs[trained]).abs().max().item() == 0.0

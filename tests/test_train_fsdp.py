@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from noria.train.checkpoint import checkpoint_dir
+from noria.train.fsdp import rank_process
 from noria.train.packing import pack_samples
 from train_util import make_backend, pg_loss, random_samples, weights
 
@@ -40,53 +41,48 @@ def _worker(rank: int, world: int, port: int, model_dir, out_dir) -> None:
     import torch.distributed as dist
 
     from noria.train.backend import NonFiniteError
-    from noria.train.fsdp import init_distributed, shutdown_distributed
+    from noria.train.fsdp import init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     init_distributed("cpu")
+    kw = dict(backend="fsdp2", world_size=world, micro_batch_tokens=24, activation_checkpointing=True)
+    backend = make_backend(model_dir, **kw)
+    batch = _batch()
+    logprobs = backend.compute_logprobs(batch).logprobs
+    metrics = backend.train_step(batch)
+    after = weights(backend)
+    ckpt = backend.save(checkpoint_dir(out_dir, 1), extra={"cursor": 3})
+    backend.train_step(batch)
+    two_steps = weights(backend)
+    resumed = make_backend(model_dir, **kw)
+    extra = resumed.load(ckpt)
+    resumed.train_step(batch)
+    resumed_w = weights(resumed)
+    sync = [(n, t) for bucket in backend.state_dict_for_sync(1 << 16) for n, t in bucket]
+    nan = make_backend(model_dir, loss_fn=_nan_on_rank1, **kw)
+    before_nan = weights(nan)
     try:
-        kw = dict(backend="fsdp2", world_size=world, micro_batch_tokens=24, activation_checkpointing=True)
-        backend = make_backend(model_dir, **kw)
-        batch = _batch()
-        logprobs = backend.compute_logprobs(batch).logprobs
-        metrics = backend.train_step(batch)
-        after = weights(backend)
-        ckpt = backend.save(checkpoint_dir(out_dir, 1), extra={"cursor": 3})
-        backend.train_step(batch)
-        two_steps = weights(backend)
-        resumed = make_backend(model_dir, **kw)
-        extra = resumed.load(ckpt)
-        resumed.train_step(batch)
-        resumed_w = weights(resumed)
-        sync = [(n, t) for bucket in backend.state_dict_for_sync(1 << 16) for n, t in bucket]
-        nan = make_backend(model_dir, loss_fn=_nan_on_rank1, **kw)
-        before_nan = weights(nan)
-        try:
-            nan.train_step(batch)
-            raised = ""
-        except NonFiniteError as e:
-            raised = str(e)
-        nan_unchanged = all(torch.equal(t, before_nan[k]) for k, t in weights(nan).items())
-        lora = make_backend(model_dir, lora=LORA, **kw)
-        lora.train_step(batch)
-        lora_w = weights(lora)
-        if rank == 0:
-            torch.save(
-                dict(logprobs=logprobs, metrics=metrics, after=after, two_steps=two_steps, resumed=resumed_w,
-                     extra=extra, sync=sync, raised=raised, nan_unchanged=nan_unchanged, lora=lora_w),
-                out_dir / "rank0.pt",
-            )
-        else:
-            assert sync == [] and raised and nan_unchanged
-    except BaseException:
-        shutdown_distributed(clean=False)  # the other rank may be gone: no barrier
-        raise
-    shutdown_distributed()
+        nan.train_step(batch)
+        raised = ""
+    except NonFiniteError as e:
+        raised = str(e)
+    nan_unchanged = all(torch.equal(t, before_nan[k]) for k, t in weights(nan).items())
+    lora = make_backend(model_dir, lora=LORA, **kw)
+    lora.train_step(batch)
+    lora_w = weights(lora)
+    if rank == 0:
+        torch.save(
+            dict(logprobs=logprobs, metrics=metrics, after=after, two_steps=two_steps, resumed=resumed_w,
+                 extra=extra, sync=sync, raised=raised, nan_unchanged=nan_unchanged, lora=lora_w),
+            out_dir / "rank0.pt",
+        )
+    else:
+        assert sync == [] and raised and nan_unchanged
 
 
 def test_fsdp2_two_gloo_ranks_match_single_process(tiny_model_dir, tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), tiny_model_dir, tmp_path), nprocs=2, join=True)
+    mp.spawn(rank_process, args=(_worker, 2, free_port(), tiny_model_dir, tmp_path), nprocs=2, join=True)
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)
 
     torch.set_num_threads(1)

@@ -24,7 +24,7 @@ from noria.config import EngineConfig, TrainConfig
 from noria.engine import Engine, GenerateRequest, SamplingParams
 from noria.models import load_model
 from noria.rollout.buffer import group_from_dict, group_to_dict
-from noria.train.fsdp import FSDPBackend
+from noria.train.fsdp import FSDPBackend, rank_process
 from noria.train.packing import pack_samples, replay_rows, share_prefixes
 from noria.types import Group, Prompt, Sample
 
@@ -148,21 +148,16 @@ def test_router_aux_loss_reaches_the_router(folders):
 
 
 def _fsdp2_worker(rank: int, port: int, folder: str, batch, out) -> None:
-    from noria.train.fsdp import init_distributed, shutdown_distributed
+    from noria.train.fsdp import init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     init_distributed("cpu")
-    try:
-        backend = trainer(folder, True, backend="fsdp2", world_size=2, micro_batch_tokens=64)
-        logprobs = backend.compute_logprobs(batch).logprobs
-        metrics = backend.train_step(batch)
-        if rank == 0:
-            torch.save({"logprobs": logprobs, "metrics": metrics}, out)
-    except BaseException:
-        shutdown_distributed(clean=False)  # the other rank may be gone: no barrier
-        raise
-    shutdown_distributed()
+    backend = trainer(folder, True, backend="fsdp2", world_size=2, micro_batch_tokens=64)
+    logprobs = backend.compute_logprobs(batch).logprobs
+    metrics = backend.train_step(batch)
+    if rank == 0:
+        torch.save({"logprobs": logprobs, "metrics": metrics}, out)
 
 
 def test_replay_under_fsdp2_on_two_ranks(folders, tmp_path):
@@ -171,7 +166,7 @@ def test_replay_under_fsdp2_on_two_ranks(folders, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_fsdp2_worker, args=(port, str(folders["plain"]), batch, tmp_path / "rank0.pt"), nprocs=2, join=True)
+    mp.spawn(rank_process, args=(_fsdp2_worker, port, str(folders["plain"]), batch, tmp_path / "rank0.pt"), nprocs=2, join=True)
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)
     trained = batch.loss_mask > 0
     assert (got["logprobs"][trained] - batch.rollout_logprobs[trained]).abs().max().item() == 0.0

@@ -327,43 +327,41 @@ def _fsdp_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     distributed = spec["backend"] == "fsdp2"
     if distributed:
         init_distributed(spec["device"])
-    try:
-        cfg = TrainConfig(algorithm="sft", backend=spec["backend"], world_size=world, device=spec["device"], param_dtype="bfloat16",
-                          micro_batch_tokens=spec["micro_batch_tokens"], activation_checkpointing=True)  # fmt: skip
-        cfg.optim.lr = spec["lr"]
-        backend = FSDPBackend(cfg, seed=0)
-        backend.init(spec["folder"])
-        batch = _fsdp_batch(spec["lengths"], spec["vocab"])
-        cuda = spec["device"].startswith("cuda")
-        losses, seconds = [], 0.0
-        for i in range(spec["warmup"] + spec["steps"]):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            m = backend.train_step(batch)
-            if cuda:
-                torch.cuda.synchronize()
-            if i >= spec["warmup"]:
-                seconds += time.perf_counter() - t0
-            losses.append(m["loss"])
-        env = {k: os.environ.get(k) for k in MULTICAST_OFF}
-        seen = [env]
-        if distributed:
-            seen = [None] * world
-            dist.all_gather_object(seen, env)
-        if rank == 0:
-            ok = all(e == MULTICAST_OFF for e in seen)
-            Path(out).write_text(json.dumps({"losses": losses, "seconds": seconds, "env": seen, "env_ok": ok}))
-    finally:
-        if distributed:
-            dist.destroy_process_group()
+    cfg = TrainConfig(algorithm="sft", backend=spec["backend"], world_size=world, device=spec["device"], param_dtype="bfloat16",
+                      micro_batch_tokens=spec["micro_batch_tokens"], activation_checkpointing=True)  # fmt: skip
+    cfg.optim.lr = spec["lr"]
+    backend = FSDPBackend(cfg, seed=0)
+    backend.init(spec["folder"])
+    batch = _fsdp_batch(spec["lengths"], spec["vocab"])
+    cuda = spec["device"].startswith("cuda")
+    losses, seconds = [], 0.0
+    for i in range(spec["warmup"] + spec["steps"]):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m = backend.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= spec["warmup"]:
+            seconds += time.perf_counter() - t0
+        losses.append(m["loss"])
+    env = {k: os.environ.get(k) for k in MULTICAST_OFF}
+    seen = [env]
+    if distributed:
+        seen = [None] * world
+        dist.all_gather_object(seen, env)
+    if rank == 0:
+        ok = all(e == MULTICAST_OFF for e in seen)
+        Path(out).write_text(json.dumps({"losses": losses, "seconds": seconds, "env": seen, "env_ok": ok}))
 
 
 def spawn_ranks(fn, world: int, spec: dict, out: Path) -> dict:
     """``fn(rank, world, port, spec, out)`` in ``world`` fresh processes; rank 0's JSON."""
     import torch.multiprocessing as mp
 
-    mp.spawn(fn, args=(world, free_port(), spec, str(out)), nprocs=world, join=True)
+    from noria.train.fsdp import rank_process
+
+    mp.spawn(rank_process, args=(fn, world, free_port(), spec, str(out)), nprocs=world, join=True)
     return json.loads(out.read_text())
 
 
@@ -478,21 +476,18 @@ def _broadcast_rank(rank: int, world: int, port: int, spec: dict, out: str) -> N
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    try:
-        buf = torch.empty(spec["bytes"], dtype=torch.uint8, device=device)
-        if rank == 0:
-            buf.random_(0, 256)
-        times = []
-        for i in range(4):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.broadcast(buf, 0)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier()
-            if i:
-                times.append(time.perf_counter() - t0)
-        if rank == 0:
-            Path(out).write_text(json.dumps({"seconds": statistics.median(times)}))
-    finally:
-        dist.destroy_process_group()
+    buf = torch.empty(spec["bytes"], dtype=torch.uint8, device=device)
+    if rank == 0:
+        buf.random_(0, 256)
+    times = []
+    for i in range(4):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(buf, 0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"seconds": statistics.median(times)}))

@@ -195,16 +195,19 @@ class InProcessRanks:
         self.rank.close()
 
 
-def rank_main(connection: Any, config: RunConfig, rank: int, world: int, folder: str) -> None:
-    """A local rank process: run each ``(method, args)`` from the pipe, answer ``(ok, result)``."""
+def rank_main(rank: int, connection: Any, config: RunConfig, world: int, folder: str) -> None:
+    """A local rank process (run by ``rank_process``): run each ``(method, args)`` from the pipe,
+    answer ``(ok, result)``, until ``close`` or the job is gone."""
     from noria.launch.env import multicast_off
+    from noria.train.fsdp import shutdown_distributed
 
     multicast_off()
     trainer = TrainerRank(config, rank, world, folder)
     while True:
         try:
             method, args = connection.recv()
-        except EOFError:  # the job is gone
+        except EOFError:  # the job is gone: the other ranks may be too, so no barrier
+            shutdown_distributed(clean=False)
             return
         try:
             connection.send((True, getattr(trainer, method)(*args)))
@@ -220,13 +223,15 @@ class ProcessRanks:
     def __init__(self, config: RunConfig, folder: Path, poll_s: float = 0.5) -> None:
         import multiprocessing as mp
 
+        from noria.train.fsdp import rank_process
+
         context = mp.get_context("spawn")
         self.poll_s = poll_s
         self.pipes, self.processes = [], []
         world = config.train.world_size
         for rank in range(world):
             ours, theirs = context.Pipe()
-            process = context.Process(target=rank_main, args=(theirs, config, rank, world, str(folder)), daemon=True, name=f"noria-rank-{rank}")
+            process = context.Process(target=rank_process, args=(rank, rank_main, theirs, config, world, str(folder)), daemon=True, name=f"noria-rank-{rank}")
             process.start()
             theirs.close()
             self.pipes.append(ours)

@@ -255,8 +255,10 @@ def spawn_ranks(config: RunConfig, data: SFTData, folder: Path, resume: bool, pr
     """Run ``world_size`` FSDP2 ranks as local processes (gloo on CPU, NCCL on CUDA)."""
     import torch.multiprocessing as mp
 
-    args = (config.train.world_size, free_port(), config, data, str(folder), resume, progress)
-    mp.spawn(_rank_main, args=args, nprocs=config.train.world_size, join=True)
+    from noria.train.fsdp import rank_process
+
+    args = (_rank_main, config.train.world_size, free_port(), config, data, str(folder), resume, progress)
+    mp.spawn(rank_process, args=args, nprocs=config.train.world_size, join=True)
 
 
 def _rank_main(rank: int, world: int, port: int, config: RunConfig, data: SFTData, folder: str, resume: bool, progress) -> None:
