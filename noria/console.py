@@ -32,6 +32,11 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
+_ACTIVE: list[object] = []
+"""The phases running now, oldest first: only the newest one beats (a nested phase, such as a model
+import inside "reading the prompts and the tokenizer", replaces its parent's heartbeat)."""
+
+
 @contextmanager
 def phase(
     what: str,
@@ -48,9 +53,13 @@ def phase(
         say(f"noria: {what} ...")
     start = time.monotonic()
     stop = threading.Event()
+    token = object()
+    _ACTIVE.append(token)
 
     def beat() -> None:
         while not stop.wait(every_s):
+            if _ACTIVE and _ACTIVE[-1] is not token:
+                continue  # a phase inside this one is speaking: one heartbeat line at a time
             extra = f", {detail()}" if detail is not None else ""
             say(f"noria: {what}: {time.monotonic() - start:.0f} s{extra}")
 
@@ -61,5 +70,6 @@ def phase(
     finally:
         stop.set()
         thread.join()
+        _ACTIVE.remove(token)
     if end_line:
         say(f"noria: {what}: done in {time.monotonic() - start:.1f} s")

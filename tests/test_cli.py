@@ -95,3 +95,34 @@ def test_a_phase_whose_caller_said_the_start_only_beats(capsys):
     with phase("checking", every_s=5, start_line=False, end_line=False):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_a_nested_phase_replaces_its_parents_heartbeat(capsys):
+    """A model import inside "reading the prompts and the tokenizer" beat twice a line before: only
+    the innermost running phase beats; the parent beats again once the inner one is done."""
+    import time
+
+    from noria.console import phase
+
+    with phase("outer", every_s=0.05):
+        with phase("inner", every_s=0.05):
+            time.sleep(0.4)
+        inner_done = len(capsys.readouterr().err.splitlines())
+        time.sleep(0.3)
+    lines = capsys.readouterr().err.splitlines()
+    assert inner_done >= 4
+    assert any(re.fullmatch(r"noria: outer: \d+ s", line) for line in lines), lines  # the parent beats again
+    assert lines[-1].startswith("noria: outer: done in")
+
+
+def test_only_the_inner_phase_beats_while_it_runs(capsys):
+    import time
+
+    from noria.console import phase
+
+    with phase("outer", every_s=0.05), phase("inner", every_s=0.05):
+        time.sleep(0.4)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:2] == ["noria: outer ...", "noria: inner ..."]
+    beats = [line for line in lines if re.fullmatch(r"noria: \w+: \d+ s", line)]
+    assert beats and all(line.startswith("noria: inner:") for line in beats), lines
