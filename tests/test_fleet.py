@@ -211,3 +211,22 @@ def test_a_dead_trainer_rank_stops_the_run_naming_it_and_resume_continues(tiny_m
 
 def test_one_engine_one_process_stays_the_local_job(tiny_model_dir):
     assert job_class_for(load_config(None, fleet_args(tiny_model_dir))) is LocalJob
+
+
+def test_engines_on_one_machine_share_its_free_memory(tiny_model_dir):
+    """N local engines each size their KV cache from kv_memory_fraction / N of free memory (four
+    SmolLM2 engines with 30% each were killed for memory on a 24 GB machine); an explicit
+    kv_cache_tokens and a lone engine are left as configured."""
+    from noria.launch.fleet import shared_machine_config
+
+    def config(engines: int, tokens: int | None):
+        c = load_config(None, fleet_args(tiny_model_dir, **{"rollout.engines": engines}))
+        c.engine.kv_cache_tokens = tokens  # the tests' configs fix it; a user's default sizes it
+        return c
+
+    four = config(4, None)
+    assert shared_machine_config(four).engine.kv_memory_fraction == pytest.approx(0.3 / 4)
+    assert four.engine.kv_memory_fraction == 0.3  # the run's own config is not changed
+    assert shared_machine_config(config(1, None)).engine.kv_memory_fraction == 0.3
+    fixed = config(4, 4096)
+    assert shared_machine_config(fixed) is fixed

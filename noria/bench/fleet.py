@@ -140,7 +140,8 @@ def push_case(model: str, counts: list[int], repeats: int, work: Path) -> list[d
     from noria.models.catalog import model_path
 
     config = load_config(None, ["--model.path", model, "--data.task", "arithmetic", "--model.dtype", "bfloat16",
-                                "--rollout.placement", "disaggregated", "--sync.transport", "broadcast"])  # fmt: skip
+                                "--rollout.placement", "disaggregated", "--sync.transport", "broadcast",
+                                "--engine.kv_cache_tokens", "4096"])  # fmt: skip  # pushes need no cache: 4 engines fit in 24 GB
     rank = TrainerRank(config, 0, 1, str(work))
     rank.setup("127.0.0.1", 0, 1)
     key, procs, results = secrets.token_urlsafe(16), [], []

@@ -332,13 +332,29 @@ class LocalEngineProc:
         stop_server(self.process, timeout_s=10.0)
 
 
+def shared_machine_config(config: Any) -> Any:
+    """The config each of ``rollout.engines`` local engines starts with: when the KV cache is sized
+    from free memory (``engine.kv_cache_tokens`` null), each engine gets ``kv_memory_fraction / N``
+    of it, so N engines on one machine take about what one would, not N times 30% of it (four
+    SmolLM2 engines on a 24 GB machine were killed for memory)."""
+    from dataclasses import replace
+
+    engines = config.rollout.engines
+    if engines <= 1 or config.engine.kv_cache_tokens is not None:
+        return config
+    return replace(config, engine=replace(config.engine, kv_memory_fraction=config.engine.kv_memory_fraction / engines))
+
+
 def start_local_engine(config: Any, folder: Path, api_key: str) -> Callable[[int], LocalEngineProc]:
-    """``start(index)`` for a fleet of local ``noria serve`` children (logs: engine-<index>.log)."""
+    """``start(index)`` for a fleet of local ``noria serve`` children (logs: engine-<index>.log),
+    sharing the machine's memory (``shared_machine_config``)."""
     from noria.launch.local import start_server
     from noria.models.catalog import model_path
 
+    engine_config = shared_machine_config(config)
+
     def start(index: int) -> LocalEngineProc:
-        process, url, _ = start_server(model_path(config.model.path), config, folder, api_key=api_key, log_name=f"engine-{index}.log")
+        process, url, _ = start_server(model_path(config.model.path), engine_config, folder, api_key=api_key, log_name=f"engine-{index}.log")
         return LocalEngineProc(process, url)
 
     return start
