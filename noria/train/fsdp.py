@@ -63,6 +63,7 @@ import contextlib
 import gc
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,12 +123,12 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
 
 
 def shutdown_distributed(clean: bool = True) -> None:
-    """Tear the process group down so the process exits cleanly (no-op when none is up).
+    """Tear the process group down (no-op when none is up).
 
     A clean exit first waits for every rank, so no peer is still sending when the group goes, then
-    collects garbage: FSDP modules and DTensors hold the group too, and a gloo group whose last
-    reference dies while the interpreter finalizes aborts the process ("terminate called without an
-    active exception"). ``clean=False`` (a rank that failed) skips the barrier a dead peer would hang.
+    collects the modules and DTensors that still hold it. ``clean=False`` (a rank that failed)
+    skips the barrier a dead peer would hang. A process spawned as a rank should then leave through
+    ``rank_process``, which also skips Python's finalization (see there why).
     """
     if not dist.is_initialized():
         return
@@ -148,8 +149,6 @@ def rank_process(rank: int, fn: Any, *args: Any) -> None:
     five here, traced with gdb to ``AsyncAllgatherWork``'s destructor in ``ProcessGroupGloo::runLoop``).
     A rank that raised tears down without the barrier and raises, so its parent reports the error.
     """
-    import sys
-
     try:
         fn(rank, *args)
     except BaseException:

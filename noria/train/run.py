@@ -270,13 +270,13 @@ def run_rank(config: RunConfig, data: SFTData, run_dir: str | None, resume: str 
     """``run_sft`` as one FSDP2 rank, leaving the process group torn down."""
     from noria.train.fsdp import shutdown_distributed
 
-    clean = False
     try:
         folder = run_sft(config, data, run_dir, resume, progress)
-        clean = True
-        return folder
-    finally:
-        shutdown_distributed(clean)
+    except BaseException:
+        shutdown_distributed(clean=False)
+        raise
+    shutdown_distributed()
+    return folder
 
 
 def barrier() -> None:
