@@ -37,6 +37,7 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -202,3 +203,16 @@ def warn_slow_dtype(dtype: str, device: str) -> None:
         "bfloat16 on this CPU (%s) runs through slow emulated paths (3-5x slower than float32 in the matmuls); "
         "model.dtype: auto (or float32) picks the fast dtype here", cpu_info().summary(),
     )  # fmt: skip
+
+
+def device_id(device: Any) -> str | None:
+    """A CUDA device's UUID (the same GPU has the same one in every process, whatever
+    ``CUDA_VISIBLE_DEVICES`` numbers it); None for the CPU. Weight sync compares the trainer's and
+    an engine's to know whether CUDA IPC can hand tensors over (``noria.sync.resolve_transport``)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)

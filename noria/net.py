@@ -21,6 +21,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def on_this_machine(url: str) -> bool:
+    """Whether a server URL is on this machine: loopback, or this node's address (``node_address``)."""
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname or ""
+    return host in ("127.0.0.1", "localhost", "::1") or host == node_address()
+
+
 def node_address() -> str:
     """The address other machines reach this one at: ``NORIA_NODE_ADDRESS`` when set (the Ray
     launcher sets it to the node's Ray address), else 127.0.0.1 (one machine: loopback only)."""

@@ -147,12 +147,15 @@ def test_a_killed_build_is_rebuilt_not_loaded():
     shutil.rmtree(folder, ignore_errors=True)
     clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
     killed = subprocess.Popen([sys.executable, "-c", "from noria.engine.kernels import cpu_kernel; cpu_kernel()"],
-                              env={**clean, **env}, cwd=ROOT, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                              env={**clean, **env}, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     assert "building the C++ CPU kernels" in killed.stderr.readline()
+    import signal
     import time
 
     time.sleep(8)
-    killed.kill()
+    # The whole process group, as a terminal's kill does: compilers left running would race the
+    # rebuild for the same objects (and the 2 cores: the rebuild took 2x as long beside them).
+    os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
     assert (folder / "lock").exists()  # torch's baton, left behind by the killed build
     out = _python("from noria.engine.kernels import cpu_kernel, cpu_kernel_failure as f; m = cpu_kernel(); "

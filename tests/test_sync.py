@@ -280,9 +280,12 @@ def test_release_retracts_running_requests_which_finish_after_resume(engine):
 
 
 def test_transport_resolution():
-    local, http = LocalTarget(object(), "local[0]"), HttpEngine("http://127.0.0.1:9")
+    # Engines on this machine are resolved by asking them (tests/test_sync_http.py); an engine on
+    # another machine gets disk without being asked (192.0.2.1: TEST-NET, never this machine).
+    local, http, remote = LocalTarget(object(), "local[0]"), HttpEngine("http://127.0.0.1:9"), HttpEngine("http://192.0.2.1:9")
     assert resolve_transport("auto", [local]) == "ipc"
-    assert resolve_transport("auto", [http]) == "broadcast"
+    assert resolve_transport("auto", [remote]) == "disk"
+    assert resolve_transport("broadcast", [http]) == "broadcast"
     assert resolve_transport("disk", [local, http]) == "disk"
     with pytest.raises(WeightSyncError, match="choose"):
         resolve_transport("auto", [local, http])

@@ -177,3 +177,28 @@ def test_broadcast_rendezvous_and_group_listen_on_loopback_only(server, trainer,
         mine, theirs = listening_addresses(os.getpid()), listening_addresses(server.process.pid)
         assert mine and theirs
         assert beyond_loopback(mine) == [] and beyond_loopback(theirs) == [], (mine, theirs)
+
+
+def test_auto_picks_ipc_for_a_noria_engine_on_this_machine_and_broadcast_for_another_server(server):
+    import http.server
+    import threading
+
+    from noria.sync import HttpEngine, resolve_transport
+
+    assert resolve_transport("auto", [HttpEngine(server.url)]) == "ipc"  # the trainer on the CPU
+    assert resolve_transport("auto", [HttpEngine(server.url)], "cpu") == "ipc"
+
+    class NoWeightsInfo(http.server.BaseHTTPRequestHandler):  # a server without /weights_info (SGLang)
+        def do_GET(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoWeightsInfo)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        assert resolve_transport("auto", [HttpEngine(f"http://127.0.0.1:{other.server_port}")]) == "broadcast"
+    finally:
+        other.shutdown()

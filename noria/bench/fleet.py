@@ -5,13 +5,22 @@ Cases (each side a fresh ``noria train`` subprocess on the same config but the o
 - ``launcher``: the same RL work (1 engine, 1 trainer rank, disaggregated, synchronous) on
   ``launch: local`` and ``launch: ray`` (a private Ray instance; run inside a network namespace with
   only loopback when this runs as root, since Ray binds the external interface): ``step_s``, the
-  mean seconds of a step after the first. Ray's overhead per step is ray / local - 1.
+  mean seconds of a step after the first. Ray's overhead per step is ray / local - 1. Both sides
+  run in deterministic mode (``engine.deterministic``), so they sample the same tokens and train the
+  same batches: the steps differ only by the launcher (the figure is checked: same rewards). Both sides
+  run each part on the same number of torch threads: Ray gives an actor as many as its bundle has
+  CPUs (``OMP_NUM_THREADS``, 1 for the default ``{CPU: 1}``), so the local side runs with
+  ``OMP_NUM_THREADS`` set to that number too (else the figure is 1 thread against all cores).
 - ``engines``: ``rollout.engines`` 2 against 1 (behind sglang-router), asynchronous (k = 2): trained
   tokens per second and the engine busy fraction (``engine/busy_frac``), steps after the first.
 - ``push``: one weight push of ``--push-model`` (bf16) from a trainer rank to N ``noria serve``
-  engines (N in ``--push-engines``) through the path the RL job uses (``noria.launch.ranks``,
-  broadcast in one gloo group, bucketed), against the raw primitive: gloo broadcasts of the same
-  bucket sizes from one process to N receiver processes. Best of ``--repeats``, the two taking turns.
+  engines (N in ``--push-engines``) through the path the RL job uses (``noria.launch.ranks``), with
+  each transport of ``--push-transports``: ``ipc`` (what ``sync.transport: auto`` picks for engines
+  on the trainer's machine: written into each engine's staging memory) and ``broadcast`` (one gloo
+  group, bucketed), against the raw primitive: gloo broadcasts of the same bucket sizes from one
+  process to N receiver processes. Best of ``--repeats``, push and primitive taking turns. A push
+  includes what the raw broadcast does not: gathering the trainer's tensors, each engine's checks
+  and its commit (swapping the weights in, re-packing them for its matmuls).
 
 Not measured: GPUs, several machines. Figures from a machine others are using measure contention;
 run it on a quiet one.
@@ -37,8 +46,9 @@ def add_arguments(parser) -> None:
                           "gloo broadcast of the same bytes.")  # fmt: skip
     parser.add_argument("--model", default="tiny-llama", help="model of the RL cases (catalog name or folder)")
     parser.add_argument("--push-model", default="smollm2-135m-instruct", help="model of the push case")
-    parser.add_argument("--steps", type=int, default=6, help="rollout steps per RL side (the first is not timed)")
+    parser.add_argument("--steps", type=int, default=12, help="rollout steps per RL side (the first is not timed)")
     parser.add_argument("--push-engines", default="1,2,4", help="engine counts of the push case")
+    parser.add_argument("--push-transports", default="ipc,broadcast", help="transports of the push case")
     parser.add_argument("--repeats", type=int, default=3, help="timed pushes per engine count")
     parser.add_argument("--cases", default="launcher,engines,push", help="which cases to run")
     parser.add_argument("--tiny", action="store_true", help="a smoke test: tiny-llama everywhere, 2 steps, push to 1 and 2")
@@ -60,7 +70,8 @@ def main(args) -> int:
     if "engines" in cases:
         results += engines_case(args.model, args.steps, work)
     if "push" in cases:
-        results += push_case(args.push_model, [int(n) for n in args.push_engines.split(",")], args.repeats, work)
+        counts = [int(n) for n in args.push_engines.split(",")]
+        results += push_case(args.push_model, counts, args.push_transports.split(","), args.repeats, work)
     rows = [[r["case"], r["metric"], r["noria"], json.dumps(r["peers"]), r["bound"]] for r in results]
     print_table("fleet: scale-out figures (ratios are what to read)", ["case", "metric", "noria", "peers", "bound"], rows)
     if args.json:
@@ -88,26 +99,34 @@ def rl_config(model: str, steps: int, **overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-def train(name: str, cfg: dict[str, Any], work: Path, netns: bool = False) -> list[dict[str, Any]]:
-    """``noria train`` of ``cfg`` in a subprocess (in a loopback-only network namespace if asked);
-    the metrics rows after the first step."""
+def train(name: str, cfg: dict[str, Any], work: Path, netns: bool = False, threads: int | None = None) -> list[dict[str, Any]]:
+    """``noria train`` of ``cfg`` in a subprocess (in a loopback-only network namespace if asked;
+    ``threads``: its ``OMP_NUM_THREADS``); the metrics rows after the first step."""
     path, run = work / f"{name}.yaml", work / name
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "noria", "train", str(path), "--run-dir", str(run), "--no-progress"]
     if netns:
         cmd = ["unshare", "-n", "sh", "-c", "ip link set lo up && exec " + " ".join(cmd)]
     print(f"bench fleet: {name} -> {run}", file=sys.stderr)
-    subprocess.run(cmd, check=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    subprocess.run(cmd, check=True, env=env)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return rows[1:]
 
 
 def launcher_case(model: str, steps: int, work: Path) -> list[dict[str, Any]]:
+    from noria.launch.config import RayConfig
+
     netns = os.geteuid() == 0
-    local = train("local", rl_config(model, steps), work)
-    ray = train("ray", rl_config(model, steps, launch="ray"), work, netns=netns)
+    threads = max(1, int(RayConfig().trainer_resources.get("CPU", 1)))  # what Ray gives each actor
+    same = {"engine.deterministic": True}
+    local = train("local", rl_config(model, steps, **same), work, threads=threads)
+    ray = train("ray", rl_config(model, steps, launch="ray", **same), work, netns=netns)
+    if [r["rollout/reward_mean"] for r in local] != [r["rollout/reward_mean"] for r in ray]:
+        raise SystemExit("bench fleet: launch local and ray sampled different tokens in deterministic mode (rewards differ)")
     mean = lambda rows: sum(r["seconds"] for r in rows) / len(rows)  # noqa: E731
-    case = f"{model} 1 engine 1 rank sync P=8 n=4 launch ray{' (own netns)' if netns else ''} vs local"
+    case = (f"{model} 1 engine 1 rank sync P=8 n=4, {threads} thread(s) per part, launch ray"
+            f"{' (own netns)' if netns else ''} vs local")
     return [{"case": case, "metric": "step_s", "noria": mean(ray), "peers": {"local": mean(local)}, "bound": None}]
 
 
@@ -131,7 +150,7 @@ def engines_case(model: str, steps: int, work: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------- pushes
 
 
-def push_case(model: str, counts: list[int], repeats: int, work: Path) -> list[dict[str, Any]]:
+def push_case(model: str, counts: list[int], transports: list[str], repeats: int, work: Path) -> list[dict[str, Any]]:
     import secrets
 
     from noria.config import load_config
@@ -140,26 +159,29 @@ def push_case(model: str, counts: list[int], repeats: int, work: Path) -> list[d
     from noria.models.catalog import model_path
 
     config = load_config(None, ["--model.path", model, "--data.task", "arithmetic", "--model.dtype", "bfloat16",
-                                "--rollout.placement", "disaggregated", "--sync.transport", "broadcast",
-                                "--engine.kv_cache_tokens", "4096"])  # fmt: skip  # pushes need no cache: 4 engines fit in 24 GB
+                                "--rollout.placement", "disaggregated", "--engine.kv_cache_tokens", "4096"])  # fmt: skip  # pushes need no cache: 4 engines fit in 24 GB
     rank = TrainerRank(config, 0, 1, str(work))
     rank.setup("127.0.0.1", 0, 1)
     key, procs, results = secrets.token_urlsafe(16), [], []
     sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in rank.backend.state_dict_for_sync(config.sync.bucket_mb << 20)]
+    version = [0]
     try:
         for n in counts:
             while len(procs) < n:
                 procs.append(start_server(model_path(model), config, work, api_key=key, log_name=f"push-engine-{len(procs)}.log"))
             targets = [(url, key) for _, url, _ in procs[:n]]
-            version = [n * 1000]
 
             def push() -> None:
                 version[0] += 1
                 rank.push(targets, version[0])
 
-            push_s, prim_s = interleaved(push, raw_broadcast(sizes, n), repeats)
-            case = f"{model} bf16 bytes={sum(sizes) / 1e6:.0f}MB push to {n} engine(s) (gloo broadcast, one group) vs raw gloo broadcast"
-            results.append({"case": case, "metric": "push_s", "noria": push_s, "peers": {}, "bound": prim_s})
+            primitive = raw_broadcast(sizes, n)
+            for transport in transports:
+                config.sync.transport = transport
+                rank.drop_syncs()
+                push_s, prim_s = interleaved(push, primitive, repeats)
+                case = f"{model} bf16 bytes={sum(sizes) / 1e6:.0f}MB push to {n} engine(s) ({transport}) vs raw gloo broadcast (one group)"
+                results.append({"case": case, "metric": "push_s", "noria": push_s, "peers": {}, "bound": prim_s})
             rank.drop_syncs()
     finally:
         rank.close()

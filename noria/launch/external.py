@@ -32,15 +32,17 @@ from noria.rollout.capabilities import EngineCapabilities, check_capabilities, n
 
 
 def sync_transport(config: Any) -> str:
-    """``sync.transport`` resolved for the run's one engine: auto is ipc for a colocated engine, disk
-    for an external server or vLLM (they load folders), broadcast for a ``noria serve`` the run starts."""
+    """``sync.transport`` for the run's one engine, as far as the config decides it: auto is ipc for a
+    colocated engine, disk for an external server or vLLM (they load folders); for a ``noria serve``
+    the run starts, ``noria.sync.resolve_transport`` picks by where it runs (ipc on this machine, or
+    broadcast to another GPU), and both are what a ``noria serve`` supports: ipc is named here."""
     if config.sync.transport != "auto":
         return config.sync.transport
     if config.rollout.placement == "colocated":
         return "ipc"
     if config.rollout.engine_url is not None or config.rollout.engine == "vllm":
         return "disk"
-    return "broadcast"
+    return "ipc"
 
 
 def check_engine(config: Any, url: str, api_key: str | None) -> EngineCapabilities:

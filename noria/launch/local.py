@@ -609,7 +609,7 @@ def build_weight_sync(config: RunConfig, target: Any, folder: Path) -> Any:
         cfg = dataclasses.replace(cfg, broadcast_backend="gloo")  # NCCL: one rank per GPU
     from noria.models.catalog import model_path
 
-    return build_sync(cfg, [target], run_dir=folder, source=model_path(config.model.path))
+    return build_sync(cfg, [target], run_dir=folder, source=model_path(config.model.path), device=config.train.device)
 
 
 def engine_device(config: RunConfig) -> str:

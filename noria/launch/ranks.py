@@ -14,13 +14,15 @@ Rank groups: ``InProcessRanks`` (one rank in the job's process), ``ProcessRanks`
 processes, a pipe each; ``noria.launch.scaled``) and the Ray launcher's actors (``noria.launch.ray``).
 The rendezvous of a group binds 127.0.0.1 locally, or the node address Ray gives rank 0.
 
-Weight sync from rank 0 (``push``): the transport ``sync.transport`` names, where ``auto`` means
-broadcast (one torch.distributed group from rank 0 to every engine, bucketed) when every engine is
-reachable on rank 0's node, and disk (a safetensors folder in the run folder, which must then be
-on a filesystem every node shares) otherwise; a broadcast push that fails while every engine is
-alive falls back to disk for the rest of the run (``sync/fallback`` says so). One ``WeightSync``
-is kept per set of engines (its broadcast group lives across pushes); a changed fleet (an engine
-restarted) gets a new one.
+Weight sync from rank 0 (``push``): the transport ``sync.transport`` names; ``auto`` is chosen by
+``noria.sync.resolve_transport`` from where the engines are: ipc for engines on rank 0's machine
+that memory reaches (a CPU trainer, or the engine on rank 0's own GPU: CUDA IPC), broadcast (one
+torch.distributed group from rank 0 to every engine, bucketed) to engines on other GPUs of the
+machine, disk (a safetensors folder in the run folder, which must then be on a filesystem every
+node shares) when an engine is on another machine. With one rank, an ipc or broadcast push that
+fails while every engine is alive falls back to disk for the rest of the run (``sync/fallback``
+says so). One ``WeightSync`` is kept per set of engines (a broadcast group or mapped staging areas
+live across pushes); a changed fleet (an engine restarted) gets a new one.
 
 Failure: a rank that dies (its process exits, its actor is lost) makes the call raise
 ``TrainerRankFailure`` naming the rank and how it ended; the job stops (the other ranks may be
@@ -96,7 +98,7 @@ class TrainerRank:
             try:
                 metrics = sync.push(self.backend.state_dict_for_sync(bucket), version)
             except WeightSyncError:
-                if sync.transport != "broadcast" or self.config.sync.transport != "auto" or self.world > 1:
+                if sync.transport == "disk" or self.config.sync.transport != "auto" or self.world > 1:
                     raise  # other ranks have finished their gathers: a second push would hang them
                 self.fallback = True
                 self.drop_syncs()
@@ -115,13 +117,13 @@ class TrainerRank:
         key = (tuple(targets), verify)
         if key not in self.syncs:
             cfg = self.config.sync
-            if cfg.transport == "auto":
-                cfg = dataclasses.replace(cfg, transport="disk" if self.fallback or not all(local_url(u) for u, _ in targets) else "broadcast")
+            if cfg.transport == "auto" and self.fallback:
+                cfg = dataclasses.replace(cfg, transport="disk")
             cfg = dataclasses.replace(cfg, verify=cfg.verify or verify)
             if cfg.broadcast_backend == "auto" and self.device.startswith("cuda"):
                 cfg = dataclasses.replace(cfg, broadcast_backend="gloo")  # engines may share the trainer's GPU
             engines = [HttpEngine(url, api_key=k) for url, k in targets]
-            self.syncs[key] = build_sync(cfg, engines, run_dir=self.folder, source=model_path(self.config.model.path))
+            self.syncs[key] = build_sync(cfg, engines, run_dir=self.folder, source=model_path(self.config.model.path), device=self.device)
         return self.syncs[key]
 
     def drop_syncs(self) -> None:
@@ -149,16 +151,6 @@ class TrainerRank:
         from noria.train.fsdp import shutdown_distributed
 
         shutdown_distributed()
-
-
-def local_url(url: str) -> bool:
-    """Whether an engine URL is on this machine (loopback), so a broadcast group can reach it."""
-    from urllib.parse import urlparse
-
-    from noria.net import node_address
-
-    host = urlparse(url).hostname or ""
-    return host in ("127.0.0.1", "localhost", "::1") or host == node_address()
 
 
 class RankBackend:

@@ -27,8 +27,12 @@ disk       a safetensors folder per version, loaded  the same folder via /update
            changed (:mod:`noria.sync.disk`)          engines only)
 ========== ========================================= ====================================================
 
-``auto`` picks ipc for in-process engines and broadcast for engine servers (the RL job picks disk
-for an external ``engine_url``); mixed kinds need an explicit transport.
+``auto`` picks by topology (:func:`resolve_transport`): ipc for in-process engines and for Noria
+engine servers on this machine that memory reaches (the trainer's weights on the CPU, or on the
+engine's own GPU: CUDA IPC); broadcast for servers on this machine on other GPUs (NCCL) and for
+servers that are not Noria engines (SGLang's protocol); disk when a server is on another machine (a
+broadcast group's store listens on loopback only); the RL job picks disk for an external
+``engine_url``. Mixed in-process engines and servers need an explicit transport.
 
 Every engine stages a whole update before it changes anything, and commits it as one step (see
 ``noria.engine.weights``): a push that fails (a tensor of the wrong name, shape or dtype, a
@@ -57,8 +61,10 @@ TRANSPORTS = ("ipc", "broadcast", "disk")
 __all__ = ["HttpEngine", "TRANSPORTS", "WeightSync", "WeightSyncError", "build_sync", "bucketize", "resolve_transport"]
 
 
-def build_sync(cfg: SyncConfig, targets: list[Any], run_dir: Path | None = None, source: str | Path | None = None) -> WeightSync:
-    """A :class:`WeightSync` to ``targets`` with the transport ``cfg.transport`` resolves to.
+def build_sync(cfg: SyncConfig, targets: list[Any], run_dir: Path | None = None, source: str | Path | None = None,
+               device: str | None = None) -> WeightSync:  # fmt: skip
+    """A :class:`WeightSync` to ``targets`` with the transport ``cfg.transport`` resolves to
+    (``device``: where the trainer's tensors are, for ``auto``; None is the CPU).
 
     ``run_dir``: the disk transport writes to ``cfg.disk_dir`` or else ``run_dir/weights``.
     ``source``: a model folder whose config.json and tokenizer files go next to the disk
@@ -67,14 +73,15 @@ def build_sync(cfg: SyncConfig, targets: list[Any], run_dir: Path | None = None,
     if not targets:
         raise WeightSyncError("weight sync: no engines to push to")
     wrapped = [as_target(t, i) for i, t in enumerate(targets)]
-    transport = resolve_transport(cfg.transport, wrapped)
+    transport = resolve_transport(cfg.transport, wrapped, device)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(wrapped) + 2, thread_name_prefix="noria-sync")
     impl = _transport(transport, wrapped, pool, cfg, run_dir, source)
     return WeightSync(impl, wrapped, cfg.verify, pool)
 
 
-def resolve_transport(name: str, targets: list[Any]) -> str:
-    """``auto``: ipc for in-process engines, broadcast for engine servers; an explicit name as is."""
+def resolve_transport(name: str, targets: list[Any], device: str | None = None) -> str:
+    """An explicit name as is; ``auto`` by where the engines are (module docstring). ``device``: where
+    the trainer's tensors are (None: the CPU)."""
     if name in TRANSPORTS:
         return name
     if name != "auto":
@@ -82,9 +89,21 @@ def resolve_transport(name: str, targets: list[Any]) -> str:
     local = [isinstance(t, LocalTarget) for t in targets]
     if all(local):
         return "ipc"
-    if not any(local):
+    if any(local):
+        raise WeightSyncError("sync.transport auto: the engines are both in process and servers; choose ipc, broadcast or disk")
+    from noria.net import on_this_machine
+
+    if not all(on_this_machine(t.base_url) for t in targets):
+        return "disk"
+    specs = [t.specs() for t in targets]
+    if any(s is None for s in specs):  # not a Noria engine: SGLang's protocol
         return "broadcast"
-    raise WeightSyncError("sync.transport auto: the engines are both in process and servers; choose ipc, broadcast or disk")
+    if device is None or not str(device).startswith("cuda"):
+        return "ipc"
+    from noria.hardware import device_id
+
+    ours = device_id(device)
+    return "ipc" if all(s.device_id == ours for s in specs) else "broadcast"
 
 
 def _transport(name: str, targets: list[Any], pool: Any, cfg: SyncConfig, run_dir: Path | None, source: Any) -> Transport:

@@ -56,6 +56,8 @@ class Specs:
     """Checksum algorithms the engine computes (see ``noria.engine.weights.tensor_checksum``)."""
     device: str
     """Where the engine's weights live (``cpu``, ``cuda:0``)."""
+    device_id: str | None = None
+    """The engine's CUDA device UUID (``noria.hardware.device_id``); None on the CPU or when not said."""
 
 
 class LocalTarget:
@@ -73,7 +75,9 @@ class LocalTarget:
     def specs(self) -> Specs | None:
         from noria.engine.weights import CHECKSUM_ALGOS
 
-        return Specs(self.weights.specs(), CHECKSUM_ALGOS, str(self.engine.device))
+        from noria.hardware import device_id
+
+        return Specs(self.weights.specs(), CHECKSUM_ALGOS, str(self.engine.device), device_id(self.engine.device))
 
     def version(self) -> int:
         return self.weights.version
@@ -131,7 +135,7 @@ class HttpEngine:
         if body is None:
             return None
         tensors = {n: (_dtype(v["dtype"]), tuple(v["shape"])) for n, v in body["tensors"].items()}
-        return Specs(tensors, tuple(body.get("checksum_algos", ("sha256",))), str(body.get("device", "cpu")))
+        return Specs(tensors, tuple(body.get("checksum_algos", ("sha256",))), str(body.get("device", "cpu")), body.get("device_id"))
 
     def version(self) -> int:
         from noria.rollout.capabilities import MissingCapability, parse_version

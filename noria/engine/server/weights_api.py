@@ -39,6 +39,7 @@ from noria.engine.protocol import RequestError
 from noria.engine.server.parsing import is_int, read_json, reject_unknown, want
 from noria.engine.weight_sources import JOIN_TIMEOUT_S
 from noria.engine.weights import CHECKSUM_ALGOS, dtype_name
+from noria.hardware import device_id
 
 if TYPE_CHECKING:
     from noria.engine.server.app import EngineServer
@@ -191,6 +192,7 @@ class WeightApi:
             "tensors": {n: {"dtype": dtype_name(d), "shape": list(shape)} for n, (d, shape) in specs.items()},
             "checksum_algos": list(CHECKSUM_ALGOS),
             "device": str(getattr(self.s.engine, "device", "cpu")),
+            "device_id": device_id(getattr(self.s.engine, "device", "cpu")),
             "weight_version": self.weights.version,
         })  # fmt: skip
 
