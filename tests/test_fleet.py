@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -211,6 +212,24 @@ def test_a_dead_trainer_rank_stops_the_run_naming_it_and_resume_continues(tiny_m
 
 def test_one_engine_one_process_stays_the_local_job(tiny_model_dir):
     assert job_class_for(load_config(None, fleet_args(tiny_model_dir))) is LocalJob
+
+
+def test_engines_on_one_machine_share_its_cores(tiny_model_dir, tmp_path, monkeypatch):
+    """N local CPU engines each run on cores / N torch threads (at least 1), set in the engine
+    process's environment; one engine runs as this process does."""
+    from noria.launch.fleet import shared_machine_threads, start_local_engine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert shared_machine_threads(load_config(None, fleet_args(tiny_model_dir))) is None
+    config = load_config(None, fleet_args(tiny_model_dir, **{"rollout.engines": 2}))
+    assert shared_machine_threads(config) == max(1, cores // 2)
+    engine = start_local_engine(config, tmp_path, KEY)(0)
+    try:
+        environ = Path(f"/proc/{engine.process.pid}/environ").read_bytes().split(b"\0")
+        assert f"OMP_NUM_THREADS={max(1, cores // 2)}".encode() in environ
+    finally:
+        engine.stop()
 
 
 def test_engines_on_one_machine_share_its_free_memory(tiny_model_dir):

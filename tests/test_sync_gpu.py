@@ -12,7 +12,7 @@ from engine_server_util import ServeProcess
 from noria.config import EngineConfig, SyncConfig
 from noria.engine import Engine
 from noria.models import load_model
-from noria.sync import build_sync, bucketize
+from noria.sync import HttpEngine, build_sync, bucketize, resolve_transport
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -58,6 +58,9 @@ def test_cuda_ipc_to_a_gpu_server(trainer, tiny_model_dir, tmp_path):
             sync.push(bucketize(sent, 30_000), 1)  # verified: checksums equal the trainer's
             assert sync.transport_impl._engines_on_cuda()  # went through a CUDA IPC handle, not /dev/shm
         assert httpx.get(f"{srv.url}/get_weight_version").json()["weight_version"] == 1
+        # auto: the engine reports the trainer's own GPU (same UUID): CUDA IPC; from the CPU: ipc too
+        assert resolve_transport("auto", [HttpEngine(srv.url)], "cuda:0") == "ipc"
+        assert resolve_transport("auto", [HttpEngine(srv.url)], "cpu") == "ipc"
     finally:
         assert srv.stop() == 0
 
@@ -69,5 +72,6 @@ def test_nccl_broadcast_to_a_server_on_another_gpu(trainer, tiny_model_dir, tmp_
         with build_sync(SyncConfig(transport="broadcast", verify=True, bucket_mb=1), [srv.url]) as sync:
             sync.push(bucketize(trainer, 30_000), 1)
             assert sync.transport_impl.backend == "nccl"
+        assert resolve_transport("auto", [HttpEngine(srv.url)], "cuda:0") == "broadcast"  # another GPU
     finally:
         assert srv.stop() == 0

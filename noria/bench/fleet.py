@@ -151,42 +151,46 @@ def engines_case(model: str, steps: int, work: Path) -> list[dict[str, Any]]:
 
 
 def push_case(model: str, counts: list[int], transports: list[str], repeats: int, work: Path) -> list[dict[str, Any]]:
+    """Each count N: N engines started as a fleet of N starts them (``start_local_engine``: the
+    machine's memory and cores shared among them), pushed to with each transport."""
     import secrets
 
     from noria.config import load_config
-    from noria.launch.local import start_server, stop_server
+    from noria.launch.fleet import start_local_engine
     from noria.launch.ranks import TrainerRank
-    from noria.models.catalog import model_path
 
     config = load_config(None, ["--model.path", model, "--data.task", "arithmetic", "--model.dtype", "bfloat16",
                                 "--rollout.placement", "disaggregated", "--engine.kv_cache_tokens", "4096"])  # fmt: skip  # pushes need no cache: 4 engines fit in 24 GB
     rank = TrainerRank(config, 0, 1, str(work))
     rank.setup("127.0.0.1", 0, 1)
-    key, procs, results = secrets.token_urlsafe(16), [], []
+    key, results, version = secrets.token_urlsafe(16), [], [0]
     sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in rank.backend.state_dict_for_sync(config.sync.bucket_mb << 20)]
-    version = [0]
     try:
         for n in counts:
-            while len(procs) < n:
-                procs.append(start_server(model_path(model), config, work, api_key=key, log_name=f"push-engine-{len(procs)}.log"))
-            targets = [(url, key) for _, url, _ in procs[:n]]
+            config.rollout.engines = n
+            start = start_local_engine(config, work / f"engines-{n}", key)
+            engines = []
+            try:
+                engines += [start(i) for i in range(n)]
+                targets = [(e.url, key) for e in engines]
 
-            def push() -> None:
-                version[0] += 1
-                rank.push(targets, version[0])
+                def push() -> None:
+                    version[0] += 1
+                    rank.push(targets, version[0])
 
-            primitive = raw_broadcast(sizes, n)
-            for transport in transports:
-                config.sync.transport = transport
+                primitive = raw_broadcast(sizes, n)
+                for transport in transports:
+                    config.sync.transport = transport
+                    rank.drop_syncs()
+                    push_s, prim_s = interleaved(push, primitive, repeats)
+                    case = f"{model} bf16 bytes={sum(sizes) / 1e6:.0f}MB push to {n} engine(s) ({transport}) vs raw gloo broadcast (one group)"
+                    results.append({"case": case, "metric": "push_s", "noria": push_s, "peers": {}, "bound": prim_s})
                 rank.drop_syncs()
-                push_s, prim_s = interleaved(push, primitive, repeats)
-                case = f"{model} bf16 bytes={sum(sizes) / 1e6:.0f}MB push to {n} engine(s) ({transport}) vs raw gloo broadcast (one group)"
-                results.append({"case": case, "metric": "push_s", "noria": push_s, "peers": {}, "bound": prim_s})
-            rank.drop_syncs()
+            finally:
+                for engine in engines:
+                    engine.stop()
     finally:
         rank.close()
-        for process, _, _ in procs:
-            stop_server(process)
     return results
 
 

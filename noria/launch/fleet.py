@@ -345,16 +345,32 @@ def shared_machine_config(config: Any) -> Any:
     return replace(config, engine=replace(config.engine, kv_memory_fraction=config.engine.kv_memory_fraction / engines))
 
 
+def shared_machine_threads(config: Any) -> int | None:
+    """Torch threads of each of ``rollout.engines`` local CPU engines: the machine's cores divided
+    among them (at least 1), since they generate at the same time; N engines with all cores each
+    oversubscribe them (OpenMP threads spinning against each other: two engines on 2 cores gave fewer
+    tokens/s than one, and four committing a push at once took 4x as long). None (as this process)
+    for one engine or a CUDA one; ``OMP_NUM_THREADS`` set here wins (``start_server``)."""
+    import os
+
+    from noria.launch.local import engine_device
+
+    if config.rollout.engines <= 1 or not engine_device(config).startswith("cpu"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // config.rollout.engines)
+
+
 def start_local_engine(config: Any, folder: Path, api_key: str) -> Callable[[int], LocalEngineProc]:
     """``start(index)`` for a fleet of local ``noria serve`` children (logs: engine-<index>.log),
-    sharing the machine's memory (``shared_machine_config``)."""
+    sharing the machine's memory (``shared_machine_config``) and cores (``shared_machine_threads``)."""
     from noria.launch.local import start_server
     from noria.models.catalog import model_path
 
-    engine_config = shared_machine_config(config)
+    engine_config, threads = shared_machine_config(config), shared_machine_threads(config)
 
     def start(index: int) -> LocalEngineProc:
-        process, url, _ = start_server(model_path(config.model.path), engine_config, folder, api_key=api_key, log_name=f"engine-{index}.log")
+        process, url, _ = start_server(model_path(config.model.path), engine_config, folder, api_key=api_key,
+                                       log_name=f"engine-{index}.log", threads=threads)  # fmt: skip
         return LocalEngineProc(process, url)
 
     return start

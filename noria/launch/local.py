@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import signal
 import subprocess
@@ -670,14 +671,15 @@ def eval_sampling(config: RunConfig) -> Any:
 
 def start_server(
     path: Path, config: RunConfig, folder: Path, device: str | None = None, log_name: str = "engine.log",
-    api_key: str | None = None, host: str = "127.0.0.1",
+    api_key: str | None = None, host: str = "127.0.0.1", threads: int | None = None,
 ) -> tuple[subprocess.Popen, str, str]:
     """``noria serve`` of ``path`` on a free loopback port as a child process that dies with this one,
     behind a per-run API key (``api_key``, else a new one; in its environment, not on its command
     line: a fleet shares one with its router), bound to ``host`` (loopback unless a launcher gives
     the node's address for other machines to reach), on ``device`` (default
-    ``engine_device``), logging to ``folder / log_name``; waits until it answers /health.
-    Returns (process, url, key)."""
+    ``engine_device``), logging to ``folder / log_name``, on ``threads`` torch threads
+    (``OMP_NUM_THREADS``; None, or that variable set here: as this process); waits until it answers
+    /health. Returns (process, url, key)."""
     from noria.net import free_port
 
     port = free_port(host)
@@ -691,6 +693,8 @@ def start_server(
     log = open(folder / log_name, "ab")
     key = api_key or secrets.token_urlsafe(32)
     env = child_env(PYTHONUNBUFFERED="1", NORIA_API_KEY=key)
+    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
     url = f"http://{host}:{port}"
     wait_healthy(process, url, folder / log_name, api_key=key)
