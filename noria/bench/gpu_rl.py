@@ -314,7 +314,10 @@ def build_results(model: str, vocab: int, device: str, prompts: int, samples: in
     from noria.bench import machine_name
 
     f = summarize(rows)
-    case = (f"{model} vocab={vocab} random bf16 {device} grpo ppo_clip colocated prompts={prompts} n={samples} "
+    given = dict(zip(overrides[::2], overrides[1::2]))  # --key value pairs
+    placement = given.get("--rollout.placement", "colocated")
+    launch = " launch=ray" if given.get("--launch") == "ray" else ""
+    case = (f"{model} vocab={vocab} random bf16 {device} grpo ppo_clip {placement}{launch} prompts={prompts} n={samples} "
             f"new={new_tokens} reward=digit_share")
     rollout_gen = f["stage_s"]["rollout"]
     figures = [
