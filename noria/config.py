@@ -581,10 +581,9 @@ class SyncConfig:
 
     transport: Literal["auto", "ipc", "broadcast", "disk"] = option(
         "auto",
-        "ipc: in process or shared memory; broadcast: torch.distributed group from trainer rank 0 (gloo / NCCL); "
-        "disk: safetensors folder the engine loads. auto, by where the engines are: ipc when colocated or on this "
-        "machine (the trainer on the CPU or on the engine's own GPU), broadcast to noria engines on other GPUs of "
-        "this machine, disk for an engine on another machine and for an external engine_url or vLLM.",
+        "ipc: in process or shared memory; broadcast: torch.distributed group from trainer rank 0 (gloo / NCCL); disk: "
+        "safetensors folder the engine loads. auto, by where engines are: ipc on this machine (except from a GPU to "
+        "another GPU: broadcast), disk for an engine on another machine, an external engine_url or vLLM.",
     )
     bucket_mb: int = option(256, "Tensors are sent in buckets of about this many MiB.")
     verify: bool = option(False, "After every update, compare a checksum of every engine tensor with the trainer's.")

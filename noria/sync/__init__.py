@@ -28,11 +28,11 @@ disk       a safetensors folder per version, loaded  the same folder via /update
 ========== ========================================= ====================================================
 
 ``auto`` picks by topology (:func:`resolve_transport`): ipc for in-process engines and for Noria
-engine servers on this machine that memory reaches (the trainer's weights on the CPU, or on the
-engine's own GPU: CUDA IPC); broadcast for servers on this machine on other GPUs (NCCL) and for
-servers that are not Noria engines (SGLang's protocol); disk when a server is on another machine (a
-broadcast group's store listens on loopback only); the RL job picks disk for an external
-``engine_url``. Mixed in-process engines and servers need an explicit transport.
+engine servers on this machine that memory reaches (the trainer's weights or the engine's on the
+CPU: shared memory; both on one GPU: CUDA IPC); broadcast for servers on this machine on other
+GPUs and for servers that are not Noria engines (SGLang's protocol); disk when a server is on
+another machine (a broadcast group's store listens on loopback only); the RL job picks disk for an
+external ``engine_url``. Mixed in-process engines and servers need an explicit transport.
 
 Every engine stages a whole update before it changes anything, and commits it as one step (see
 ``noria.engine.weights``): a push that fails (a tensor of the wrong name, shape or dtype, a
@@ -102,8 +102,8 @@ def resolve_transport(name: str, targets: list[Any], device: str | None = None) 
         return "ipc"
     from noria.hardware import device_id
 
-    ours = device_id(device)
-    return "ipc" if all(s.device_id == ours for s in specs) else "broadcast"
+    ours = device_id(device)  # a CPU engine (no device id) gets host shared memory: ipc too
+    return "ipc" if all(s.device_id in (None, ours) for s in specs) else "broadcast"
 
 
 def _transport(name: str, targets: list[Any], pool: Any, cfg: SyncConfig, run_dir: Path | None, source: Any) -> Transport:
