@@ -149,19 +149,32 @@ def test_a_killed_build_is_rebuilt_not_loaded():
     killed = subprocess.Popen([sys.executable, "-c", "from noria.engine.kernels import cpu_kernel; cpu_kernel()"],
                               env={**clean, **env}, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     assert "building the C++ CPU kernels" in killed.stderr.readline()
-    import signal
     import time
 
     time.sleep(8)
-    # The whole process group, as a terminal's kill does: compilers left running would race the
-    # rebuild for the same objects (and the 2 cores: the rebuild took 2x as long beside them).
-    os.killpg(killed.pid, signal.SIGKILL)
+    # Every process of its session, as closing its terminal does: ninja puts each compiler in a
+    # process group of its own, and compilers left running would race the rebuild for the same
+    # objects (and for the 2 cores: the rebuild took twice as long beside them).
+    kill_session(killed.pid)
     killed.wait()
     assert (folder / "lock").exists()  # torch's baton, left behind by the killed build
     out = _python("from noria.engine.kernels import cpu_kernel, cpu_kernel_failure as f; m = cpu_kernel(); "
                   "print(m is not None and m.paged_decode_attention is not None, f())", **env)  # fmt: skip
     assert out.returncode == 0 and out.stdout.split()[0] == "True", out.stderr
     assert json.loads((folder / kernels.STAMP).read_text())["isa"] == "avx2"
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process whose session id is ``sid`` (/proc/PID/stat: state, ppid, pgrp, session)."""
+    import signal
+
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            session = int(stat.read_text().rsplit(")", 1)[1].split()[3])
+            if session == sid:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            pass
 
 
 def test_the_loaded_kernels_are_this_isas_build():
