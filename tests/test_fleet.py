@@ -123,18 +123,33 @@ def check_nothing_lost(trained: list[int], rows: list[dict], batch: int) -> None
     assert len(skipped) <= dropped + rows[-1]["buffer/size"] + rows[-1]["rollout/in_flight_groups"], skipped
 
 
-def run_with_a_kill(job, kill_at: int, kill) -> list:
-    """Run the loop; ``kill()`` right after the ``kill_at``-th request was sent. Returns the trained groups."""
+def run_with_a_kill(job, kill_at: int, kill, busy: str | None = None) -> list:
+    """Run the loop; ``kill()`` once ``kill_at`` requests were sent, and with ``busy`` (an engine's
+    URL) only once that engine has a request in flight (else its requests may all have been answered
+    when the kill lands, and nothing would be regenerated). Returns the trained groups."""
     trained, sent = [], [0]
     real_generate, real_train = job.client.generate, job.train
+    killer: list[asyncio.Task] = []
+
+    async def kill_when_busy():
+        if busy is not None:
+            auth = {"Authorization": f"Bearer {job.api_key}"}
+            async with httpx.AsyncClient(timeout=10) as client:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    load = (await client.get(f"{busy}/get_load", headers=auth)).json()
+                    if load["num_running_reqs"] or load["num_waiting_reqs"]:
+                        break
+                    await asyncio.sleep(0.002)
+        else:
+            await asyncio.sleep(0.05)  # in flight on an engine
+        kill()
 
     async def generate(req):
         sent[0] += 1
-        task = asyncio.ensure_future(real_generate(req))
         if sent[0] == kill_at:
-            await asyncio.sleep(0.05)  # in flight on the engine
-            kill()
-        return await task
+            killer.append(asyncio.ensure_future(kill_when_busy()))
+        return await real_generate(req)
 
     def train(groups):
         trained.extend(g.group_id for g in groups)
@@ -142,6 +157,7 @@ def run_with_a_kill(job, kill_at: int, kill) -> list:
 
     job.client.generate, job.train = generate, train
     asyncio.run(job.run(rl_loop))
+    assert killer and killer[0].done(), "the run ended before the kill"
     return trained
 
 
@@ -153,7 +169,7 @@ def test_an_engine_killed_mid_rollout_is_replaced_and_nothing_is_lost(staleness,
     job = ScaledJob.build(load_config(None, fleet_args(tiny_model_dir, **extra)), str(tmp_path / "run"), None, False)
     victim = job.fleet.slots[0].proc
     try:
-        trained = run_with_a_kill(job, kill_at=20, kill=lambda: os.kill(victim.process.pid, signal.SIGKILL))
+        trained = run_with_a_kill(job, kill_at=20, kill=lambda: os.kill(victim.process.pid, signal.SIGKILL), busy=victim.url)
         rows = steps(tmp_path / "run")
         check_nothing_lost(trained, rows, batch=4)
         assert rows[-1]["fleet/restarts"] == 1 and rows[-1]["fleet/engines"] == 2
