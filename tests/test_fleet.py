@@ -46,8 +46,23 @@ def test_two_engines_and_two_ranks_train_as_one_process(tiny_model_dir, tmp_path
     one = run_rl(load_config(None, fleet_args(tiny_model_dir)), str(tmp_path / "one"), None, False)
     config = load_config(None, fleet_args(tiny_model_dir, **{"rollout.engines": 2, "train.backend": "fsdp2", "train.world_size": 2}))
     assert job_class_for(config) is ScaledJob
-    many = run_rl(config, str(tmp_path / "many"), None, False)
-    a, b = steps(one), steps(many)
+    # An engine dies between two steps, just before a push (both ranks are in its gathers): the
+    # push finds it dead, restarts it and pushes again; the results do not change.
+    job = ScaledJob.build(config, str(tmp_path / "many"), None, False)
+    victim, real_push = job.fleet.slots[1].proc, job.push
+
+    def push(version, bucket_bytes):
+        if version == 2:
+            os.kill(victim.process.pid, signal.SIGKILL)
+        return real_push(version, bucket_bytes)
+
+    job.push = push
+    try:
+        asyncio.run(job.run(rl_loop))
+    finally:
+        job.close()
+    a, b = steps(one), steps(tmp_path / "many")
+    assert b[-1]["fleet/restarts"] == 1 and b[-1]["sync/fallback"] == 0
     assert [r["rollout/reward_mean"] for r in a] == [r["rollout/reward_mean"] for r in b]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], abs=1e-5)
     assert b[-1]["rollout/reward_mean"] > b[0]["rollout/reward_mean"]

@@ -42,6 +42,7 @@ server answers the agent an error) rather than regenerating its group.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -109,6 +110,7 @@ class EngineFleet:
         self.dead_urls: set[str] = set()
         """URLs of engines found dead (a request the router sent there before it dropped them fails naming one)."""
         self._ready: asyncio.Event | None = None
+        self._marking = threading.Lock()
 
     def start(self) -> EngineFleet:
         """Start every engine, then the router in front of them. One after the other, from this
@@ -151,22 +153,30 @@ class EngineFleet:
         await self.ready_event().wait()
 
     async def find_lost(self, grace_s: float = 2.0) -> list[Slot]:
-        """Mark serving engines that died as lost (out of the router); a dying process gets
-        ``grace_s`` to show it is gone. Raises ``EngineFailure`` when none serves and none can restart."""
+        """:meth:`lost_now` from the event loop (on a worker thread: it may wait for the router)."""
+        return await asyncio.to_thread(self.lost_now, grace_s)
+
+    def lost_now(self, grace_s: float = 2.0) -> list[Slot]:
+        """Mark engines that died (serving ones, and restarted ones not yet in rotation) as lost and
+        take them out of the router; a dying process gets ``grace_s`` to show it is gone. Raises
+        ``EngineFailure`` when none serves and none can restart (blocking; any thread)."""
         deadline = time.monotonic() + grace_s
         while True:
-            lost = [s for s in self.serving() if not await asyncio.to_thread(s.proc.alive)]
+            lost = [s for s in self.slots if s.state in ("serving", "restarted") and not s.proc.alive()]
             if lost or time.monotonic() > deadline:
                 break
-            await asyncio.sleep(0.1)
-        lost = [s for s in lost if s.state == "serving"]  # another failed request may have marked it meanwhile
-        for slot in lost:
-            slot.state, slot.lost_note = "lost", slot.proc.exit_note()
-            slot.losses += 1
-            self.counters.losses += 1
-            self.dead_urls.add(slot.proc.url)
-            if self.router is not None:
-                await asyncio.to_thread(self.router.remove_worker, slot.proc.url)
+            time.sleep(0.1)
+        with self._marking:  # several failed requests look at once: each death is counted once
+            lost = [s for s in lost if s.state in ("serving", "restarted")]
+            in_router = [s for s in lost if s.state == "serving"]
+            for slot in lost:
+                slot.state, slot.lost_note = "lost", slot.proc.exit_note()
+                slot.losses += 1
+                self.counters.losses += 1
+                self.dead_urls.add(slot.proc.url)
+        if self.router is not None:
+            for slot in in_router:
+                self.router.remove_worker(slot.proc.url)
         if not self.serving():
             self.ready_event().clear()
             self.check_left()

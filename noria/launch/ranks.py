@@ -21,8 +21,11 @@ torch.distributed group from rank 0 to every engine, bucketed) to engines on oth
 machine, disk (a safetensors folder in the run folder, which must then be on a filesystem every
 node shares) when an engine is on another machine. With one rank, an ipc or broadcast push that
 fails while every engine is alive falls back to disk for the rest of the run (``sync/fallback``
-says so). One ``WeightSync`` is kept per set of engines (a broadcast group or mapped staging areas
-live across pushes); a changed fleet (an engine restarted) gets a new one.
+says so). A push that fails is answered, not raised, through ``try_push`` (the job's call): every
+rank has finished its gathers, no rank is failed, and the job looks at its engines (one died:
+restart it and push again; none did: stop the run). One ``WeightSync`` is kept per set of engines
+(a broadcast group or mapped staging areas live across pushes); when the fleet changes (an engine
+restarted) the job drops them all (``drop_syncs``: no mapping of a dead engine's memory is kept).
 
 Failure: a rank that dies (its process exits, its actor is lost) makes the call raise
 ``TrainerRankFailure`` naming the rank and how it ended; the job stops (the other ranks may be
@@ -84,28 +87,46 @@ class TrainerRank:
         return rl_step(self.backend, groups, cfg.train, weight_version, None, cfg.rollout.routing_replay)
 
     def push(self, targets: list[tuple[str, str | None]], version: int, verify: bool = False) -> dict[str, float]:
-        """Every rank gathers the full tensors; rank 0 sends them to ``targets`` ((url, api key) each)."""
+        """Every rank gathers the full tensors; rank 0 sends them to ``targets`` ((url, api key) each).
+        Raises ``WeightSyncError``; every rank has finished its gathers by then (they are collective)."""
         from noria.sync import WeightSyncError
         from noria.train.rl_step import on_device
 
         bucket = self.config.sync.bucket_mb << 20
         with on_device(self.backend.device):
+            buckets = self.backend.state_dict_for_sync(bucket)
             if self.rank != 0:
-                for _ in self.backend.state_dict_for_sync(bucket):  # the gathers are collective
+                for _ in buckets:  # the gathers are collective
                     pass
                 return {}
-            sync = self.sync_for(targets, verify)
+            sync = None
             try:
-                metrics = sync.push(self.backend.state_dict_for_sync(bucket), version)
+                sync = self.sync_for(targets, verify)
+                metrics = sync.push(buckets, version)
             except WeightSyncError:
-                if sync.transport == "disk" or self.config.sync.transport != "auto" or self.world > 1:
-                    raise  # other ranks have finished their gathers: a second push would hang them
+                for _ in buckets:  # the other ranks run every gather: run them too
+                    pass
+                if sync is None or sync.transport == "disk" or self.config.sync.transport != "auto" or self.world > 1:
+                    raise  # (W > 1: the others have finished their gathers, a second push would hang them)
+                if not all(_answers(url, key) for url, key in targets):
+                    raise  # an engine died: the job restarts it, the transport is not to blame
                 self.fallback = True
                 self.drop_syncs()
                 metrics = self.sync_for(targets, verify).push(self.backend.state_dict_for_sync(bucket), version)
         metrics["sync/fallback"] = float(self.fallback)
         metrics["sync/engines"] = float(len(targets))
         return metrics
+
+    def try_push(self, targets: list[tuple[str, str | None]], version: int, verify: bool = False) -> tuple[dict[str, float], str | None]:
+        """:meth:`push`, with a failed push answered as ``({}, message)`` instead of raised: the rank
+        lives on (its process or actor is not failed), and the job, which knows the fleet, decides
+        whether an engine died (restart it, push again) or the push failed (stop the run)."""
+        from noria.sync import WeightSyncError
+
+        try:
+            return self.push(targets, version, verify), None
+        except WeightSyncError as e:
+            return {}, str(e)
 
     def sync_for(self, targets: list[tuple[str, str | None]], verify: bool) -> Any:
         """The ``WeightSync`` to exactly these engines (kept: its broadcast group lives across pushes)."""
@@ -151,6 +172,17 @@ class TrainerRank:
         from noria.train.fsdp import shutdown_distributed
 
         shutdown_distributed()
+
+
+def _answers(url: str, key: str | None) -> bool:
+    """Whether the engine at ``url`` answers (its weight version) within a few seconds."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        return httpx.get(f"{url}/get_weight_version", headers=headers, timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 class RankBackend:

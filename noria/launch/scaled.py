@@ -16,7 +16,8 @@ When what happens (the safe points, where the trainer's weights are the version 
 - before each batch is taken: every serving engine must report ``weight_version`` (``check_versions``);
 - while ``take_groups`` waits: dead engines are restarted and get the current version pushed to them
   with checksums verified, then rejoin the router (``between_waits``);
-- each ``sync_weights``: dead engines are restarted first, and the push reaches them too.
+- each ``sync_weights``: dead engines are restarted first, and the push reaches them too; an engine
+  that dies during a push is restarted and the push made again (``push_to_fleet``).
 
 Not guaranteed: the PPO critic (``advantage: gae``) with several ranks; colocated placement (the
 engines here are always their own processes).
@@ -103,10 +104,7 @@ class ScaledJob(LocalJob):
 
     def restart_and_resync(self) -> None:
         """Restart dead engines and push them the current version, checksums verified (blocking)."""
-        started = self.fleet.restart_lost()
-        if started:
-            self.ranks.call("push", [(s.proc.url, self.api_key) for s in started], self.weight_version, True)
-            self.fleet.rejoin(self.weight_version)
+        self.push_to_fleet(self.weight_version, only_restarted=True)
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """The RL step on every rank with the same groups; rank 0's metrics (reduced over ranks)."""
@@ -119,10 +117,29 @@ class ScaledJob(LocalJob):
 
     def push(self, version: int, bucket_bytes: int) -> dict[str, float]:
         """Restart dead engines, then every rank gathers and rank 0 pushes ``version`` to the whole fleet."""
-        started = self.fleet.restart_lost()
-        metrics = self.ranks.call("push", self.fleet.targets(), version, bool(started))[0]
-        self.fleet.rejoin(version)
-        return metrics
+        return self.push_to_fleet(version, only_restarted=False)
+
+    def push_to_fleet(self, version: int, only_restarted: bool) -> dict[str, float]:
+        """Restart dead engines, then push ``version`` to every engine (or only to the restarted ones,
+        checksums verified) and put them in rotation (blocking). An engine that dies before or during
+        the push is found, restarted and pushed to again (each death uses one of its restarts);
+        a push that fails with every engine alive raises ``WeightSyncError``."""
+        from noria.sync import WeightSyncError
+
+        while True:
+            started = self.fleet.restart_lost()
+            if started:  # the syncs of the old fleet hold a dead engine's group or mapped memory
+                self.ranks.call("drop_syncs")
+            restarted = [s for s in self.fleet.slots if s.state == "restarted"]
+            targets = [(s.proc.url, self.api_key) for s in restarted] if only_restarted else self.fleet.targets()
+            if not targets:
+                return {}
+            metrics, error = self.ranks.call("try_push", targets, version, only_restarted or bool(started))[0]
+            if error is None:
+                self.fleet.rejoin(version)
+                return metrics
+            if not self.fleet.lost_now():
+                raise WeightSyncError(error)
 
     def engine_metrics(self) -> dict[str, float]:
         return self.fleet.metrics()
