@@ -152,7 +152,7 @@ METRICS: tuple[Metric, ...] = tuple(
     ])
     + _table("sync", [
         ("sync/seconds", "s", "Weight push trainer -> engines (the engines serve the new version after it)."),
-        ("sync/bytes", "bytes", "Bytes pushed."),
+        ("sync/bytes", "bytes", "Bytes pushed, in the engines' dtype (counted once however many engines)."),
         ("sync/gb_per_s", "GB/s", "Push bandwidth (1e9 bytes per second)."),
         ("sync/tensors", "count", "Tensors pushed."),
         ("sync/verify_seconds", "s", "Checksum comparison after the push (sync.verify)."),

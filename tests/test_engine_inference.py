@@ -6,6 +6,7 @@ engine must still serve. CPU only (the fast path exists only there)."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -116,12 +117,16 @@ def test_engine_serves_every_dtype_on_this_cpu(dtype):
 def test_engine_fast_path_gives_the_plain_tokens_and_logprobs(dtype):
     need_packed(dtype)
     model = random_model(tiny_args(), dtype)
-    fast, plain = generate(model, fast=True), generate(model, fast=False)
+    assert_same_outputs(generate(model, fast=True), generate(model, fast=False), dtype)
+
+
+def assert_same_outputs(mine, plain, dtype):
+    """bf16: bitwise; fp32: the same tokens, logprobs to rounding."""
     if dtype == torch.bfloat16:
-        assert fast == plain  # logprobs bitwise
+        assert mine == plain  # logprobs bitwise
     else:
-        assert [ids for ids, _ in fast] == [ids for ids, _ in plain]
-        for (_, a), (_, b) in zip(fast, plain):
+        assert [ids for ids, _ in mine] == [ids for ids, _ in plain]
+        for (_, a), (_, b) in zip(mine, plain):
             assert a == pytest.approx(b, abs=1e-4)
 
 
@@ -133,9 +138,14 @@ def perturbed(model: DecoderLM) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("source", ["state_dict", "disk"])
-def test_weight_updates_refresh_the_packed_weights(source, dtype, tmp_path):
+def test_weight_updates_refresh_the_packed_weights(source, dtype, tmp_path, monkeypatch):
+    """The commit drops the packed copies and packs the new weights on a background thread: steps
+    meanwhile run the model's modules on the new weights; then the new packs serve."""
+    packing = threading.Event()
+    install = inference.FastDecoder._install
+    monkeypatch.setattr(inference.FastDecoder, "_install", lambda self, *a: (packing.wait(30), install(self, *a)))
     model = random_model(tiny_args(), dtype)
-    engine = Engine(model, None, EngineConfig(kv_cache_tokens=2048, block_size=4))
+    engine = Engine(model, None, EngineConfig(kv_cache_tokens=2048, block_size=4, chunked_prefill_size=16))  # as generate()
     reqs = [GenerateRequest(input_ids=p, sampling=PARAMS) for p in PROMPTS]
     before = engine.generate_batch(reqs)
     update = perturbed(model)
@@ -148,6 +158,16 @@ def test_weight_updates_refresh_the_packed_weights(source, dtype, tmp_path):
     else:
         save_model(expected_model, tmp_path / "ckpt")
         engine.weights.update_from_disk(tmp_path / "ckpt", version=1)
+    fast = engine.runner.fast
+    if fast is not None:  # still packing: the modules serve the new weights
+        assert fast.packed is None
+        during = [(o.output_ids, o.logprobs) for o in engine.generate_batch(reqs)]
+        assert_same_outputs(during, generate(expected_model, fast=False), dtype)  # MKL's fp32 rounding follows alignment
+        engine.flush_cache()  # its KV came from the modules (in fp32 not bitwise the packed path's)
+    packing.set()
+    if fast is not None:
+        fast.wait_packed()
+        assert fast.packed is not None
     after = [(o.output_ids, o.logprobs) for o in engine.generate_batch(reqs)]
     engine.shutdown(1)
     assert after != [(o.output_ids, o.logprobs) for o in before]

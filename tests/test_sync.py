@@ -68,7 +68,7 @@ def test_push_updates_every_tensor_and_the_version(transport, engine, trainer, t
             for name, t in sent.items():
                 assert torch.equal(state[name], t.to(torch.bfloat16)), name
             assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])  # still tied
-    nbytes = sum(t.numel() * 4 for t in trainer.values())
+    nbytes = sum(t.numel() * 2 for t in trainer.values())  # fp32 given, bf16 on the engine: what crosses
     assert metrics["sync/bytes"] == nbytes and metrics["sync/tensors"] == len(trainer)
     assert metrics["sync/seconds"] > 0 and metrics["sync/gb_per_s"] > 0 and metrics["sync/verify_seconds"] > 0
     out = engine.generate_batch([REQ])[0]

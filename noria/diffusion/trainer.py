@@ -315,9 +315,10 @@ class DiffusionTrainer:
             return merge_lora(raw, lora_scaling(self.cfg.lora), dtype)
         return ((n, t.to(dtype)) for n, t in raw)
 
-    def state_dict_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def state_dict_for_sync(self, bucket_bytes: int, cast: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (name, tensor in the compute dtype): every weight, or with ``train.lora.sync:
-        adapter`` the adapters alone under the names an engine with the same adapters holds."""
+        adapter`` the adapters alone under the names an engine with the same adapters holds.
+        Always cast (``cast`` is ignored)."""
         from noria.sync import bucketize
 
         if self.cfg.lora.enabled and self.cfg.lora.sync == "adapter":

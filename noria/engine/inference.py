@@ -24,8 +24,15 @@ model's own modules), and tests check that the fast forward equals the plain one
 measured, not promised by oneDNN, so deterministic mode does not use this path at all: it runs the
 exact modules the trainer runs.
 
-Weights are copies: after every weight update the engine calls :meth:`FastDecoder.refresh`
-(``Engine._apply_update``), otherwise the fast path would keep serving the old weights.
+Weights are copies: after every weight update the engine calls :meth:`FastDecoder.refresh_later`
+(through ``ModelRunner.refresh_weights``, at the commit), otherwise the fast path would keep serving
+the old weights. That drops the packed copies at once and packs the new weights on a background
+thread (about 0.05-0.1 s for SmolLM2-135M on two Zen 4 cores, as much as the rest of a weight push);
+until they are installed the runner runs the model's own modules, so the commit, and the push
+waiting for it, do not wait for the packing, and the new weights are served from the next step on.
+A pack made from parameters that changed again meanwhile is thrown away (a generation count), and
+it reads the weight tensors the commit left (taken on the engine thread), never a parameter being
+swapped.
 
 Used only where it exists: CPU tensors in a dtype oneDNN packs on this CPU (:func:`supported`:
 fp32 everywhere, bf16 where oneDNN has bf16 kernels — not on AVX2-only CPUs, where it refuses them).
@@ -34,9 +41,15 @@ packed oneDNN matmul and MKL's ``F.linear`` sum in different orders, so there th
 equals the plain one to rounding, not bitwise (measured on AVX2: 0.6x the time of ``F.linear``
 at 1 row, 0.44x at 8, 0.69x at 32 for a 576 -> 3072 layer).
 Blocking: none beyond the forward itself. Memory: one extra copy of the linear weights.
+Not guaranteed: bitwise the same tokens on both sides of an update in fp32, where the packed and the
+plain matmuls round differently (a step right after an update may run either).
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,33 +80,42 @@ def supported(model: DecoderLM) -> bool:
 class PackedLinear:
     """``x @ cat(weights).T + cat(biases)``, with the concatenated weight reordered once for oneDNN."""
 
-    def __init__(self, linears: list[torch.nn.Linear], batch_hint: int) -> None:
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], batch_hint: int) -> None:
         with torch.no_grad():
-            weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-            biases = [m.bias for m in linears]
-            self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+            weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+            self.bias = torch.cat(biases) if all(b is not None for b in biases) else None
             if self.bias is None and any(b is not None for b in biases):
                 # Mixed bias/no-bias groups (no supported family has one): zero-fill the missing.
-                self.bias = torch.cat([
-                    b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                    for m, b in zip(linears, biases)
-                ])
-        self.sizes = [m.out_features for m in linears]
+                self.bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+        self.sizes = [w.shape[0] for w in weights]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
 
 
+Linears = list[tuple[list[torch.Tensor], list[torch.Tensor | None]]]
+"""Weights and biases of one layer's qkv, o, gate_up and down groups (detached tensors)."""
+
+
+def _layer_linears(layer: DecoderLayer) -> Linears:
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+    return [([m.weight.detach() for m in g], [None if m.bias is None else m.bias.detach() for m in g]) for g in groups]
+
+
 class _PackedLayer:
     """One decoder layer's four matmuls: qkv, o, gate_up, down."""
 
-    def __init__(self, layer: DecoderLayer, batch_hint: int) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], batch_hint)
-        self.o = PackedLinear([attn.o_proj], batch_hint)
-        self.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], batch_hint)
-        self.down = PackedLinear([mlp.down_proj], batch_hint)
+    def __init__(self, linears: Linears, batch_hint: int) -> None:
+        self.qkv, self.o, self.gate_up, self.down = (PackedLinear(w, b, batch_hint) for w, b in linears)
+
+
+class Packed(NamedTuple):
+    """The packed weights of one version of the parameters."""
+
+    layers: list[_PackedLayer]
+    head: PackedLinear
 
 
 class FastDecoder:
@@ -103,18 +125,60 @@ class FastDecoder:
         self.model = model
         self.batch_hint = batch_hint
         self.max_rows = max_rows
-        self.layers: list[_PackedLayer] = []
-        self.head: PackedLinear | None = None
+        self.packed: Packed | None = None
+        """The packed weights of the current parameters; None while they are being packed."""
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._packer: concurrent.futures.ThreadPoolExecutor | None = None
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-pack every weight from the model's current parameters (after each weight update)."""
-        self.layers = [_PackedLayer(layer, self.batch_hint) for layer in self.model.model.layers]
-        self.head = PackedLinear([self.model.lm_head], self.batch_hint)
+        """Re-pack every weight from the model's current parameters, now (blocking)."""
+        self.packed = None
+        with self._lock:
+            self._generation += 1
+        self.packed = self._pack(self._weights())
+
+    def refresh_later(self) -> concurrent.futures.Future:
+        """The parameters changed: drop the packed copies now and pack the new weights on a
+        background thread (call it on the thread that changes the parameters, between forwards);
+        until they are installed, :attr:`packed` is None and the runner runs the model's modules."""
+        weights = self._weights()  # the tensors as of now: a later swap of a parameter does not touch them
+        with self._lock:
+            self._generation += 1
+            self.packed = None
+            generation = self._generation
+        if self._packer is None:
+            self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="noria-repack")
+        return self._packer.submit(self._install, weights, generation)
+
+    def wait_packed(self) -> None:
+        """Block until the packing in progress (if any) is done."""
+        if self._packer is not None:
+            self._packer.submit(lambda: None).result()
+
+    def _install(self, weights: tuple[list[Linears], torch.Tensor], generation: int) -> None:
+        if generation != self._generation:  # the parameters changed again: a newer pack follows
+            return
+        packed = self._pack(weights)
+        with self._lock:
+            if generation == self._generation:
+                self.packed = packed
+
+    def _weights(self) -> tuple[list[Linears], torch.Tensor]:
+        return [_layer_linears(layer) for layer in self.model.model.layers], self.model.lm_head.weight.detach()
+
+    def _pack(self, weights: tuple[list[Linears], torch.Tensor]) -> Packed:
+        layers, head = weights
+        bias = self.model.lm_head.bias
+        return Packed([_PackedLayer(linears, self.batch_hint) for linears in layers],
+                      PackedLinear([head], [None if bias is None else bias.detach()], self.batch_hint))  # fmt: skip
 
     @torch.no_grad()
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """``DecoderModel.forward`` with packed matmuls: ids [1, T] -> normed hidden [1, T, H]."""
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, packed: Packed | None = None) -> torch.Tensor:
+        """``DecoderModel.forward`` with packed matmuls: ids [1, T] -> normed hidden [1, T, H].
+        ``packed``: the packed weights to use (default :attr:`packed`, which must be there)."""
+        layers = (packed or self._ready()).layers
         inner = self.model.model
         h = inner.embed_tokens(input_ids)
         cos, sin = rope_tables(rope_inv_freq(inner.args, input_ids.device), positions, h.dtype)
@@ -124,10 +188,16 @@ class FastDecoder:
             return inner.norm(h)
         ops = self._fused_ops(inner)
         if ops is not None:
-            return self._fused_forward(ops, inner, h, cos, sin, ctx)
-        for layer, packed in zip(inner.layers, self.layers):
-            h = self._layer(layer, packed, h, cos, sin, ctx)
+            return self._fused_forward(ops, inner, layers, h, cos, sin, ctx)
+        for layer, one in zip(inner.layers, layers):
+            h = self._layer(layer, one, h, cos, sin, ctx)
         return inner.norm(h)
+
+    def _ready(self) -> Packed:
+        packed = self.packed
+        if packed is None:
+            raise RuntimeError("the packed weights are being made (after a weight update): run the model's modules")
+        return packed
 
     @staticmethod
     def _fused_ops(inner):
@@ -137,13 +207,13 @@ class FastDecoder:
             return None
         return kernels.cpu_kernel()
 
-    def _fused_forward(self, ops, inner, h, cos, sin, ctx) -> torch.Tensor:
+    def _fused_forward(self, ops, inner, layers, h, cos, sin, ctx) -> torch.Tensor:
         """The layers with the residual add folded into the next norm (``ops.add_rmsnorm``), RoPE
         in one call per layer (``ops.rope``) and SwiGLU's product fused (``ops.silu_mul``)."""
         residual = h  # the embedding output [1, T, H]: a fresh tensor, updated in place
         cos, sin = cos[0], sin[0]  # [T, D]
         pending = None
-        for layer, packed in zip(inner.layers, self.layers):
+        for layer, packed in zip(inner.layers, layers):
             norm = layer.input_layernorm
             if pending is None:
                 x = ops.add_rmsnorm(residual, None, norm.weight, norm.eps)
@@ -161,11 +231,11 @@ class FastDecoder:
             pending = packed.down(ops.silu_mul(packed.gate_up(x)))
         return ops.add_rmsnorm(pending, residual, inner.norm.weight, inner.norm.eps)
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def lm_head(self, hidden: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         """Logits of hidden rows [R, H] (R <= the step's tokens, so always packed-sized)."""
         if hidden.shape[0] > self.max_rows:
             return self.model.lm_head(hidden)
-        return self.head(hidden)
+        return (packed or self._ready()).head(hidden)
 
     @staticmethod
     def _layer(layer: DecoderLayer, packed: _PackedLayer, x, cos, sin, ctx) -> torch.Tensor:

@@ -14,7 +14,8 @@ pools at their slots and (2) attends:
 
 Only the last position of each sampling chunk goes through ``lm_head``. On CPU in bf16 (outside
 deterministic mode) the layers run through ``inference.FastDecoder`` (fused, prepacked matmuls,
-same numerics); ``refresh_weights`` must follow every weight update.
+same numerics); ``refresh_weights`` must follow every weight update (it drops the packed copies at
+once and makes new ones on a background thread; the model's own modules serve meanwhile).
 
 This is the only engine module with device code (with ``sampling``): metadata is built on the
 host and moved once per step; nothing here reads device values back (deterministic mode aside:
@@ -167,7 +168,7 @@ class ModelRunner:
     def refresh_weights(self) -> None:
         """Rebuild the engine-only weight copies from the model (call after every weight update)."""
         if self.fast is not None:
-            self.fast.refresh()
+            self.fast.refresh_later()  # the model's modules serve until the new packs are in
         if self.fp8:
             fp8.quantize_model(self.model)
         if self.graphs is not None:  # captured graphs hold the old parameters' addresses
@@ -226,9 +227,10 @@ class ModelRunner:
             return self.graphs.forward(chunks)
         ids, positions, slots, ctx = self._prepare(chunks)
         rows = self._to_device(self._last_rows(chunks) + list(extra_rows), torch.long)
-        if self.fast is not None:
-            hidden = self.fast.hidden_states(ids, positions, ctx)[0]
-            return self.fast.lm_head(hidden.index_select(0, rows))
+        packed = self.fast.packed if self.fast is not None else None  # None while re-packing after an update
+        if packed is not None:
+            hidden = self.fast.hidden_states(ids, positions, ctx, packed)[0]
+            return self.fast.lm_head(hidden.index_select(0, rows), packed)
         hidden = self.model.hidden_states(ids, positions, attn=ctx, routing=routing)[0]
         return self.model.lm_head(hidden.index_select(0, rows))
 

@@ -422,7 +422,7 @@ class LocalJob:
 
     def push(self, version: int, bucket_bytes: int) -> dict[str, float]:
         with on_device(self.backend.device):
-            return self.sync.push(self.backend.state_dict_for_sync(bucket_bytes), version)
+            return self.sync.push(self.backend.state_dict_for_sync(bucket_bytes, cast=not self.sync.casts_on_write), version)
 
     @contextlib.asynccontextmanager
     async def generation_paused(self) -> AsyncIterator[None]:

@@ -94,18 +94,18 @@ class TrainerRank:
 
         bucket = self.config.sync.bucket_mb << 20
         with on_device(self.backend.device):
-            buckets = self.backend.state_dict_for_sync(bucket)
             if self.rank != 0:
-                for _ in buckets:  # the gathers are collective
+                for _ in self.backend.state_dict_for_sync(bucket):  # the gathers are collective
                     pass
                 return {}
-            sync = None
+            sync = buckets = None
             try:
                 sync = self.sync_for(targets, verify)
+                buckets = self.backend.state_dict_for_sync(bucket, cast=not sync.casts_on_write)
                 metrics = sync.push(buckets, version)
             except WeightSyncError:
-                for _ in buckets:  # the other ranks run every gather: run them too
-                    pass
+                for _ in buckets if buckets is not None else self.backend.state_dict_for_sync(bucket):
+                    pass  # the other ranks run every gather: run them too
                 if sync is None or sync.transport == "disk" or self.config.sync.transport != "auto" or self.world > 1:
                     raise  # (W > 1: the others have finished their gathers, a second push would hang them)
                 if not all(_answers(url, key) for url, key in targets):

@@ -97,6 +97,12 @@ class IpcTransport(Transport):
             for_each(self.pool, wrote, lambda t: t.stage_ipc({"kind": "staging"}, written[t.name], update_id))
         self.commit(version, update_id)
 
+    @property
+    def casts_on_write(self) -> bool:
+        """True once every engine's staging area is mapped (known after the first push): each tensor
+        is then copied once, straight into the engine's dtype (in-process engines cast as they stage)."""
+        return all(t.name in self._areas for t in self.remote)
+
     def close(self) -> None:
         _free_all(self._buffers, self._areas)
 

@@ -12,7 +12,7 @@ A failure anywhere before the commits discards the staged parts on every engine,
 changes; see :class:`Transport` for what the commits themselves guarantee.
 
 Metrics of a push: ``sync/seconds`` (the push without the verification work), ``sync/bytes`` (bytes
-of the tensors given, counted once however many engines), ``sync/gb_per_s`` (bytes / seconds, 1e9),
+of the tensors in the engines' dtype, counted once however many engines), ``sync/gb_per_s`` (bytes / seconds, 1e9),
 ``sync/tensors``, and ``sync/verify_seconds`` (hashing the trainer's tensors plus asking the engines)
 when verifying.
 
@@ -53,6 +53,12 @@ class Transport:
         self.push_metrics: dict[str, float] = {}
         """Figures of the last push that only this transport knows (the disk transport's bytes
         written, a delta's changed fraction); ``WeightSync.push`` adds them to its metrics."""
+
+    @property
+    def casts_on_write(self) -> bool:
+        """Whether every tensor reaches every engine through a copy that casts it to the engine's
+        dtype (then the trainer may give its fp32 masters as they are: no cast copy of its own)."""
+        return False
 
     def send(self, buckets: Iterator[Bucket], version: int, update_id: str) -> None:
         raise NotImplementedError
@@ -131,6 +137,12 @@ class WeightSync:
         self.check(expected, version)
         return time.perf_counter() - t0
 
+    @property
+    def casts_on_write(self) -> bool:
+        """Whether the trainer may give tensors in any floating dtype at no cost: the transport
+        casts each one to the engine's dtype as it copies it (``state_dict_for_sync(cast=False)``)."""
+        return self.transport_impl.casts_on_write
+
     def specs(self) -> list[Specs | None]:
         """Every target's specs, asked once (None for an engine that does not say)."""
         if self._specs is None:
@@ -169,7 +181,7 @@ class WeightSync:
                 for target, spec in zip(self.targets, specs):
                     if spec is not None:
                         _check_tensor(target.name, spec, name, t)
-                stats["bytes"] += t.numel() * t.element_size()
+                stats["bytes"] += t.numel() * _engine_itemsize(specs, name, t)
                 stats["tensors"] += 1
                 expected.add(name, t)
             if bucket:
@@ -233,6 +245,14 @@ class _Expected:
     def sums_for(self, target_index: int) -> dict[str, str]:
         spec = self.specs[target_index]
         return {n: self._sums[spec.tensors[n][0]][n] for n in self.names}
+
+
+def _engine_itemsize(specs: list[Specs | None], name: str, t: torch.Tensor) -> int:
+    """Bytes per element of ``name`` as the first engine that says holds it (what crosses to it)."""
+    for spec in specs:
+        if spec is not None and name in spec.tensors:
+            return spec.tensors[name][0].itemsize
+    return t.element_size()
 
 
 def _check_tensor(engine: str, spec: Specs, name: str, t: torch.Tensor) -> None:

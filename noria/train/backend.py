@@ -103,8 +103,11 @@ class TrainBackend(Protocol):
         """One optimizer step over the whole batch (micro-batched); returns the step's metrics."""
         ...
 
-    def state_dict_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def state_dict_for_sync(self, bucket_bytes: int, cast: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights in the compute dtype with HF names, in buckets of about ``bucket_bytes``.
+        ``cast=False`` allows a backend to give them in the dtype it keeps them (fp32 masters) for a
+        sync that casts as it writes (``WeightSync.casts_on_write``), which saves a copy of the
+        model; a backend may ignore it.
 
         Every rank must exhaust the iterator (gathering is collective); only rank 0 gets buckets.
         """

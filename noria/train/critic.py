@@ -130,7 +130,7 @@ class CriticBackend(FSDPBackend):
         }
         return self.value_coef * value_loss, metrics
 
-    def state_dict_for_sync(self, bucket_bytes: int):
+    def state_dict_for_sync(self, bucket_bytes: int, cast: bool = True):
         raise TrainError("the critic is not sent to rollout engines (only the policy is)")
 
     def export_hf(self, folder, dtype=None):

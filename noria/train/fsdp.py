@@ -600,14 +600,19 @@ class FSDPBackend:
                 t = t.full_tensor()
             yield name, t.detach()
 
-    def _full_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights with HF names in ``dtype`` (LoRA adapters merged in)."""
+    def _full_tensors(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights with HF names in ``dtype`` (LoRA adapters merged in; None: as kept, the
+        merged ones in the compute dtype)."""
         if self.cfg.lora.enabled:
-            return merge_lora(self._raw_tensors(), lora_scaling(self.cfg.lora), dtype)
+            return merge_lora(self._raw_tensors(), lora_scaling(self.cfg.lora), dtype or self.compute_dtype)
+        if dtype is None:
+            return self._raw_tensors()
         return ((name, t.to(dtype)) for name, t in self._raw_tensors())
 
-    def state_dict_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def state_dict_for_sync(self, bucket_bytes: int, cast: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (HF name, full tensor in the compute dtype, on the trainer device); rank 0 only.
+        ``cast=False``: in the dtype the trainer keeps them (the fp32 masters; no cast copy), for a
+        sync that casts as it writes.
 
         With LoRA, ``train.lora.sync`` picks merged weights (HF names) or the adapters alone
         (peft names).
@@ -615,7 +620,7 @@ class FSDPBackend:
         if self.cfg.lora.enabled and self.cfg.lora.sync == "adapter":
             tensors = adapter_tensors(self._raw_tensors(), self.compute_dtype)
         else:
-            tensors = self._full_tensors(self.compute_dtype)
+            tensors = self._full_tensors(self.compute_dtype if cast else None)
         if self.rank != 0:
             for _ in tensors:  # the gathers are collective: every rank runs them to the end
                 pass

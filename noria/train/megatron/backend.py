@@ -220,9 +220,9 @@ class MegatronBackend(FSDPBackend):
     def _full_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         return ((name, t.to(dtype)) for name, t in to_hf(self._megatron_state(), self.args))
 
-    def state_dict_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def state_dict_for_sync(self, bucket_bytes: int, cast: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (HF name, full tensor in the compute dtype, on this GPU); global rank 0 only,
-        every rank runs the gathers."""
+        every rank runs the gathers. Always cast (``cast`` is ignored)."""
         tensors = self._full_tensors(self.compute_dtype)
         if self.global_rank != 0:
             for _ in tensors:
