@@ -311,6 +311,8 @@ class Engine:
         }
 
     def metrics(self) -> dict[str, Any]:
+        """The load, throughput and cache counters, the weight version, and ``packing_weights``: True
+        while the CPU fast path re-packs its weights after an update (the model's modules serve)."""
         return {
             **self.get_load(),
             "tokens_per_s": self._stats.tokens_per_s(),
@@ -322,6 +324,7 @@ class Engine:
             "evictions": self.radix.evictions,
             "retractions": self.scheduler.retractions,
             "weight_version": self.weight_version,
+            "packing_weights": self.runner.fast is not None and self.runner.fast.packed is None,
         }
 
     # ------------------------------------------------------------------------------ engine thread
