@@ -7,10 +7,12 @@
   in the main thread, so ``noria train`` takes the same path as Ctrl-C: the running step finishes or
   is abandoned, logs are flushed, children are stopped, a message says how to resume, and the exit
   code is 143 (130 for Ctrl-C).
-- ``sigterm_cancels_task()``: while the RL loop's event loop runs, SIGTERM does what asyncio does
-  for Ctrl-C: it cancels the loop's task at its next ``await`` and ``Terminated`` is raised from
-  there. Code between two awaits (a checkpoint being written, the bookkeeping of a step) is never
-  cut in the middle.
+- ``signals_cancel_task()``: while the RL loop's event loop runs, SIGTERM and Ctrl-C (SIGINT)
+  cancel the loop's task at its next ``await``, and ``Terminated`` (SIGTERM) or ``KeyboardInterrupt``
+  is raised from there. Code between two awaits (a checkpoint being written, the bookkeeping of a
+  step) is never cut in the middle. The cancellation is made again if the task stops being
+  cancelled before it ends: a library that absorbs one (an HTTP client's timeout scope meeting it at the same moment:
+  a run once went on to its last step after a Ctrl-C) does not keep the run going.
 
 What blocks on what: the trainer's step runs in a worker thread that asyncio waits for before the
 run's ``finally`` stops the children, so a step in progress finishes (its result is not logged).
@@ -62,26 +64,45 @@ def sigterm_as_interrupt() -> None:
 
 
 @contextlib.contextmanager
-def sigterm_cancels_task() -> Iterator[None]:
-    """Inside a running event loop: SIGTERM cancels the current task at its next await; the
-    cancellation leaves this block as :class:`Terminated`. The previous SIGTERM handler is restored."""
+def signals_cancel_task() -> Iterator[None]:
+    """Inside a running event loop: SIGTERM or SIGINT cancels the current task at its next await
+    (and again, checked every ``RECANCEL_S``, if something absorbed the cancellation); the cancellation leaves this block as
+    :class:`Terminated` or ``KeyboardInterrupt``. The previous handlers are restored."""
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
-    previous, received = signal.getsignal(signal.SIGTERM), []
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in signals}
+    received: list[int] = []
 
     def cancel() -> None:
-        received.append(True)
-        task.cancel()
+        if task.done():
+            return
+        if task.cancelling() == 0:  # not (or no longer: absorbed) being cancelled
+            task.cancel()
+        loop.call_later(RECANCEL_S, cancel)
 
-    loop.add_signal_handler(signal.SIGTERM, cancel)
+    def on_signal(signum: int) -> None:
+        if not received:
+            received.append(signum)
+            cancel()
+
+    for s in signals:
+        loop.add_signal_handler(s, on_signal, s)
     try:
         yield
     except asyncio.CancelledError:
-        if received:
+        if received == [signal.SIGTERM]:
             raise Terminated("received signal SIGTERM") from None
+        if received:
+            raise KeyboardInterrupt() from None
         raise
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, previous)
+        for s in signals:
+            loop.remove_signal_handler(s)
+            signal.signal(s, previous[s])
+
+
+RECANCEL_S = 0.5
+"""How often a signal's cancellation is made again while the task runs on."""
 
 
 def exit_code(interrupt: KeyboardInterrupt) -> int:

@@ -67,7 +67,7 @@ from noria.config import RunConfig, ensure_valid, save_config
 from noria.console import phase
 from noria.errors import NoriaError
 from noria.launch.env import child_env
-from noria.launch.lifecycle import die_with_parent, sigterm_cancels_task
+from noria.launch.lifecycle import die_with_parent, signals_cancel_task
 from noria.metrics import RunLog, mean
 from noria.rollout import EngineFailure, HttpEngineClient, LocalEngineClient, RolloutContext
 from noria.rollout.buffer import DropStreak, build_buffer, prompt_to_dict, resolve_filters
@@ -296,7 +296,7 @@ class LocalJob:
     # ------------------------------------------------------------------------------------ loop calls
 
     async def run(self, loop_fn: Any) -> None:
-        with sigterm_cancels_task():  # SIGTERM stops the loop at an await, like Ctrl-C
+        with signals_cancel_task():  # SIGTERM and Ctrl-C stop the loop at an await
             if self.step > 0 or self.weight_version > 0:  # resumed: the engine still serves the base model
                 await self.sync_weights(advance=False)
             await loop_fn(self)
