@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV="${NORIA_VENV:-.venv}"
-exec "$VENV/bin/python" -m pytest -q "$@"
+# --durations: the slowest tests, listed at the end (the suite must stay well under 30 min on 2 cores).
+exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"
