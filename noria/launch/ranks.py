@@ -108,7 +108,7 @@ class TrainerRank:
                     pass  # the other ranks run every gather: run them too
                 if sync is None or sync.transport == "disk" or self.config.sync.transport != "auto" or self.world > 1:
                     raise  # (W > 1: the others have finished their gathers, a second push would hang them)
-                if not all(_answers(url, key) for url, key in targets):
+                if not all(_answers(engine) for engine in sync.targets):
                     raise  # an engine died: the job restarts it, the transport is not to blame
                 self.fallback = True
                 self.drop_syncs()
@@ -174,14 +174,14 @@ class TrainerRank:
         shutdown_distributed()
 
 
-def _answers(url: str, key: str | None) -> bool:
-    """Whether the engine at ``url`` answers (its weight version) within a few seconds."""
-    import httpx
+def _answers(engine: Any) -> bool:
+    """Whether a sync target (``noria.sync.HttpEngine``) still answers: it reports its weight version."""
+    from noria.sync import WeightSyncError
 
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        return httpx.get(f"{url}/get_weight_version", headers=headers, timeout=5.0).status_code == 200
-    except httpx.HTTPError:
+        engine.version()
+        return True
+    except WeightSyncError:
         return False
 
 
