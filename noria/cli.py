@@ -372,7 +372,7 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "docs",
         help="regenerate docs/config.md and docs/metrics.md from the code (--check: fail if stale)",
-        description="The configuration reference comes from the config classes (noria/config.py), the metrics "
+        description="The configuration reference comes from the config classes (noria/config/), the metrics "
         "reference from noria.metrics.METRICS.",
     )
     p.add_argument("--check", action="store_true", help="exit 1 if a generated page differs from the code")
@@ -416,7 +416,7 @@ def _is_value(token: str, key: str, is_flag) -> bool:
 
 def _override_flags(command: str):
     """The boolean-field test for a subcommand's overrides (``noria serve`` has its own config class)."""
-    from noria.config_schema import is_bool_key
+    from noria.config.schema import is_bool_key
 
     if command == "serve":
         from noria.engine.server.app import ServeConfig as cls

@@ -1,6 +1,6 @@
 """What a config refers to exists: checked by ``noria config`` and before ``noria train`` touches a run folder.
 
-Config loading (``noria.config_schema``: parse, validate, resolve) checks a config's form: keys,
+Config loading (``noria.config.schema``: parse, validate, resolve) checks a config's form: keys,
 types, ranges, the rules across sections. It does not look outside the config, so a name nobody
 registered, an import path that does not import, or a data file that is not there would pass it
 and fail later, seconds or minutes into a run. ``check_references`` looks them up, each through

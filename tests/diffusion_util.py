@@ -50,7 +50,7 @@ def train_config(**changes):
 
 
 def diffusion_config(**changes):
-    from noria.diffusion.config import DiffusionConfig
+    from noria.config import DiffusionConfig
 
     cfg = DiffusionConfig(**changes)
     cfg.validate()

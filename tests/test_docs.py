@@ -56,7 +56,7 @@ def test_the_readme_names_every_config_section():
     import dataclasses
 
     from noria.config import RunConfig
-    from noria.config_schema import optional_section
+    from noria.config.schema import optional_section
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("### Configuration") : readme.index("### Models")]

@@ -17,7 +17,7 @@ from noria.models.config import ModelArgs
 from noria.models.decoder import DecoderLM
 from noria.models.megatron import ConversionError, expert_slice, expert_to_global, expert_to_local, tp_gather, tp_shard, to_hf, to_megatron
 from noria.train import build_backend
-from noria.train.megatron import MegatronUnavailable, megatron_installed
+from noria.train.megatron.model import MegatronUnavailable, megatron_installed
 
 DENSE = {"model_type": "qwen2", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}  # fmt: skip

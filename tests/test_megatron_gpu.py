@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from noria.config import TrainConfig
 from noria.train import build_backend
-from noria.train.megatron import megatron_installed
+from noria.train.megatron.model import megatron_installed
 from noria.train.packing import pack_samples
 from noria.types import Sample
 

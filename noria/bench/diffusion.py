@@ -248,7 +248,7 @@ def dit_flops_per_image(model: Any) -> float:
 def train_cases(folder: Path, name: str, device: str, dtype: str, trajectories: list, *, steps: int, train_images: int,
                 micro_batch: int | None, repeats: int, noise_level: float, **_: Any) -> list[dict]:
     """The sft and flow_grpo cases (see the module docstring)."""
-    from noria.diffusion.config import DiffusionConfig
+    from noria.config import DiffusionConfig
 
     dcfg = DiffusionConfig(steps=steps, noise_level=noise_level)
     trainer = _trainer(folder, "sft", device, dtype, dcfg, micro_batch or train_images)

@@ -118,7 +118,7 @@ def train(name: str, cfg: dict[str, Any], work: Path, netns: bool = False, threa
 
 
 def launcher_case(model: str, steps: int, work: Path) -> list[dict[str, Any]]:
-    from noria.launch.config import RayConfig
+    from noria.config import RayConfig
 
     netns = os.geteuid() == 0
     threads = max(1, int(RayConfig().trainer_resources.get("CPU", 1)))  # what Ray gives each actor

@@ -5,9 +5,8 @@ that a denoising model needs; the loop, buffer, scheduler, weight sync, checkpoi
 report are the text system's own, carrying image trajectories as ``Sample`` records whose "tokens"
 are denoising steps (``noria.types``).
 
-Modules::
+The ``diffusion:`` config section (present = an image run) is ``noria.config.diffusion``. Modules::
 
-    config.py    the ``diffusion:`` config section (present = an image run)
     model.py     diffusers' DiT as a velocity model: folders, exact (batch-invariant) numerics
     sde.py       flow-matching schedule, ODE step, Flow-GRPO's SDE step and its log-probability
     protocol.py  ImageRequest / ImageOutput (and their JSON)

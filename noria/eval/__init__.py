@@ -13,19 +13,9 @@ out on hard answers cannot raise accuracy), and the failures are also reported s
 (``n_failed``, ``failed_reasons``). An evaluation in which not one answer could be scored is an
 error (``NoriaError``), not an accuracy.
 
-
-``noria.eval.config`` is the config section (a leaf); this ``__init__`` imports the runner only
-when asked, so loading a config stays light.
+The ``eval`` config section is ``noria.config.eval``.
 """
 
-from typing import Any
+from noria.eval.runner import EvalResult, run_eval
 
 __all__ = ["EvalResult", "run_eval"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from noria.eval import runner
-
-        return getattr(runner, name)
-    raise AttributeError(f"module 'noria.eval' has no attribute {name!r}")

@@ -23,25 +23,10 @@ Typical use by the loop::
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-# Names re-exported here, by module. Imported on first use (PEP 562), so that the config sections
-# living in this package (noria.train.megatron.config) load without the trainer, and noria.config
-# can import them without a cycle.
-_EXPORTS = {
-    "noria.train.backend": ("LossFn", "LossInputs", "NonFiniteError", "TokenLogprobs", "TrainBackend", "TrainError"),
-    "noria.train.checkpoint": ("CheckpointError", "checkpoint_dir", "latest_checkpoint"),
-    "noria.train.fsdp": ("FSDPBackend", "init_distributed"),
-    "noria.train.packing": ("pack_groups", "pack_samples"),
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MODULE_OF:
-        return getattr(importlib.import_module(_MODULE_OF[name]), name)
-    raise AttributeError(f"module 'noria.train' has no attribute {name!r}")
+from noria.train.backend import LossFn, LossInputs, NonFiniteError, TokenLogprobs, TrainBackend, TrainError
+from noria.train.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint
+from noria.train.fsdp import FSDPBackend, init_distributed
+from noria.train.packing import pack_groups, pack_samples
 
 
 def build_backend(cfg, **options):
@@ -57,4 +42,7 @@ def build_backend(cfg, **options):
     return FSDPBackend(cfg, **options)
 
 
-__all__ = [*_MODULE_OF, "build_backend"]
+__all__ = [
+    "CheckpointError", "FSDPBackend", "LossFn", "LossInputs", "NonFiniteError", "TokenLogprobs", "TrainBackend",
+    "TrainError", "build_backend", "checkpoint_dir", "init_distributed", "latest_checkpoint", "pack_groups", "pack_samples",
+]  # fmt: skip

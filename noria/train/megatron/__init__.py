@@ -2,7 +2,6 @@
 
 Modules::
 
-    config.py    the ``train.megatron`` config section (a leaf: noria.config imports it)
     model.py     everything that imports megatron-core: availability and refusal, parallel state,
                  ModelArgs -> TransformerConfig, the local layer spec with packed core attention,
                  the packed forward to hidden states and the gathered output layer
@@ -10,26 +9,6 @@ Modules::
                  state_dict_for_sync, save / load, export_hf) over GPTModel, DDP and Megatron's optimizer
 
 The HF <-> Megatron names and layouts live with the models (``noria.models.megatron``): pure tensor
-code the CPU suite checks. Importing this package imports neither megatron-core nor the trainer.
+code the CPU suite checks. The config section is ``noria.config.megatron``. Importing this package imports neither megatron-core
+nor the trainer: import the module you need.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_MODULE_OF = {
-    "MegatronBackend": "noria.train.megatron.backend",
-    "MegatronUnavailable": "noria.train.megatron.model",
-    "megatron_installed": "noria.train.megatron.model",
-    "require_megatron": "noria.train.megatron.model",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MODULE_OF:
-        return getattr(importlib.import_module(_MODULE_OF[name]), name)
-    raise AttributeError(f"module 'noria.train.megatron' has no attribute {name!r}")
-
-
-__all__ = list(_MODULE_OF)

@@ -1,7 +1,6 @@
 """The ``eval`` config section: what is evaluated, how often, and where (``eval.mode``).
 
-A leaf like ``noria.config`` (which imports it and re-exports ``EvalConfig``): it imports only
-``noria.config_schema``, so loading a config never imports the evaluation code.
+Owner: ``noria.eval``. Like every section, it imports only ``noria.config.schema``.
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from noria.config_schema import ConfigError, check_sampling, option
+from noria.config.schema import ConfigError, check_sampling, option
 
 
 @dataclass

@@ -1,7 +1,6 @@
 """The ``train.megatron`` config section: parallelism and memory settings of the Megatron backend.
 
-A leaf like ``noria.config`` (which imports it and re-exports ``MegatronConfig``): it imports only
-``noria.config_schema``, so loading a config never imports megatron-core or the trainer.
+Owner: ``noria.train.megatron``; loading a config never imports megatron-core or the trainer.
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from noria.config_schema import ConfigError, option
+from noria.config.schema import ConfigError, option
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The machinery of Noria's configs: closed, typed dataclasses built from YAML plus dotted overrides.
 
-``noria.config`` declares the sections (one per component) and ``RunConfig``; this module turns
+The modules beside this one declare the sections (one per component) and ``RunConfig``; this one turns
 plain data into them and back, and documents them. How a config is built: the YAML file is read
 into a plain dict, each ``--a.b value`` override is parsed as a YAML scalar and written into that
 dict, and only then is the dict turned into typed dataclasses (``from_dict``). That order means

@@ -1,5 +1,5 @@
 """The ``opd`` config section: where the teacher of on-policy distillation lives and how its
-scores are used. A leaf like ``noria.config`` (which imports it): only ``noria.config_schema``.
+scores are used. Owner: ``noria.distill``.
 
 Distillation is on when ``train.loss.opd_coef`` > 0 (the weight lambda lives with the other loss
 weights); this section says which teacher and how. Cross-tokenizer distillation is out of scope:
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from noria.config_schema import ConfigError, option
+from noria.config.schema import ConfigError, option
 
 
 @dataclass

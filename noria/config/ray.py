@@ -1,8 +1,7 @@
 """The ``ray`` config section: how the Ray launcher (``noria.launch.ray``) places a run's parts.
 
 ``launch: ray`` in a run config picks that launcher (``launch: local``, the default, runs every part
-on this machine as processes). This module is a leaf like ``noria.config`` (which imports it): it
-imports only ``noria.config_schema``, so loading a config never imports Ray.
+on this machine as processes). Owner: ``noria.launch.ray``; loading a config never imports Ray.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from noria.config_schema import ConfigError, option
+from noria.config.schema import ConfigError, option
 
 
 @dataclass

@@ -8,8 +8,7 @@ placement, staleness and the buffer, ``engine.deterministic`` and ``engine.max_r
 ``train.*``, ``sync.*``, ``eval.every``/``n_samples``/``seed``/``limit``, ``log.*``). Fields that
 only mean something for text (``rollout.max_new_tokens``, ``temperature``, ...) are ignored.
 
-This module is a leaf like ``noria.config`` (which imports it): it imports only
-``noria.config_schema``.
+Owner: ``noria.diffusion``.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from noria.config_schema import ConfigError, option
+from noria.config.schema import ConfigError, option
 
 
 @dataclass

@@ -1,0 +1,45 @@
+"""The ``data`` section: where prompts come from (a built-in task or files) and how they are rendered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from noria.config.schema import ConfigError, option
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from: a file (JSONL, Parquet, HF datasets folder) or a built-in task.
+    Owner: ``noria.data`` (``load_prompts``, ``PromptSource``)."""
+
+    task: str | None = option(None, "Built-in synthetic task (arithmetic, countdown); exclusive with `path`.")
+    task_args: dict[str, Any] = option(
+        factory=dict, help="Task-specific arguments (e.g. n_train, n_test, seed); each task rejects unknown ones."
+    )
+    path: str | None = option(None, "Training data file or folder (.jsonl, .parquet, or a saved HF dataset).")
+    test_path: str | None = option(None, "Held-out data for evaluation, same format as `path`.")
+    format: Literal["auto", "jsonl", "parquet", "hf"] = option("auto", "File format; auto picks it from the extension.")
+    prompt_key: str = option("prompt", "Field holding the prompt: a string, or a list of chat messages.")
+    label_key: str | None = option("label", "Field holding the reference answer; null if the data has none.")
+    metadata_keys: list[str] = option(factory=list, help="Extra fields copied into each prompt's metadata.")
+    chat_template: bool | str = option(
+        True,
+        "true: render prompts with the tokenizer's chat template; false: plain text; a path to a Jinja file, or a "
+        "Jinja template itself (it holds `{%` or `{{`): render with that template instead of the tokenizer's.",
+    )
+    system_prompt: str | None = option(None, "System message prepended when rendering string prompts as chat.")
+    shuffle: bool = option(True, "Shuffle the training prompts each epoch (seeded).")
+    seed: int = option(0, "Seed of the shuffle.")
+    epochs: int = option(1, "Passes over the training data; the source stops after this many.")
+    max_prompt_tokens: int | None = option(None, "Drop prompts longer than this many tokens at load (count logged).")
+    skip_bad_rows: bool = option(False, "Skip malformed rows (counted and reported) instead of failing.")
+
+    def validate(self) -> None:
+        if (self.task is None) == (self.path is None):
+            raise ConfigError("data: set exactly one of data.task (a built-in task) or data.path (a data file)")
+        if self.epochs < 1:
+            raise ConfigError(f"data.epochs must be >= 1, got {self.epochs}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")

@@ -1,0 +1,56 @@
+"""The ``engine`` section: the built-in rollout engine (``noria serve`` and the in-process engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from noria.config.schema import ConfigError, option
+
+
+@dataclass
+class EngineConfig:
+    """The built-in rollout engine: batching limits, KV cache, prefix cache, numerics. Owner:
+    ``noria.engine.Engine`` (``noria serve`` takes it as ``--engine.*``)."""
+
+    max_running_requests: int = option(256, "Requests decoded together at most; more wait in the queue.")
+    max_batch_tokens: int = option(4096, "Tokens (prefill chunks plus decode tokens) in one forward step at most.")
+    chunked_prefill_size: int = option(512, "Longest prefill chunk of one request per step; long prompts take several steps.")
+    block_size: int = option(16, "Tokens per KV-cache block (the page size of the block tables).")
+    kv_cache_tokens: int | None = option(
+        None, "KV-cache capacity in tokens; null sizes it from kv_memory_fraction of free memory."
+    )
+    kv_memory_fraction: float = option(0.3, "Share of free memory given to the KV cache when kv_cache_tokens is null.")
+    max_context: int | None = option(None, "Longest prompt + output in tokens; null uses the model's max positions.")
+    prefix_cache: bool = option(True, "Reuse KV blocks of shared prompt prefixes (radix tree, LRU eviction).")
+    deterministic: bool = option(
+        False, "Batch-invariant numerics: a request gives the same tokens and logprobs whatever else is batched."
+    )
+    attention: Literal["auto", "torch", "cpu_kernel"] = option(
+        "auto", "Decode attention: the C++ paged kernel on CPU (auto), or gather + torch SDPA."
+    )
+    overlap: Literal["auto", "on", "off"] = option(
+        "auto", "Launch the next decode step before the current one's tokens reach the host (they are fed on the "
+        "device), hiding the host's per-step work; auto: on where decode steps run as CUDA graphs."
+    )
+    quantization: Literal["none", "fp8"] = option(
+        "none", "Rollout weights: none (the model dtype) or fp8 (e4m3 decoder-block linears, per-channel weight and "
+        "per-row activation scales; bf16 models; pair with train.loss.off_policy: tis)."
+    )
+
+    def validate(self) -> None:
+        for key in ("max_running_requests", "max_batch_tokens", "chunked_prefill_size", "block_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ConfigError(f"engine.kv_cache_tokens must be >= engine.block_size, got {self.kv_cache_tokens}")
+        if not 0 < self.kv_memory_fraction <= 0.95:
+            raise ConfigError(f"engine.kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
+        if self.chunked_prefill_size > self.max_batch_tokens:
+            raise ConfigError("engine.chunked_prefill_size must not exceed engine.max_batch_tokens")
+        if self.quantization == "fp8" and self.deterministic:
+            raise ConfigError(
+                "engine.quantization=fp8 cannot be combined with engine.deterministic (deterministic mode runs the "
+                "trainer's own bf16 numerics)"
+            )
