@@ -1,6 +1,7 @@
 """The diffusion rollout engine: batched SDE/ODE sampling of a DiT on a background thread.
 
-Threads and data flow (the text engine's shape, ``noria.engine.engine``)::
+Threads and data flow (the text engine's shape, ``noria.engine.engine``; the thread, its command
+inbox and the request plumbing are the text engine's too, ``noria.engine.thread``)::
 
     callers (asyncio or threads)             engine thread (the only one touching engine state)
     submit / abort / pause / weights  ──▶ inbox ──▶ drain commands between steps
@@ -33,10 +34,7 @@ no KV cache); bitwise trajectories across devices or dtypes; classifier-free gui
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
-import queue
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -49,14 +47,9 @@ import torch
 from noria.diffusion import sde
 from noria.diffusion.model import cast, latent_shape, load_dit, num_classes, set_exact_numerics, velocity
 from noria.diffusion.protocol import ImageOutput, ImageRequest
-from noria.engine.weight_updates import WeightUpdates
 from noria.engine.protocol import RequestError
-
-PAUSE_MODES = ("retract", "in_place")
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped on an error; every in-flight request was aborted with it."""
+from noria.engine.thread import PAUSE_MODES, EngineThread, generate, generate_batch
+from noria.engine.weight_updates import WeightUpdates
 
 
 @dataclass
@@ -87,18 +80,14 @@ class DiffusionEngine:
         self.max_batch, self.deterministic = max_batch, deterministic
         self.num_classes = num_classes(model)
         self.shape = latent_shape(model)
-        self.weights = WeightUpdates(self.model, self.device, self._call, _nothing, _nothing, weight_version)
+        self._thread = EngineThread(self._loop, "noria-diffusion-engine")
+        self.weights = WeightUpdates(self.model, self.device, self._thread.call, _nothing, _nothing, weight_version)
         """Weight updates (``noria.sync``'s in-process target and the server's weight API call it):
         staged on the caller's thread, committed between two denoising steps."""
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._waiting: list[_Image] = []
         self._running: list[_Image] = []
         self._paused = False
-        self._stop = False
-        self._closing = False
-        self._error: BaseException | None = None
         self._stats = {"images": 0, "steps": 0, "image_steps": 0, "seconds": 0.0}
-        self._thread = threading.Thread(target=self._loop, name="noria-diffusion-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -120,43 +109,39 @@ class DiffusionEngine:
 
     def submit(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> str:
         """Queue a request; ``callback`` (on the engine thread) gets its output. Returns the request id."""
-        self._check_alive()
-        if self._closing:
+        self._thread.check_alive()
+        if self._thread.closing:
             raise RequestError("the engine is shutting down and accepts no new requests")
         req.validate(self.num_classes)
         if not req.rid:
             req = replace(req, rid=uuid.uuid4().hex)
         gen = torch.Generator(self.device).manual_seed(req.seed % (1 << 64))
         image = _Image(req, callback, gen, _sigmas(req.steps, req.shift).to(self.device))
-        self._post(lambda: self._waiting.append(image))
+        self._thread.post(lambda: self._waiting.append(image))
         return req.rid
 
     async def generate(self, req: ImageRequest) -> ImageOutput:
         """Generate to completion; cancelling the await aborts the request."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[ImageOutput] = loop.create_future()
-        rid = self.submit(req, lambda out: _call_in_loop(loop, _resolve, future, out))
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self.abort(rid)
-            raise
+        return await generate(self.submit, self.abort, req)
 
     def generate_batch(self, requests: list[ImageRequest], timeout_s: float | None = None) -> list[ImageOutput]:
         """Blocking convenience for scripts, tests and benchmarks: submit all, wait for all, in order."""
-        futures = [concurrent.futures.Future() for _ in requests]
-        for req, fut in zip(requests, futures):
-            self.submit(req, lambda out, f=fut: f.set_result(out))
-        return [f.result(timeout=timeout_s) for f in futures]
+        return generate_batch(self.submit, requests, timeout_s)
 
     def abort(self, rid: str, message: str = "aborted by request") -> None:
         """Abort a waiting or running request (its callback gets reason abort); unknown ids are ignored."""
-        self._post(lambda: self._abort([i for i in self._waiting + self._running if i.req.rid == rid], message))
+        self._thread.post(lambda: self._abort([i for i in self._waiting + self._running if i.req.rid == rid], message))
 
     def _abort(self, images: list[_Image], message: str) -> None:
         for image in images:
             (self._waiting if image in self._waiting else self._running).remove(image)
             image.callback(ImageOutput(image.req.rid, None, [], [], {"type": "abort", "message": message}))
+
+    def _busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def _abort_all(self, message: str) -> None:
+        self._thread.post(lambda: self._abort(self._waiting + self._running, message))
 
     # ------------------------------------------------------------------------------ control
 
@@ -164,28 +149,22 @@ class DiffusionEngine:
         """Stop denoising after the current step (both modes keep every trajectory's state)."""
         if mode not in PAUSE_MODES:
             raise RequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        await asyncio.wrap_future(self._post_future(lambda: setattr(self, "_paused", True)))
+        await asyncio.wrap_future(self._thread.post_future(lambda: setattr(self, "_paused", True)))
 
     async def resume(self) -> None:
-        await asyncio.wrap_future(self._post_future(lambda: setattr(self, "_paused", False)))
+        await asyncio.wrap_future(self._thread.post_future(lambda: setattr(self, "_paused", False)))
 
     def release_memory_occupation(self) -> None:
         """Pause and free the weight staging buffers (the next update allocates them again)."""
-        self._call(lambda: setattr(self, "_paused", True))
+        self._thread.call(lambda: setattr(self, "_paused", True))
         self.weights.release()
 
     def resume_memory_occupation(self) -> None:
-        self._call(lambda: setattr(self, "_paused", False))
+        self._thread.call(lambda: setattr(self, "_paused", False))
 
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let running ones finish for at most ``drain_timeout_s``, abort the rest, stop."""
-        self._closing = True
-        deadline = time.monotonic() + drain_timeout_s
-        while self._thread.is_alive() and (self._waiting or self._running) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self._post(lambda: self._abort(self._waiting + self._running, "the engine shut down"))
-        self._post(lambda: setattr(self, "_stop", True))
-        self._thread.join()
+        self._thread.shutdown(self._busy, lambda: self._abort_all("the engine shut down"), drain_timeout_s)
 
     @property
     def weight_version(self) -> int:
@@ -206,24 +185,12 @@ class DiffusionEngine:
 
     def _loop(self) -> None:
         try:
-            while not self._stop:
-                self._drain(block=self._paused or not (self._waiting or self._running))
+            while not self._thread.stopping:
+                self._thread.drain(block=self._paused or not (self._waiting or self._running), timeout=0.1)
                 if not self._paused and (self._waiting or self._running):
                     self._step()
         except BaseException as e:  # noqa: BLE001 -- every waiting caller learns why, then the thread ends
             self._die(e)
-
-    def _drain(self, block: bool) -> None:
-        try:
-            command = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        command()
-        while True:
-            try:
-                self._inbox.get_nowait()()
-            except queue.Empty:
-                return
 
     @torch.no_grad()
     def _step(self) -> None:
@@ -260,43 +227,8 @@ class DiffusionEngine:
                 image.callback(ImageOutput(image.req.rid, latents, image.logprobs, image.versions))
 
     def _die(self, error: BaseException) -> None:
-        self._error = error
-        message = f"the diffusion engine died: {type(error).__name__}: {error}"
-        for image in self._waiting + self._running:
-            image.callback(ImageOutput(image.req.rid, None, [], [], {"type": "abort", "message": message}))
-        self._waiting, self._running = [], []
-        while True:  # commands waiting for an answer get the error too
-            try:
-                self._inbox.get_nowait()()
-            except queue.Empty:
-                break
-            except BaseException:  # noqa: BLE001 -- already dying; the first error is what callers see
-                pass
-
-    # ------------------------------------------------------------------------------ commands
-
-    def _post(self, command: Callable[[], None]) -> None:
-        self._inbox.put(command)
-
-    def _post_future(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        self._check_alive()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 -- handed to the caller
-                future.set_exception(e)
-
-        self._post(run)
-        return future
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        return self._post_future(fn).result()
-
-    def _check_alive(self) -> None:
-        if self._error is not None or not self._thread.is_alive():
-            raise EngineDead(f"the diffusion engine is not running ({self._error!r})")
+        self._thread.fail(error)  # queued submits join the waiting images first, so they are aborted too
+        self._abort(self._waiting + self._running, f"the diffusion engine died: {type(error).__name__}: {error}")
 
 
 def _nothing() -> None:
@@ -306,15 +238,3 @@ def _nothing() -> None:
 @functools.lru_cache(maxsize=64)
 def _sigmas(steps: int, shift: float) -> torch.Tensor:
     return sde.flow_sigmas(steps, shift)
-
-
-def _resolve(future: asyncio.Future, out: ImageOutput) -> None:
-    if not future.done():
-        future.set_result(out)
-
-
-def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the caller's event loop has closed: nobody waits for this output
-        pass

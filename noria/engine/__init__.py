@@ -3,6 +3,7 @@
 Modules, from the caller inwards::
 
     engine.py     Engine: the asyncio/thread API, the step loop, memory, metrics
+    thread.py     EngineThread (the engine thread and its command inbox), generate / generate_batch
     weight_updates.py  WeightUpdates (engine.weights): stage / commit / version / checksums / groups
     weights.py    the staging area (validation, stage then commit, shared arena) and checksums
     weight_sources.py  where updates come from: safetensors folder, IPC buffer, broadcast group
@@ -24,9 +25,10 @@ Quick use::
 
 from typing import Any
 
-from noria.engine.engine import Engine, EngineDead
+from noria.engine.engine import Engine
 from noria.engine.hf_engine import HFEngine
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from noria.engine.thread import EngineDead
 from noria.engine.weights import WeightUpdateError
 
 __all__ = [

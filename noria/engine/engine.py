@@ -15,10 +15,12 @@ the GPU runs the second. A request that a stop token ends has one extra step com
 Nothing is launched ahead while a command waits, a request waits for admission or the scheduler is
 paused: commands always run with no step in flight.
 
-Every mutation of scheduler, cache or weights runs as a command on the engine thread between two
-steps, so a weight update never lands in the middle of a forward and every sampled token carries
-the version of the weights that produced it. Torch releases the GIL inside ops, so the caller's
-event loop keeps running during a step.
+The thread, its inbox and the request plumbing (``generate``, ``generate_batch``) are
+``noria.engine.thread``'s, shared with the diffusion engine. Every mutation of scheduler, cache or
+weights runs as a command on the engine thread between two steps, so a weight update never lands
+in the middle of a forward and every sampled token carries the version of the weights that
+produced it. Torch releases the GIL inside ops, so the caller's event loop keeps running during a
+step.
 
 What blocks on what:
 
@@ -52,11 +54,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -74,18 +74,14 @@ from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
 from noria.engine.runner import ModelRunner
 from noria.engine.sampling import device_sampleable, draw_uniforms, sample
-from noria.engine.weight_updates import WeightUpdates
 from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler, StopChecker
+from noria.engine.thread import PAUSE_MODES, EngineThread, call_in_loop, generate, generate_batch
+from noria.engine.weight_updates import WeightUpdates
 from noria.models import DecoderLM, load_model, load_tokenizer, model_path
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("retract", "in_place")
 _THROUGHPUT_WINDOW_S = 10.0
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped on an error; every in-flight request was aborted with it."""
 
 
 class Engine:
@@ -120,25 +116,21 @@ class Engine:
             max_positions=self.max_context, quantization=config.quantization,
         )
         self._generator = torch.Generator(self.device).manual_seed(seed)
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread = EngineThread(self._loop, "noria-engine")
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
         self.weights = WeightUpdates(
-            self.model, self.device, self._call, self.runner.refresh_weights, self.radix.flush, weight_version
+            self.model, self.device, self._thread.call, self.runner.refresh_weights, self.radix.flush, weight_version
         )
         """Staging, commit, version and checksums of the served weights (``noria.engine.weight_updates``)."""
         self._kv_shape: tuple[int, ...] | None = None  # set while the KV cache is released
         self._paused_before_release = False
-        self._closing = False
-        self._stop = False
-        self._error: BaseException | None = None
         self._stats = _Stats()
         graphs = self.runner.graphs
         self._overlap = config.overlap == "on" or (
             config.overlap == "auto" and graphs is not None and graphs.device_sampling
         )
         """Launch each decode step before the previous one's tokens are on the host (``_follow``)."""
-        self._thread = threading.Thread(target=self._loop, name="noria-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -162,8 +154,8 @@ class Engine:
     def submit(self, req: GenerateRequest, callback: Callable[[GenerateOutput], None], stream: bool = False) -> str:
         """Queue a request; ``callback`` gets the final output (and, with ``stream``, one partial
         output after every step that adds a token). Returns the request id. Raises RequestError."""
-        self._check_alive()
-        if self._closing:
+        self._thread.check_alive()
+        if self._thread.closing:
             raise RequestError("the engine is shutting down and accepts no new requests")
         req = self._validated(req)
         internal = Req(request=req, callback=callback, stream=stream, max_total_tokens=self._max_total(req))
@@ -173,25 +165,18 @@ class Engine:
             if req.rid in self._live:
                 raise RequestError(f"rid {req.rid!r} is already in flight")
             self._live.add(req.rid)
-        self._post(lambda: self._enqueue(internal))
+        self._thread.post(lambda: self._enqueue(internal))
         return req.rid
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         """Generate to completion; cancelling the await aborts the request."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[GenerateOutput] = loop.create_future()
-        rid = self.submit(req, lambda out: _call_in_loop(loop, _resolve, future, out))
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self.abort(rid)
-            raise
+        return await generate(self.submit, self.abort, req)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Cumulative partial outputs after every step; the last one is finished. Leaving early aborts."""
         loop = asyncio.get_running_loop()
         parts: asyncio.Queue[GenerateOutput] = asyncio.Queue()
-        rid = self.submit(req, lambda out: _call_in_loop(loop, parts.put_nowait, out), stream=True)
+        rid = self.submit(req, lambda out: call_in_loop(loop, parts.put_nowait, out), stream=True)
         finished = False
         try:
             while not finished:
@@ -204,17 +189,14 @@ class Engine:
 
     def generate_batch(self, requests: list[GenerateRequest], timeout_s: float | None = None) -> list[GenerateOutput]:
         """Blocking convenience for scripts and benchmarks: submit all, wait for all, in order."""
-        futures = [concurrent.futures.Future() for _ in requests]
-        for req, fut in zip(requests, futures):
-            self.submit(req, lambda out, f=fut: f.set_result(out))
-        return [f.result(timeout=timeout_s) for f in futures]
+        return generate_batch(self.submit, requests, timeout_s)
 
     def abort(self, rid: str, message: str = "aborted by request") -> None:
         """Abort a waiting or running request (its callback gets reason abort); unknown rids are ignored."""
-        self._post(lambda: self._notify([r for r in [self.scheduler.abort(rid, message)] if r]))
+        self._thread.post(lambda: self._notify([r for r in [self.scheduler.abort(rid, message)] if r]))
 
     def abort_all(self, message: str = "aborted by request") -> None:
-        self._post(lambda: self._notify(self.scheduler.abort_all(message)))
+        self._thread.post(lambda: self._notify(self.scheduler.abort_all(message)))
 
     # ------------------------------------------------------------------------------ control
 
@@ -223,7 +205,7 @@ class Engine:
         their output so far); ``in_place`` keeps it. Queued and new requests wait until resume."""
         if mode not in PAUSE_MODES:
             raise RequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        await asyncio.wrap_future(self._post_future(lambda: self.scheduler.pause(mode)))
+        await asyncio.wrap_future(self._thread.post_future(lambda: self.scheduler.pause(mode)))
 
     async def resume(self) -> None:
         """Continue generating; refused while the KV cache is released (resume its memory first)."""
@@ -233,21 +215,15 @@ class Engine:
                 raise RequestError("the KV cache is released: call resume_memory_occupation first")
             self.scheduler.resume()
 
-        await asyncio.wrap_future(self._post_future(resume))
+        await asyncio.wrap_future(self._thread.post_future(resume))
 
     def flush_cache(self) -> int:
         """Drop the prefix cache (blocks in use stay with their requests); returns blocks dropped."""
-        return self._call(self.radix.flush)
+        return self._thread.call(self.radix.flush)
 
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let in-flight ones finish for up to ``drain_timeout_s``, abort the rest."""
-        self._closing = True
-        deadline = time.monotonic() + drain_timeout_s
-        while self._thread.is_alive() and self._has_requests() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.abort_all("engine shut down")
-        self._post(self._request_stop)
-        self._thread.join()
+        self._thread.shutdown(self._has_requests, lambda: self.abort_all("engine shut down"), drain_timeout_s)
 
     # ------------------------------------------------------------------------------ weights
 
@@ -279,7 +255,7 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-        self._call(release)
+        self._thread.call(release)
 
     def resume_memory_occupation(self) -> None:
         """Allocate the KV cache again and resume generation (unless it was paused before release)."""
@@ -294,7 +270,7 @@ class Engine:
             if not self._paused_before_release:
                 self.scheduler.resume()
 
-        self._call(resume)
+        self._thread.call(resume)
 
     @property
     def memory_released(self) -> bool:
@@ -336,13 +312,13 @@ class Engine:
             step: _Step | None = None
             while True:
                 if step is None:
-                    if self._stop:
+                    if self._thread.stopping:
                         break
-                    self._drain(block=not self.scheduler.has_work)
-                    chunks = [] if self._stop else self.scheduler.schedule()
+                    self._thread.drain(block=not self.scheduler.has_work)
+                    chunks = [] if self._thread.stopping else self.scheduler.schedule()
                     if not chunks:
-                        if self.scheduler.has_work and not self._stop:
-                            self._drain(block=True, timeout=0.005)  # nothing fits now; wait for a command
+                        if self.scheduler.has_work and not self._thread.stopping:
+                            self._thread.drain(block=True, timeout=0.005)  # nothing fits now; wait for a command
                         continue
                     step = self._launch(chunks)
                 following = self._follow(step)  # queued behind ``step`` before the host waits for it
@@ -350,19 +326,6 @@ class Engine:
                 step = following
         except BaseException as e:  # the loop is dead: fail every request instead of hanging callers
             self._die(e)
-
-    def _drain(self, block: bool, timeout: float | None = None) -> None:
-        try:
-            command = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        command()
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            command()
 
     def _launch(self, chunks: list[Chunk], feed: torch.Tensor | None = None) -> _Step:
         """Start a step: a decode step sampled in its CUDA graph is only queued on the device (its
@@ -392,7 +355,7 @@ class Engine:
         ``step``'s tokens (``Scheduler.follow`` says which requests continue; their input ids are
         ``step``'s samples, copied on the device). Only when no command waits: commands (new
         requests, aborts, updates, pauses) run between steps with nothing in flight."""
-        if not self._overlap or self._stop or not self._inbox.empty():
+        if not self._overlap or self._thread.stopping or not self._thread.idle:
             return None
         follow = self.scheduler.follow(step.chunks)
         if follow is None:
@@ -452,48 +415,10 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def _die(self, error: BaseException) -> None:
-        log.error("engine loop stopped", exc_info=error)
-        self._error = error
-        message = f"engine error: {type(error).__name__}: {error}"
-        while True:  # run what is queued (submits, pause futures) so that nobody waits forever
-            try:
-                self._inbox.get_nowait()()
-            except queue.Empty:
-                break
-            except Exception:
-                log.exception("command failed after the engine loop stopped")
-        self._notify(self.scheduler.abort_all(message))
-
-    def _request_stop(self) -> None:
-        self._stop = True
+        self._thread.fail(error)
+        self._notify(self.scheduler.abort_all(f"engine error: {type(error).__name__}: {error}"))
 
     # ------------------------------------------------------------------------------ helpers
-
-    def _post(self, command: Callable[[], None]) -> None:
-        self._check_alive()
-        self._inbox.put(command)
-
-    def _post_future(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as e:
-                future.set_exception(e)
-
-        if threading.current_thread() is self._thread or not self._thread.is_alive():
-            run()  # called from a callback, or after shutdown: no step can be in flight
-        else:
-            self._post(run)
-        return future
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        return self._post_future(fn).result()
-
-    def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDead(f"the engine loop stopped: {type(self._error).__name__}: {self._error}")
 
     def _has_requests(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._live)
@@ -588,18 +513,6 @@ class _Step:
             ids, logprobs = self.launched.result()
             self._done = (ids, logprobs, None)
         return self._done
-
-
-def _resolve(future: asyncio.Future, out: GenerateOutput) -> None:
-    if not future.done() and out.finished:
-        future.set_result(out)
-
-
-def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the caller's event loop has closed: nobody is waiting for this output
-        pass
 
 
 def try_tokenizer(path: str | Path):

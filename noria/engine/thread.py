@@ -1,0 +1,174 @@
+"""How callers reach an engine that steps on a background thread: the thread and its command inbox,
+and the request plumbing around ``submit``. Shared by the text engine (``noria.engine.engine``) and
+the diffusion engine (``noria.diffusion.engine``), which differ in what a step is, not in this.
+
+Data flow::
+
+    callers (asyncio or threads)                  EngineThread (the only thread touching engine state)
+    post(command) / post_future / call  ──▶ inbox ──▶ drain(): run every queued command between steps
+    generate / generate_batch: submit(req, callback)   callback(output) on the engine thread
+      ◀── the output, through call_in_loop (asyncio) or a concurrent future (threads)
+
+What blocks on what: ``post`` never blocks; ``call`` (and ``post_future``'s result) waits until the
+current step ends and the command has run, except on the engine thread itself (a callback) or after
+the thread has ended, where the command runs at once (no step can be in flight then); ``await
+generate`` until the request's final output, whose callback comes once for a request submitted
+without streaming; cancelling that await aborts the request; ``shutdown`` until the thread ends.
+
+Not guaranteed: commands posted after the thread has ended run nowhere (``post`` raises only once
+the loop failed, ``EngineDead``); an output whose caller's event loop has closed is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("retract", "in_place")
+"""``pause(mode)`` of every engine: ``retract`` frees what a paused request holds, ``in_place`` keeps it."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped on an error; every in-flight request was aborted with it."""
+
+
+class EngineThread:
+    """An engine's background thread (running ``run``) and the inbox of commands it runs between steps."""
+
+    def __init__(self, run: Callable[[], None], name: str) -> None:
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self.error: BaseException | None = None
+        """What stopped the loop (:meth:`fail`); None while it runs."""
+        self.closing = False
+        """Set by :meth:`shutdown`: the engine refuses new requests."""
+        self.stopping = False
+        """Set on the thread by shutdown's last command: the loop ends before its next step."""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def idle(self) -> bool:
+        """No command waits in the inbox."""
+        return self._inbox.empty()
+
+    # ------------------------------------------------------------------------------ callers
+
+    def post(self, command: Callable[[], None]) -> None:
+        """Queue ``command`` for the engine thread; raises EngineDead once the loop failed."""
+        self.check_alive()
+        self._inbox.put(command)
+
+    def post_future(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between two steps; the future gets its result or error."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the caller through the future
+                future.set_exception(e)
+
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            run()  # called from a callback, or after shutdown: no step can be in flight
+        else:
+            self.post(run)
+        return future
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run between two steps; blocks until it has run."""
+        return self.post_future(fn).result()
+
+    def check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDead(f"the engine loop stopped: {type(self.error).__name__}: {self.error}")
+
+    def shutdown(self, busy: Callable[[], bool], abort_all: Callable[[], None], drain_timeout_s: float) -> None:
+        """Refuse new requests, wait up to ``drain_timeout_s`` while ``busy()``, ``abort_all()``, stop
+        the loop and wait for the thread to end."""
+        self.closing = True
+        deadline = time.monotonic() + drain_timeout_s
+        while self._thread.is_alive() and busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        abort_all()
+        self.post(self._stop)
+        self._thread.join()
+
+    def _stop(self) -> None:
+        self.stopping = True
+
+    # ------------------------------------------------------------------------------ engine thread
+
+    def drain(self, block: bool, timeout: float | None = None) -> None:
+        """Run the queued commands; with ``block``, first wait up to ``timeout`` for one."""
+        try:
+            command = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        command()
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def fail(self, error: BaseException) -> None:
+        """The loop died of ``error``: record it (later posts raise EngineDead) and run what is
+        queued (submits, futures of commands) so that nobody waits forever; the engine then aborts
+        its requests."""
+        log.error("%s: engine loop stopped", self._thread.name, exc_info=error)
+        self.error = error
+        while True:
+            try:
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                break
+            except Exception:
+                log.exception("command failed after the engine loop stopped")
+
+
+async def generate(submit: Callable[..., str], abort: Callable[[str], None], req: Any) -> Any:
+    """``submit(req, callback)`` and wait for the request's final output; cancelling the await
+    calls ``abort(rid)``."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+    rid = submit(req, lambda out: call_in_loop(loop, _resolve, future, out))
+    try:
+        return await future
+    except asyncio.CancelledError:
+        abort(rid)
+        raise
+
+
+def generate_batch(submit: Callable[..., str], requests: list, timeout_s: float | None = None) -> list:
+    """Blocking convenience for scripts, tests and benchmarks: submit all, wait for all, in order."""
+    futures = [concurrent.futures.Future() for _ in requests]
+    for req, fut in zip(requests, futures):
+        submit(req, lambda out, f=fut: f.set_result(out))
+    return [f.result(timeout=timeout_s) for f in futures]
+
+
+def call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    """``fn(*args)`` on the caller's event loop, from the engine thread."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's event loop has closed: nobody is waiting for this output
+        pass
+
+
+def _resolve(future: asyncio.Future, out: Any) -> None:
+    if not future.done():
+        future.set_result(out)
