@@ -6,7 +6,7 @@ under a second and before any model is loaded. Overrides are dotted config keys
 
 ``main`` first turns NVLink multicast off in the environment (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1; exported values win), so that every
-process a command starts inherits it (see ``noria.launch.env``).
+process a command starts inherits it (see ``noria.process.env``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.config import load_config
 
     from noria.console import phase, say
-    from noria.launch.lifecycle import sigterm_as_interrupt
+    from noria.process.lifecycle import sigterm_as_interrupt
     from noria.preflight import check_references
 
     sigterm_as_interrupt()  # SIGTERM stops the run as Ctrl-C does: step ends, logs flushed, children stopped
@@ -59,13 +59,13 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         train_diffusion(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
     elif config.train.algorithm == "rl":
-        from noria.launch.local import run_rl
+        from noria.launch.rl import run_rl
 
         run_rl(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
     else:
-        from noria.train.run import train
+        from noria.launch.sft import run_sft
 
-        train(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
+        run_sft(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
     return 0
 
 
@@ -435,9 +435,9 @@ def line_buffered() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from noria.launch.env import multicast_off
+    from noria.process.env import multicast_off
 
-    multicast_off()  # before any process group; every child process inherits it (noria.launch.env)
+    multicast_off()  # before any process group; every child process inherits it (noria.process.env)
     line_buffered()
     try:
         return _dispatch(list(sys.argv[1:] if argv is None else argv))
@@ -472,7 +472,7 @@ def _dispatch(argv: list[str]) -> int:
         print(f"noria {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where the command turned it into one
-        from noria.launch.lifecycle import exit_code
+        from noria.process.lifecycle import exit_code
 
         print(f"noria {args.command}: stopped ({str(e) or 'interrupted (Ctrl-C)'})", file=sys.stderr, flush=True)
         return exit_code(e)

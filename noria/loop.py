@@ -6,7 +6,7 @@
 
 ``rl_loop(job)`` is the whole loop. ``Job`` (below) is every call it makes; a launcher builds the
 parts (engines, trainer ranks, weight sync, buffer, run folder) and implements these calls on them:
-``noria.launch.local.LocalJob`` on one machine. This module imports no launcher. Placement
+``noria.launch.job.LocalJob`` and the jobs that extend it. This module imports no launcher. Placement
 (colocated or disaggregated engine), the sync transport and the algorithm are configuration, read
 when the job is built; the loop does not branch on them. The training step itself is
 ``noria.train.rl_step.rl_step``, so every launcher runs the same step.

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from noria.types import Group, Status
+
 SINKS = ("jsonl", "tensorboard", "wandb")
 
 
@@ -204,6 +206,26 @@ def undocumented(names: Iterable[str]) -> list[str]:
 def mean(values: Iterable[float]) -> float:
     values = [float(v) for v in values]
     return sum(values) / len(values) if values else math.nan
+
+
+def group_metrics(groups: list[Group]) -> dict[str, float]:
+    """What the trained groups hold: rewards, lengths, statuses, weight versions."""
+    samples = [s for g in groups for s in g.samples]
+    rewards = [s.reward for s in samples if s.reward is not None]
+    lengths = [len(s.response_ids) for s in samples]
+    solved = [g for g in groups if any((s.reward or 0) > 0 for s in g.samples)]
+    uniform = [g for g in groups if len({s.reward for s in g.samples}) == 1]
+    mixed = [g for g in groups if len({v for s in g.samples for v, m in zip(s.weight_versions, s.loss_mask) if m}) > 1]
+    return {
+        "rollout/reward_mean": mean(rewards),
+        "rollout/response_len_mean": mean(lengths),
+        "rollout/trained_tokens": float(sum(lengths)),
+        "rollout/truncated_frac": mean([s.status is Status.TRUNCATED for s in samples]),
+        "rollout/aborted": float(sum(s.status is Status.ABORTED for s in samples)),
+        "rollout/groups_solved_frac": len(solved) / max(len(groups), 1),
+        "rollout/groups_zero_variance_frac": len(uniform) / max(len(groups), 1),
+        "rollout/groups_mixed_versions_frac": len(mixed) / max(len(groups), 1),
+    }
 
 
 # ---------------------------------------------------------------------------------------- sinks

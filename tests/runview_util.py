@@ -19,7 +19,7 @@ def tiny_run(tmp_path_factory, model: Path) -> Path:
     if (run / "final").is_dir():
         return run
     from noria.config import load_config
-    from noria.launch.local import run_rl
+    from noria.launch.rl import run_rl
 
     os.environ["WANDB_BASE_URL"] = "http://127.0.0.1:9"  # discard port: nothing listens
     os.environ["WANDB_MODE"] = "offline"

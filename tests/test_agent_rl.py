@@ -12,7 +12,7 @@ import pytest
 from conftest import build_tiny_llama, build_tokenizer
 
 from noria.config import load_config
-from noria.launch.local import run_rl
+from noria.launch.rl import run_rl
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from noria.config import ConfigError, load_config
-from noria.launch.local import LocalJob
+from noria.launch.job import LocalJob
 from noria.loop import rl_loop
 from noria.rollout.buffer import staleness_of
 from test_rl_loop import read_jsonl, rl_args

@@ -26,7 +26,7 @@ import pytest
 
 from noria.config import load_config
 from noria.eval.snapshot import MARKER
-from noria.launch.local import LocalJob
+from noria.launch.job import LocalJob
 from noria.loop import rl_loop
 from test_async_rl import async_args
 from test_rl_loop import read_jsonl

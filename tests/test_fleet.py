@@ -16,7 +16,8 @@ import torch
 
 from engine_server_util import ServeProcess
 from noria.config import load_config
-from noria.launch.local import LocalJob, job_class_for, run_rl
+from noria.launch.job import LocalJob
+from noria.launch.rl import job_class_for, run_rl
 from noria.launch.ranks import TrainerRank
 from noria.launch.scaled import ScaledJob
 from noria.loop import rl_loop

@@ -11,7 +11,7 @@ import pytest
 
 from moe_util import tiny_moe_folder
 from noria.config import load_config
-from noria.launch.local import run_rl
+from noria.launch.rl import run_rl
 from test_async_rl import async_args, run_spied
 from test_rl_loop import mean, read_jsonl, rewards, rl_args
 

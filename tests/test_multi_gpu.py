@@ -17,8 +17,9 @@ import torch
 from safetensors import safe_open
 
 from noria.config import ConfigError, load_config
-from noria.launch.env import MULTICAST_OFF
-from noria.launch.local import build_weight_sync, engine_device, start_server, stop_server
+from noria.process.env import MULTICAST_OFF
+from noria.engine.child import engine_device, start_engine_server
+from noria.launch.parts import build_weight_sync
 from test_rl_loop import rl_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,12 +90,12 @@ def test_noria_serve_child_gets_multicast_off_and_the_engine_device(tiny_model_d
     for key in MULTICAST_OFF:
         monkeypatch.delenv(key, raising=False)
     cfg = disaggregated(tiny_model_dir, **{"rollout.engine_device": "cpu", "model.device": "meta"})
-    process, url, _ = start_server(Path(tiny_model_dir), cfg, tmp_path)  # would fail on model.device meta
+    process, url, _ = start_engine_server(Path(tiny_model_dir), cfg, tmp_path)  # would fail on model.device meta
     try:
         environ = dict(e.split("=", 1) for e in Path(f"/proc/{process.pid}/environ").read_text().split("\0") if "=" in e)
         cmdline = Path(f"/proc/{process.pid}/cmdline").read_text().split("\0")
     finally:
-        stop_server(process)
+        process.stop()
     assert {k: environ.get(k) for k in MULTICAST_OFF} == MULTICAST_OFF
     assert cmdline[cmdline.index("--device") + 1] == "cpu"
     assert all(k not in os.environ for k in MULTICAST_OFF)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from noria.config import load_config
-from noria.launch.env import MULTICAST_OFF
-from noria.launch.local import LocalJob
+from noria.process.env import MULTICAST_OFF
+from noria.launch.job import LocalJob
 from noria.loop import rl_loop
 from test_async_rl import async_args
 from test_rl_loop import read_jsonl

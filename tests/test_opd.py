@@ -242,7 +242,7 @@ def test_distilled_student_approaches_its_teacher(tiny_model_dir, tmp_path):
     """Pure distillation (the reverse KL is the only signal; the digits reward is only measured): a
     random tiny student moves from its own score to near the SFT-trained teacher's; teacher
     scoring on a `noria serve` engine with the top-k variant runs too."""
-    from noria.launch.local import run_rl
+    from noria.launch.rl import run_rl
 
     teacher = sft_teacher(tiny_model_dir, tmp_path / "teacher")
     run_rl(load_config(None, run_args(teacher, **{"train.max_steps": 2, "train.optim.lr": 0})), run_dir=str(tmp_path / "t"), progress=False)

@@ -66,7 +66,7 @@ def ray_args(model, address, **extra):
 @pytest.mark.ray
 @inside_only
 def test_ray_run_on_two_nodes_matches_the_local_launcher(cluster, tiny_model_dir, tmp_path):
-    from noria.launch.local import run_rl
+    from noria.launch.rl import run_rl
     from noria.launch.ray import RayJob
 
     local = run_rl(load_config(None, fleet_args(tiny_model_dir)), str(tmp_path / "local"), None, False)

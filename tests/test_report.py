@@ -235,7 +235,7 @@ def test_a_resumed_run_is_marked(run, tmp_path):
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, tiny_model_dir) -> Path:
     from noria.config import load_config
-    from noria.train.run import train
+    from noria.launch.sft import run_sft as train
 
     folder = tmp_path_factory.mktemp("sft") / "run"
     config = load_config(Path(__file__).parents[1] / "examples/sft_tiny.yaml",

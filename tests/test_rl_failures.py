@@ -60,7 +60,7 @@ def test_run_engine_takes_weights_only_from_the_run(tiny_model_dir, tmp_path):
     import httpx
 
     from noria.config import load_config
-    from noria.launch.local import LocalJob
+    from noria.launch.job import LocalJob
     from noria.loop import rl_loop
     from noria.rollout import EngineFailure
 

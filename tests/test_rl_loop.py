@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from noria.config import ConfigError, load_config
 from noria.errors import NoriaError
-from noria.launch.local import LocalJob, run_rl
+from noria.launch.job import LocalJob
+from noria.launch.rl import run_rl
 from noria.rollout import EngineFailure
 
 TESTS = Path(__file__).parent

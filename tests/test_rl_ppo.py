@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from noria.config import load_config
-from noria.launch.local import critic_checkpoint, run_rl
+from noria.launch.parts import critic_checkpoint
+from noria.launch.rl import run_rl
 from noria.train import latest_checkpoint
 from test_rl_loop import mean, read_jsonl, rewards, rl_args
 

@@ -114,7 +114,7 @@ def test_the_graph_sees_function_level_imports():
     """The checks above would pass vacuously if the graph missed imports inside functions."""
     graph = import_graph()
     assert ("noria.rollout.generate", "noria.agent.plugins") in graph  # inside run_rollout
-    assert ("noria.launch.local", "noria.loop") in graph  # inside run_rl
+    assert ("noria.launch.rl", "noria.loop") in graph  # inside run_rl
     assert ("noria.cli", "noria.bench") in graph  # from noria.bench import add_parsers, in a function
 
 

@@ -21,7 +21,7 @@ import yaml
 from noria.cli import main
 from noria.config import load_config
 from noria.errors import NoriaError
-from noria.train.run import train
+from noria.launch.sft import run_sft as train
 
 CHATS = [
     [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"The answer is {a + b}."}]

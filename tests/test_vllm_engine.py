@@ -24,7 +24,7 @@ import torch
 
 from noria.config import load_config
 from noria.engine.vllm_server import start_vllm_server
-from noria.launch.local import LocalJob
+from noria.launch.job import LocalJob
 from noria.loop import rl_loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]

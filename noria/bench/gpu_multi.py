@@ -41,7 +41,7 @@ one-gpu    FSDP2 on 1 NCCL rank vs single        engine and trainer on cuda:0 in
 cpu        2 gloo ranks vs 1 process, tiny model engine and trainer processes on the CPU, gloo  nothing
 ========== ===================================== ============================================ =========
 
-Every process runs with NVLink multicast off (``noria.launch.env``); the FSDP ranks report the
+Every process runs with NVLink multicast off (``noria.process.env``); the FSDP ranks report the
 variables they saw (``multicast_off_env`` in the JSON).
 
 Not measured: more than 2 GPUs, several engines, FSDP2 trainer ranks in the RL job (the local
@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from noria.launch.env import multicast_off
+    from noria.process.env import multicast_off
 
     multicast_off()
     layout = LAYOUTS[args.layout]
@@ -318,7 +318,7 @@ def _fsdp_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     import torch.distributed as dist
 
     from noria.config import TrainConfig
-    from noria.launch.env import MULTICAST_OFF
+    from noria.process.env import MULTICAST_OFF
     from noria.train.fsdp import FSDPBackend, init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -372,7 +372,7 @@ def rl_part(args: argparse.Namespace, layout: Layout, work: Path) -> list[dict]:
     import yaml
 
     from noria.bench import print_table
-    from noria.launch.local import same_cuda_device
+    from noria.launch.parts import same_cuda_device
 
     name = args.rl_model or ("tiny" if layout.device == "cpu" else "qwen3-1.7b")
     folder = work / f"rl-{name}"

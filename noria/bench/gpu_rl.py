@@ -2,7 +2,7 @@
 
 What runs: ``examples/grpo_smollm2_arithmetic.yaml`` (GRPO advantages, ppo_clip, token mean, lr
 5e-6, grad clip 1.0, temperature 0.7, colocated built-in engine, synchronous) loaded by the same
-``load_config`` and run by the same ``noria.launch.local.run_rl`` that ``noria train`` calls, with
+``load_config`` and run by the same ``noria.launch.rl.run_rl`` that ``noria train`` calls, with
 these changes only (each is a config override, listed in the JSON row's ``overrides``):
 
 - ``model.path``: a random-init model written by this bench (see below); ``model.device`` and
@@ -256,7 +256,7 @@ def _pairs(items) -> list[str]:
 def run_job(overrides: list[str], run_dir: Path) -> tuple[list[dict[str, Any]], float]:
     """``noria train EXAMPLE OVERRIDES --run-dir RUN_DIR``, in this process; its metrics rows and wall seconds."""
     from noria.config import load_config
-    from noria.launch.local import run_rl
+    from noria.launch.rl import run_rl
 
     config = load_config(EXAMPLE, overrides)
     start = time.perf_counter()

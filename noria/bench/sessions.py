@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from noria.engine.protocol import GenerateOutput, GenerateRequest, SamplingParams
+from noria.process import Child
 
 SYSTEM = (
     "You are a careful assistant working in a multi-step session. Tools are available to you: a calculator "
@@ -59,19 +58,17 @@ class KeylessClient:
         return await self.client.generate(replace(req, routing_key=None))
 
 
-def start_engine(model: str, log_dir: Path, name: str) -> tuple[subprocess.Popen, str]:
-    from noria.launch.local import wait_healthy
+def start_engine(model: str, log_dir: Path, name: str) -> tuple[Child, str]:
     from noria.net import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "noria", "serve", "--model", model, "--port", str(port), "--engine-id", name]
     cmd += ["--engine.kv_cache_tokens", "65536"]
-    log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, log_dir / f"{name}.log", timeout_s=300)
-    return proc, url
+    child = Child.start(cmd, name=f"engine {name} at {url}", log_path=log_dir / f"{name}.log", env=env)
+    child.wait_http(f"{url}/health", timeout_s=300)
+    return child, url
 
 
 async def run_case(engine: Any, tokenizer: Any, sessions: int, turns: int, new_tokens: int) -> dict[str, float]:
@@ -150,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = str(model_path(args.model))
     tokenizer = load_tokenizer(folder)
     logs = Path(tempfile.mkdtemp(prefix="noria-bench-sessions-"))
-    engines: list[tuple[subprocess.Popen, str]] = []
+    engines: list[tuple[Child, str]] = []
     figures = {}
     try:
         for i in range(2):
@@ -166,13 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                 work = [a - b for a, b in zip(generated_tokens(urls), before)]
                 figures[case]["busiest_engine_share"] = max(work) / max(sum(work), 1.0)
     finally:
-        for proc, _ in engines:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for child, _ in engines:
+            child.stop()
     name = f"{args.model} engines=2 sessions={args.sessions} turns={args.turns} new={args.new_tokens}"
     results = [
         {"case": name, "metric": metric, "noria": figures["noria"][metric], "peers": {"load_routing": figures["load_routing"][metric]}}

@@ -62,7 +62,7 @@ class BufferConfig:
 @dataclass
 class RolloutConfig:
     """Sampling of training trajectories. Owner: ``noria.rollout`` (``RolloutContext`` and the
-    scheduler); its placement fields are read by the launcher (``noria.launch.local``)."""
+    scheduler); its placement fields are read by the RL job (``noria.launch.job``)."""
 
     n_samples: int = option(8, "Samples per prompt (the group size).")
     max_new_tokens: int = option(256, "Maximum generated tokens per sample.")

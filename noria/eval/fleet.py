@@ -31,12 +31,12 @@ from __future__ import annotations
 import asyncio
 import secrets
 import statistics
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from noria.eval.modes import EvalHost, Outcome, VersionMismatch, generate_on
+from noria.process import Child
 from noria.types import Sample
 
 
@@ -45,7 +45,7 @@ class EvalEngine:
     """One evaluation engine: its process (None when not started by this run), client and weight target."""
 
     name: str
-    process: subprocess.Popen | None
+    process: Child | None
     client: Any
     target: Any
 
@@ -62,7 +62,7 @@ class FleetEval:
     def start(cls, job: EvalHost) -> FleetEval:
         """Start ``eval.engines`` engines of the base model (from the main thread: they die with it)."""
         from noria.console import phase
-        from noria.launch.local import engine_device, start_server, stop_server
+        from noria.engine.child import engine_device, start_engine_server
         from noria.models.catalog import model_path
 
         cfg = job.config
@@ -72,11 +72,11 @@ class FleetEval:
         try:
             with phase(f"starting {cfg.eval.engines} evaluation engine(s) on {device}"):
                 for i in range(cfg.eval.engines):
-                    process, url, _ = start_server(path, cfg, job.folder, device, f"eval-engine-{i}.log", api_key=key)
-                    engines.append(connect(f"eval engine {i} ({url})", url, key, process, cfg.rollout.engine_timeout_s))
+                    child, url, _ = start_engine_server(path, cfg, job.folder, device, f"eval-engine-{i}.log", api_key=key)
+                    engines.append(connect(f"eval engine {i} ({url})", url, key, child, cfg.rollout.engine_timeout_s))
         except BaseException:
             for e in engines:
-                stop_server(e.process)
+                e.process.stop()
             raise
         return cls(job, engines)
 
@@ -107,15 +107,13 @@ class FleetEval:
         return [s for r in results for s in r]
 
     def close(self) -> None:
-        from noria.launch.local import stop_server
-
         for e in self.engines:
             e.target.close()
             if e.process is not None:
-                stop_server(e.process, timeout_s=10.0)
+                e.process.stop(timeout_s=10.0)
 
 
-def connect(name: str, url: str, key: str | None, process: subprocess.Popen | None, timeout_s: float) -> EvalEngine:
+def connect(name: str, url: str, key: str | None, process: Child | None, timeout_s: float) -> EvalEngine:
     from noria.rollout import HttpEngineClient
     from noria.sync.targets import HttpEngine
 

@@ -43,25 +43,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from noria.config import RewardConfig, RunConfig
 from noria.errors import NoriaError
-from noria.types import Sample, Status
+from noria.metrics import RunLog
+from noria.rollout.client import EngineClient
+from noria.train.backend import TrainBackend
+from noria.types import Prompt, Sample, Status
 
 
 class EvalHost(Protocol):
-    """What the evaluator reads from the RL job (``noria.launch.local.LocalJob``)."""
+    """What the evaluator needs of the RL job. Defined here, in the lower layer, and implemented by
+    the job (``noria.launch.job.LocalJob``), so that evaluation imports no launcher."""
 
-    config: Any
+    config: RunConfig
+    """The run's config: ``eval`` (when, where, how), ``rollout`` (sampling), ``model`` (the fleet's engines)."""
     folder: Path
+    """The run folder: snapshots and fleet logs go under it."""
     step: int
+    """Rollout steps completed: the step whose weights an evaluation measures."""
     total_steps: int
     weight_version: int
-    log: Any
-    backend: Any
-    client: Any
+    """The version the engines serve after ``step``."""
+    log: RunLog
+    """Where eval.jsonl rows go (``write_eval``)."""
+    backend: TrainBackend
+    """The trainer: a snapshot is its ``export_hf`` (fleet and checkpoint modes)."""
+    client: EngineClient
+    """The rollout engines (shared mode generates on them)."""
     tokenizer: Any
-    test_prompts: list[Any]
-    reward: Any
-    scheduler: Any
+    """The policy's tokenizer (a transformers tokenizer; None for an image model)."""
+    test_prompts: list[tuple[Prompt, list[int]]]
+    """The held-out prompts and their rendered token ids."""
+    reward: RewardConfig
+    """The run's reward (its ``name`` resolved), which scores the answers."""
+
+    def hold_rollout(self, held: bool) -> None:
+        """While held, the rollout starts no new group (shared mode evaluates on the same engines)."""
+        ...
 
 
 class VersionMismatch(NoriaError):
@@ -131,9 +149,7 @@ class Evaluations:
         from noria.rollout import EngineFailure
 
         start = time.perf_counter()
-        scheduler = self.job.scheduler  # None before the rollout starts (the step-0 evaluation)
-        if scheduler is not None:
-            scheduler.hold(True)  # generation paused: no rollout group starts while the engines evaluate
+        self.job.hold_rollout(True)  # no rollout group starts while the engines evaluate
         try:
             with phase(f"eval at step {step} on {len(self.job.test_prompts)} held-out prompts", end_line=False):
                 samples = await generate_on(self.job, self.job.client, self.job.test_prompts, 0)
@@ -143,8 +159,7 @@ class Evaluations:
             self.skip(step, version, start, f"{type(e).__name__}: {e}")
             return
         finally:
-            if scheduler is not None:
-                scheduler.hold(False)
+            self.job.hold_rollout(False)
         self.record(step, version, start, start, Outcome(samples, {"loop_wait_s": time.perf_counter() - start}))
 
     async def start(self, step: int, version: int) -> None:
@@ -240,7 +255,6 @@ class Evaluations:
 
 async def generate_on(job: EvalHost, client: Any, prompts: list[Any], first_group_id: int) -> list[Sample]:
     """The held-out answers of ``prompts`` from ``client``'s engine, scored with the run's reward."""
-    from noria.launch.local import eval_sampling
     from noria.rollout import RolloutContext
     from noria.rollout.generate import run_rollout
 
@@ -248,3 +262,11 @@ async def generate_on(job: EvalHost, client: Any, prompts: list[Any], first_grou
     ctx = RolloutContext(client, job.tokenizer, eval_sampling(job.config), seed=e.seed, greedy=e.temperature == 0)
     result = await run_rollout(ctx, prompts, first_group_id, e.n_samples, job.reward)
     return [s for g in result.groups for s in g.samples]
+
+
+def eval_sampling(config: Any) -> Any:
+    """The rollout section with the evaluation's sampling (``eval.max_new_tokens``, temperature, top_p)."""
+    import dataclasses
+
+    e = config.eval
+    return dataclasses.replace(config.rollout, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=-1, min_p=0.0)

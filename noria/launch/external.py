@@ -24,10 +24,10 @@ CPU: it compiles the model). Not guaranteed: vLLM's own memory planning (its KV 
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from noria.process import Child
 from noria.rollout.capabilities import EngineCapabilities, check_capabilities, negotiate
 
 
@@ -52,7 +52,7 @@ def check_engine(config: Any, url: str, api_key: str | None) -> EngineCapabiliti
     return caps
 
 
-def start_vllm_engine(path: Path, config: Any, folder: Path) -> tuple[subprocess.Popen | None, Any, Any]:
+def start_vllm_engine(path: Path, config: Any, folder: Path) -> tuple[Child | None, Any, Any]:
     """(process or None, client, sync target) of ``rollout.engine: vllm``, capabilities checked."""
     from noria.rollout.vllm_client import VllmEngineClient
     from noria.sync.vllm import VllmEngine
@@ -67,15 +67,13 @@ def start_vllm_engine(path: Path, config: Any, folder: Path) -> tuple[subprocess
         target.set_version(0)  # Noria's versions from here on ("default" until now)
     except BaseException:
         if process is not None:
-            from noria.engine.vllm_server import stop_vllm_server
-
-            stop_vllm_server(process)
+            process.stop()  # its whole process group (vLLM's engine core too)
         raise
     client = VllmEngineClient(url, api_key=key, timeout_s=r.engine_timeout_s, process=process, version=0)
     return process, client, target
 
 
-def launch_vllm(path: Path, config: Any, folder: Path) -> tuple[subprocess.Popen, str, str, bool]:
+def launch_vllm(path: Path, config: Any, folder: Path) -> tuple[Child, str, str, bool]:
     """A vLLM OpenAI server of ``path`` on a free loopback port behind a per-run key (its ``/v1``
     routes; vLLM leaves its dev routes open), logging to ``folder/engine.log``: (process, url, key,
     whether it runs an untied copy of a tied model)."""
@@ -83,7 +81,7 @@ def launch_vllm(path: Path, config: Any, folder: Path) -> tuple[subprocess.Popen
 
     from noria.engine.vllm_server import start_vllm_server
     from noria.hardware import resolve_dtype
-    from noria.launch.local import context_limit
+    from noria.launch.parts import context_limit
 
     folder.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(config.model.dtype, "cpu")

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from noria.process import Child
 from noria.rollout import EngineFailure, HttpEngineClient
 from noria.rollout.scheduler import EngineLost
 
@@ -106,7 +107,7 @@ class EngineFleet:
         self.counters = FleetCounters()
         self.spawner = ThreadPoolExecutor(1, thread_name_prefix="noria-fleet-spawn")
         """Restarts start engines from this one thread, which lives as long as the fleet: a child dies with
-        the thread that started it (``noria.launch.lifecycle``), and the job's worker threads come and go."""
+        the thread that started it (``noria.process.lifecycle``), and the job's worker threads come and go."""
         self.dead_urls: set[str] = set()
         """URLs of engines found dead (a request the router sent there before it dropped them fails naming one)."""
         self._ready: asyncio.Event | None = None
@@ -114,7 +115,7 @@ class EngineFleet:
 
     def start(self) -> EngineFleet:
         """Start every engine, then the router in front of them. One after the other, from this
-        thread: a child dies with the thread that started it (``noria.launch.lifecycle``), so none
+        thread: a child dies with the thread that started it (``noria.process.lifecycle``), so none
         is started from a short-lived pool thread."""
         procs = [self.start_engine(i) for i in range(self.n)]
         self.slots = [Slot(i, p, self.client_for(p)) for i, p in enumerate(procs)]
@@ -324,22 +325,20 @@ class FleetClient:
 
 
 class LocalEngineProc:
-    """A ``noria serve`` child process of this job (``noria.launch.local.start_server``)."""
+    """A ``noria serve`` child process of this job (``noria.engine.child.start_engine_server``)."""
 
-    def __init__(self, process: Any, url: str) -> None:
+    def __init__(self, process: Child, url: str) -> None:
         self.process, self.url = process, url
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.process.alive()
 
     def exit_note(self) -> str:
         code = self.process.poll()
         return f"process {self.process.pid} exited with code {code}" if code is not None else f"process {self.process.pid} not answering"
 
     def stop(self) -> None:
-        from noria.launch.local import stop_server
-
-        stop_server(self.process, timeout_s=10.0)
+        self.process.stop(timeout_s=10.0)
 
 
 def shared_machine_config(config: Any) -> Any:
@@ -360,10 +359,10 @@ def shared_machine_threads(config: Any) -> int | None:
     among them (at least 1), since they generate at the same time; N engines with all cores each
     oversubscribe them (OpenMP threads spinning against each other: two engines on 2 cores gave fewer
     tokens/s than one, and four committing a push at once took 4x as long). None (as this process)
-    for one engine or a CUDA one; ``OMP_NUM_THREADS`` set here wins (``start_server``)."""
+    for one engine or a CUDA one; ``OMP_NUM_THREADS`` set here wins (``start_engine_server``)."""
     import os
 
-    from noria.launch.local import engine_device
+    from noria.engine.child import engine_device
 
     if config.rollout.engines <= 1 or not engine_device(config).startswith("cpu"):
         return None
@@ -373,14 +372,14 @@ def shared_machine_threads(config: Any) -> int | None:
 def start_local_engine(config: Any, folder: Path, api_key: str) -> Callable[[int], LocalEngineProc]:
     """``start(index)`` for a fleet of local ``noria serve`` children (logs: engine-<index>.log),
     sharing the machine's memory (``shared_machine_config``) and cores (``shared_machine_threads``)."""
-    from noria.launch.local import start_server
+    from noria.engine.child import start_engine_server
     from noria.models.catalog import model_path
 
     engine_config, threads = shared_machine_config(config), shared_machine_threads(config)
 
     def start(index: int) -> LocalEngineProc:
-        process, url, _ = start_server(model_path(config.model.path), engine_config, folder, api_key=api_key,
-                                       log_name=f"engine-{index}.log", threads=threads)  # fmt: skip
+        process, url, _ = start_engine_server(model_path(config.model.path), engine_config, folder, api_key=api_key,
+                                              log_name=f"engine-{index}.log", threads=threads)  # fmt: skip
         return LocalEngineProc(process, url)
 
     return start

@@ -63,7 +63,7 @@ class TrainerRank:
         """Join the group (W > 1), load the model, build the optimizer; returns this rank's node address."""
         import dataclasses
 
-        from noria.launch.local import backend_options
+        from noria.launch.parts import backend_options
         from noria.models.catalog import model_path
         from noria.net import node_address
         from noria.train import build_backend
@@ -222,7 +222,7 @@ class InProcessRanks:
 def rank_main(rank: int, connection: Any, config: RunConfig, world: int, folder: str) -> None:
     """A local rank process (run by ``rank_process``): run each ``(method, args)`` from the pipe,
     answer ``(ok, result)``, until ``close`` or the job is gone."""
-    from noria.launch.env import multicast_off
+    from noria.process.env import multicast_off
     from noria.train.fsdp import shutdown_distributed
 
     multicast_off()
@@ -245,18 +245,15 @@ class ProcessRanks:
     """``train.world_size`` local rank processes (spawned), each driven through a pipe."""
 
     def __init__(self, config: RunConfig, folder: Path, poll_s: float = 0.5) -> None:
-        import multiprocessing as mp
-
+        from noria.process import spawn_context, start_process
         from noria.train.fsdp import rank_process
 
-        context = mp.get_context("spawn")
         self.poll_s = poll_s
         self.pipes, self.processes = [], []
         world = config.train.world_size
         for rank in range(world):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=rank_process, args=(rank, rank_main, theirs, config, world, str(folder)), daemon=True, name=f"noria-rank-{rank}")
-            process.start()
+            ours, theirs = spawn_context().Pipe()
+            process = start_process(rank_process, (rank, rank_main, theirs, config, world, str(folder)), name=f"noria-rank-{rank}")
             theirs.close()
             self.pipes.append(ours)
             self.processes.append(process)

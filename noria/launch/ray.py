@@ -72,7 +72,7 @@ class EngineActorImpl:
 
         import ray
 
-        from noria.launch.local import start_server
+        from noria.engine.child import start_engine_server
         from noria.models.catalog import model_path
 
         host = ray.util.get_node_ip_address()
@@ -80,7 +80,7 @@ class EngineActorImpl:
         if ray.get_gpu_ids():  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
             device = "cuda:0"
         os.environ["NORIA_NODE_ADDRESS"] = host
-        self.process, url, _ = start_server(
+        self.process, url, _ = start_engine_server(
             model_path(self.config.model.path), self.config, self.folder, device=device,
             log_name=f"engine-{self.index}.log", api_key=self.api_key, host=host,
         )  # fmt: skip
@@ -90,10 +90,8 @@ class EngineActorImpl:
         return self.process.poll() if self.process is not None else None
 
     def stop(self) -> None:
-        from noria.launch.local import stop_server
-
         if self.process is not None:
-            stop_server(self.process, timeout_s=10.0)
+            self.process.stop(timeout_s=10.0)
 
 
 class RayEngineProc:
@@ -249,7 +247,7 @@ class TrainerRankActorImpl(TrainerRank):
 
         import ray
 
-        from noria.launch.env import multicast_off
+        from noria.process.env import multicast_off
 
         multicast_off()
         os.environ["NORIA_NODE_ADDRESS"] = ray.util.get_node_ip_address()

@@ -29,13 +29,11 @@ import asyncio
 import secrets
 from typing import Any
 
-from noria.config import RunConfig, ensure_valid, save_config
+from noria.config import RunConfig, ensure_valid
 from noria.errors import NoriaError
-from noria.eval.modes import Evaluations
 from noria.launch.fleet import EngineFleet, FleetClient, start_local_engine
-from noria.launch.local import LocalJob
+from noria.launch.job import LocalJob
 from noria.launch.ranks import InProcessRanks, ProcessRanks, RankBackend, TrainerRank
-from noria.metrics import RunLog
 from noria.types import Group
 
 
@@ -56,24 +54,23 @@ class ScaledJob(LocalJob):
             raise NoriaError("an engine fleet, several trainer ranks or launch: ray need rollout.placement: disaggregated, no "
                              "engine_url and rollout.engine: noria (their engines are `noria serve`)")
 
-    def start_parts(self, resume: bool) -> None:
-        cfg = self.config
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.evals = Evaluations.build(self)  # eval.mode fleet: its engines; checkpoint: its backend
+    def build_engine(self) -> tuple[Any, Any]:
+        """The fleet (its engines and router started) and its client; no one sync target: rank 0 of
+        the trainer pushes to every engine (``push``)."""
+        r = self.config.rollout
         self.api_key = secrets.token_urlsafe(32)
-        r = cfg.rollout
         self.fleet = EngineFleet(self.engine_starter(), r.engines, self.api_key, r.engine_restarts, r.engine_timeout_s, self.folder)
         self.fleet.start()
-        self.client = FleetClient(self.fleet)
-        self.start_teacher()
-        self.ranks = self.start_ranks(self.total_steps * cfg.train.steps_per_rollout)
-        self.backend = RankBackend(self.ranks)
-        self.critic = None
-        if resume:
-            self.restore()
-        cfg.run_dir = str(self.folder)
-        save_config(cfg, self.folder / "config.yaml")
-        self.log = RunLog(self.folder, self.total_steps, self.step, self.progress, config=cfg)
+        return FleetClient(self.fleet), None
+
+    def build_trainer(self) -> tuple[Any, Any]:
+        """The trainer ranks (set up) behind one backend facade; no critic (refused above with several ranks)."""
+        self.ranks = self.start_ranks(self.total_steps * self.config.train.steps_per_rollout)
+        return RankBackend(self.ranks), None
+
+    def build_sync(self, target: Any) -> Any:
+        """None: the ranks hold the syncs (``push_to_fleet``)."""
+        return None
 
     def engine_starter(self) -> Any:
         """``start(index) -> EngineProc`` of this launcher: a local ``noria serve`` child."""

@@ -27,13 +27,9 @@ from typing import Any, Protocol
 import httpx
 
 from noria.engine.protocol import GenerateOutput, GenerateRequest, decode_routes
-from noria.errors import NoriaError
+from noria.errors import EngineFailure, NoriaError
 from noria.rollout.capabilities import parse_version
 from noria.router.client import RoutedClient
-
-
-class EngineFailure(NoriaError):
-    """An engine died, stopped answering, or took longer than allowed; the message names it."""
 
 
 class EngineClient(Protocol):

@@ -227,3 +227,20 @@ def check_groups(groups: Sequence[Group], first_group_id: int, n_prompts: int) -
                     f"rollout function: group {g.group_id} sample {s.index} has {n} response ids but "
                     f"{len(s.loss_mask)} mask / {len(s.rollout_logprobs)} logprob / {len(s.weight_versions)} version entries"
                 )
+
+
+def granularity(rollout: Any) -> str:
+    """``rollout.granularity`` resolved: auto is sample-level under asynchronous RL, group-level otherwise."""
+    if rollout.granularity != "auto":
+        return rollout.granularity
+    return "sample" if rollout.max_staleness > 0 else "group"
+
+
+def rollout_plugin(rollout: Any) -> dict[str, Any]:
+    """How the scheduler produces a group: per trajectory with a generate function (the default, or
+    ``rollout.generate_fn``), or a whole group at a time through a rollout or agent function."""
+    if getattr(rollout, "rollout_fn", "") or getattr(rollout, "agent_fn", ""):
+        return {"rollout_group": run_rollout}
+    if getattr(rollout, "generate_fn", ""):
+        return {"generate": load_plugin(rollout.generate_fn, "rollout.generate_fn")}
+    return {"generate": generate_one}

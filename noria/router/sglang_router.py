@@ -17,7 +17,8 @@ and asks it of its own clients too; the key travels in the router's environment
 
 Each router gets its own Prometheus port (the router binds one, default 29000, and a second
 router on the same port would fail). ``stop()`` sends SIGTERM and waits; the process renames itself
-``sglang::router``, so find it by the ``Popen`` handle, not by name.
+``sglang::router``, so find it by its ``noria.process.Child`` handle, not by name; it dies with the
+process that started it.
 
 Not guaranteed: the router counts load itself (requests it has in flight per worker); requests
 sent to a worker directly are invisible to it.
@@ -25,18 +26,18 @@ sent to a worker directly are invisible to it.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 
 from noria.errors import NoriaError
 from noria.net import free_port
+from noria.process import Child
 
 
 ROUTER_WITH_KEY = (
@@ -76,8 +77,7 @@ class SglangRouter:
         self.log_path = Path(log_path) if log_path else None
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.process: subprocess.Popen | None = None
-        self._log: IO[Any] | None = None
+        self.process: Child | None = None
 
     @property
     def url(self) -> str:
@@ -103,11 +103,11 @@ class SglangRouter:
             import sglang_router  # noqa: F401 -- only to fail early with the install command
         except ImportError as e:
             raise RouterError("sglang-router is not installed: pip install sglang-router==0.3.2") from e
-        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # never reach for a hub for a tokenizer
+        env = {"HF_HUB_OFFLINE": "1"}  # never reach for a hub for a tokenizer
         if self.api_key:
             env["NORIA_ROUTER_KEY"] = self.api_key
-        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        stdout = None if self.log_path else subprocess.DEVNULL
+        self.process = Child.start(self.command(), name=f"sglang-router at {self.url}", log_path=self.log_path, env=env, stdout=stdout)
         self.wait_ready(timeout_s)
         return self
 
@@ -154,16 +154,8 @@ class SglangRouter:
                     raise RouterError(f"sglang-router did not remove worker {url}: {response.status_code} {response.text[:300]}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self._log not in (None, subprocess.DEVNULL):
-            self._log.close()
-        self._log = None
+        if self.process is not None:
+            self.process.stop(timeout_s)
 
     def __enter__(self) -> SglangRouter:
         return self.start()

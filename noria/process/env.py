@@ -2,8 +2,8 @@
 
 ``noria`` sets these at its entry (``noria.cli.main``), before torch.distributed makes any group,
 with ``setdefault`` (a value the user exported wins), so every process it starts inherits them:
-trainer ranks (``torch.multiprocessing.spawn``), ``noria serve`` children (``noria.launch.local``
-passes :func:`child_env` explicitly, for jobs built outside the CLI too), benchmark workers.
+trainer ranks, ``noria serve`` children, benchmark workers. Every child started through
+``noria.process.child`` also gets :func:`child_env` explicitly, for jobs built outside the CLI too.
 
 Why off: NVLink SHARP / multicast (NCCL's NVLS algorithms, torch symmetric memory, NVSHMEM) needs
 fabric-manager and IMEX support that shared or partitioned GPU hosts often lack; where it is missing,

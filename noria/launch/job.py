@@ -1,5 +1,13 @@
-"""The local launcher: builds an RL job on one machine (``LocalJob``, a ``noria.loop.Job``) and runs
-``noria.loop.rl_loop`` on it.
+"""The base RL job: ``LocalJob``, a ``noria.loop.Job`` on one machine (one trainer process, one
+engine), and the named hooks through which every other job kind extends it.
+
+Hooks, called by ``start_parts`` in this order; a job kind overrides the ones it changes and copies
+none of the rest: ``build_evals`` (the evaluator of ``eval.mode``), ``build_engine`` (the client
+rollout uses and the weight-sync target), ``build_teacher`` (on-policy distillation's teacher
+engines), ``build_trainer`` (backend and critic), ``build_sync``. Then ``restore`` (resuming) and
+``open_log``. Extended by ``noria.launch.scaled.ScaledJob`` (an engine fleet and trainer ranks),
+``noria.launch.ray.RayJob`` (the same as Ray actors) and ``noria.diffusion.job.DiffusionJob`` (an
+image model); ``noria.launch.run.run_rl`` picks the class.
 
 What it owns: turning a ``RunConfig`` into running parts, and the parts' per-step bookkeeping:
 
@@ -24,10 +32,10 @@ The ``broadcast`` transport's group (``sync.broadcast_backend: auto``) is NCCL w
 on a GPU and the engine on another one, gloo otherwise (both on one GPU: NCCL refuses two ranks
 on one device, so the CUDA weights go through host memory).
 
-Child processes get this process's environment with NVLink multicast off (``noria.launch.env``).
-The ``noria serve`` child is started with a per-run API key (in its environment, never on its
-command line) that every request and weight push carries, and dies with this process
-(``noria.launch.lifecycle``); a group generated with a weight version this run never pushed stops
+Child processes (``noria.process.Child``, through ``noria.engine.child``) get this process's
+environment with NVLink multicast off; the ``noria serve`` child is started with a per-run API key
+(in its environment, never on its command line) that every request and weight push carries, and
+dies with this process; a group generated with a weight version this run never pushed stops
 the run (``check_served_versions``). A run that can train nothing stops with an error naming why
 (``rollout.buffer.max_consecutive_drops``, ``DropStreak``).
 
@@ -40,9 +48,7 @@ groups, the step, the group counter, the count of trained groups and the weight 
 the base model, receives the checkpoint's weights under that version before the first rollout, and
 metrics lines after the checkpoint are dropped so the resumed run repeats exactly the same steps.
 
-Several engines (``rollout.engines``) or trainer processes (``train.world_size``) run on
-``noria.launch.scaled.ScaledJob``, and ``launch: ray`` on ``noria.launch.ray.RayJob``: both are this
-job with other parts (``run_rl`` picks the class). Not guaranteed: a colocated engine shares this process's CPU threads with the
+Not guaranteed: a colocated engine shares this process's CPU threads with the
 trainer (they never run at the same time in synchronous RL).
 """
 
@@ -50,70 +56,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import secrets
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from noria.config import RunConfig, ensure_valid, save_config
+from noria.config import RunConfig, save_config
 from noria.console import phase
+from noria.engine.child import engine_device
 from noria.errors import NoriaError
-from noria.launch.env import child_env
-from noria.launch.lifecycle import die_with_parent, signals_cancel_task
-from noria.metrics import RunLog, mean
-from noria.rollout import EngineFailure, HttpEngineClient, LocalEngineClient, RolloutContext
+from noria.eval.modes import Evaluations
+from noria.launch.parts import (
+    backend_options,
+    build_weight_sync,
+    check_served_versions,
+    check_supported,
+    check_teacher_tokenizer,
+    context_limit,
+    critic_checkpoint,
+)
+from noria.metrics import RunLog, group_metrics
+from noria.process import Child, signals_cancel_task
+from noria.rollout import HttpEngineClient, LocalEngineClient, RolloutContext
 from noria.rollout.buffer import DropStreak, build_buffer, prompt_to_dict, resolve_filters
-from noria.rollout.generate import generate_one, run_rollout  # run_rollout: the plug-in layers (noria.agent)
+from noria.rollout.generate import granularity, rollout_plugin
 from noria.rollout.scheduler import RolloutScheduler
 from noria.train.rl_step import on_device, rl_step
-from noria.types import Group, Prompt, Status
-
-SERVE_READY_TIMEOUT_S = 600.0
-
-
-def run_rl(
-    config: RunConfig, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None,
-    job_class: type[LocalJob] | None = None,
-) -> Path:
-    """``noria train`` for ``train.algorithm: rl``: build the job, run the loop, clean up.
-    ``job_class``: a ``LocalJob`` of another model family (``noria.diffusion.job.DiffusionJob``)."""
-    from noria.loop import rl_loop
-    from noria.run_folder import discard_unstarted, resolve_run_dir
-
-    folder = resolve_run_dir(config, run_dir, resume)  # once: the default name holds the time
-    with discard_unstarted(folder, resume is not None):  # a run that fails before step 1 leaves no folder
-        job = (job_class or job_class_for(config)).build(config, None if resume else str(folder), resume, progress)
-        try:
-            asyncio.run(job.run(rl_loop))
-        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (noria.launch.lifecycle): say where the run stands
-            why = str(e) or "interrupted (Ctrl-C)"
-            print(f"noria train: {why} after step {job.step}; {job.resume_hint()}", file=sys.stderr, flush=True)
-            raise
-        finally:
-            job.close()
-    return job.folder
-
-
-def job_class_for(config: RunConfig) -> type[LocalJob]:
-    """The job a config asks for: ``launch: ray`` (``noria.launch.ray.RayJob``), an engine fleet or
-    several trainer ranks on this machine (``noria.launch.scaled.ScaledJob``), else ``LocalJob``."""
-    if config.launch == "ray":
-        from noria.launch.ray import RayJob
-
-        return RayJob
-    if config.rollout.engines > 1 or config.train.world_size > 1:
-        from noria.launch.scaled import ScaledJob
-
-        return ScaledJob
-    return LocalJob
+from noria.types import Group, Prompt
 
 
 class LocalJob:
@@ -137,6 +107,7 @@ class LocalJob:
 
     @staticmethod
     def check_supported(config: RunConfig) -> None:
+        """What this job kind cannot run (``NoriaError``), before anything is read or started."""
         check_supported(config)
 
     def __init__(self, config: RunConfig, folder: Path, progress: bool | None) -> None:
@@ -159,17 +130,18 @@ class LocalJob:
         )  # fmt: skip
         self.drops = DropStreak(r.buffer.max_consecutive_drops)
         self.scheduler: RolloutScheduler | None = None
-        self.engine_process: subprocess.Popen | None = None
+        self.children: list[Child] = []
+        """Processes this job started (its engine server, a teacher's): stopped by ``close``."""
+        self.engine_process: Child | None = None
+        """The rollout engine's process, when this job started one (``noria serve`` or vLLM)."""
         self.local_engine: Any = None
         self.client: Any = None
         self.backend: Any = None
+        self.critic: Any = None
         self.sync: Any = None
         self.log: RunLog | None = None
         self.teacher: Any = None
         """On-policy distillation with teacher engines (``noria.distill.teacher.EngineTeacher``), or None."""
-        self.teacher_process: subprocess.Popen | None = None
-        from noria.eval.modes import Evaluations
-
         self.evals = Evaluations(self)
         """The evaluator (``noria.eval.modes.Evaluations``): shared mode until ``start_parts`` builds the configured one."""
         self.timer: dict[str, float] = {}
@@ -209,33 +181,63 @@ class LocalJob:
             )
 
     def start_parts(self, resume: bool) -> None:
+        """Build every part through the hooks below, in this order (a job kind overrides the hooks it
+        changes and copies none of this), restore the checkpoint when resuming, open the run's log."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.evals = self.build_evals()  # eval.mode fleet: its engines; checkpoint: its backend
+        self.client, target = self.build_engine()
+        self.teacher = self.build_teacher()
+        self.backend, self.critic = self.build_trainer()
+        self.sync = self.build_sync(target)
+        if resume:
+            self.restore()
+        self.open_log()
+
+    # ------------------------------------------------------------------------------------ hooks
+
+    def build_evals(self) -> Evaluations:
+        """The evaluator of ``eval.mode`` (hook)."""
+        return Evaluations.build(self)
+
+    def build_engine(self) -> tuple[Any, Any]:
+        """Hook: (the engine client rollout uses, the target weight sync pushes to). Here: the built-in
+        engine in this process (colocated), a ``noria serve`` child, vLLM, or the server at ``rollout.engine_url``."""
+        from noria.models.catalog import model_path
+
+        cfg = self.config
+        path = model_path(cfg.model.path)
+        with phase(f"starting the rollout engine ({cfg.rollout.placement}) with {path} ({cfg.model.dtype}, {cfg.model.device})"):
+            return self.start_engine(path)
+
+    def build_trainer(self) -> tuple[Any, Any]:
+        """Hook: (the trainer backend, the PPO critic or None), loaded from ``model.path``."""
         from noria.models.catalog import model_path
         from noria.models.hf import disable_dropout
         from noria.train import build_backend
 
-        from noria.eval.modes import Evaluations
-
         cfg = self.config
         path = model_path(cfg.model.path)
-        self.evals = Evaluations.build(self)  # eval.mode fleet: its engines; checkpoint: its backend
-        with phase(f"starting the rollout engine ({cfg.rollout.placement}) with {path} ({cfg.model.dtype}, {cfg.model.device})"):
-            self.client, target = self.start_engine(path)
-        self.start_teacher()
+        steps = self.total_steps * cfg.train.steps_per_rollout
         with phase(f"loading the trainer's copy of the model ({cfg.train.param_dtype}, {cfg.train.device})"):
-            self.backend = build_backend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
-            self.backend.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
-            disable_dropout(self.backend.lm)  # transformers' models (GPT-2...): train what the engine sampled from
-        self.critic = None
+            backend = build_backend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
+            backend.init(path, total_steps=steps)
+            disable_dropout(backend.lm)  # transformers' models (GPT-2...): train what the engine sampled from
+        critic = None
         if cfg.train.loss.advantage == "gae":  # PPO: a value model gives per-token advantages
             from noria.train.critic import CriticBackend
 
-            self.critic = CriticBackend(cfg.train, seed=cfg.seed)
-            self.critic.init(path, total_steps=self.total_steps * cfg.train.steps_per_rollout)
-        self.sync = build_weight_sync(cfg, target, self.folder)
-        if resume:
-            self.restore()
+            critic = CriticBackend(cfg.train, seed=cfg.seed)
+            critic.init(path, total_steps=steps)
+        return backend, critic
+
+    def build_sync(self, target: Any) -> Any:
+        """Hook: the weight sync from the trainer to ``target`` (``build_engine``'s)."""
+        return build_weight_sync(self.config, target, self.folder)
+
+    def open_log(self) -> None:
+        """The resolved config and the run log in the run folder."""
+        cfg = self.config
         cfg.run_dir = str(self.folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.folder / "config.yaml")
         self.log = RunLog(self.folder, self.total_steps, self.step, self.progress, config=cfg)
 
@@ -256,6 +258,7 @@ class LocalJob:
             from noria.launch.external import start_vllm_engine
 
             self.engine_process, client, target = start_vllm_engine(path, cfg, self.folder)
+            self.children += [self.engine_process] if self.engine_process is not None else []
             return client, target
         if cfg.rollout.engine_url is None and not serves_natively(path, cfg.model.impl):
             raise NoriaError(
@@ -265,33 +268,43 @@ class LocalJob:
 
         url, key = cfg.rollout.engine_url, None
         if url is None:
-            self.engine_process, url, key = start_server(path, cfg, self.folder)
+            self.engine_process, url, key = self.start_child(path, "engine.log")
         from noria.launch.external import check_engine
 
         check_engine(cfg, url, key)  # a config needing what the engine lacks stops here, before the trainer loads
-        return HttpEngineClient(url, api_key=key, timeout_s=timeout, process=self.engine_process), HttpEngine(url, api_key=key)
+        client = HttpEngineClient(url, api_key=key, timeout_s=timeout, process=self.engine_process)
+        return client, HttpEngine(url, api_key=key)
 
-    def start_teacher(self) -> None:
-        """``opd.placement: engine``: the teacher engines (a ``noria serve`` of ``opd.teacher`` the
-        run starts, or the servers at ``opd.teacher_url`` / ``opd.teachers``, tokenizers checked)."""
+    def start_child(self, path: Path, log_name: str, device: str | None = None) -> tuple[Child, str, str]:
+        """A ``noria serve`` child of ``path`` (``noria.engine.child``), stopped by ``close``: (child, url, key)."""
+        from noria.engine.child import start_engine_server
+
+        child, url, key = start_engine_server(path, self.config, self.folder, device, log_name)
+        self.children.append(child)
+        return child, url, key
+
+    def build_teacher(self) -> Any:
+        """Hook: ``opd.placement: engine``: the teacher engines (a ``noria serve`` of ``opd.teacher`` the
+        run starts, or the servers at ``opd.teacher_url`` / ``opd.teachers``, tokenizers checked); else None."""
         from noria.distill.teacher import EngineTeacher, check_tokenizers, teacher_tokenizer
         from noria.models.catalog import model_path
 
         cfg, opd = self.config, self.config.opd
         if cfg.train.loss.opd_coef <= 0 or opd.placement != "engine":
-            return
+            return None
         urls: dict[str | None, str] = dict(opd.teachers) or ({None: opd.teacher_url} if opd.teacher_url else {})
         keys: dict[str | None, str] = {}
         for value, url in urls.items():
             tokenizer, path = teacher_tokenizer(url)
             check_tokenizers(self.tokenizer, tokenizer, f"{path} (at {url})", cfg.model.path)
+        child = None
         if not urls:
             device = opd.teacher_device or engine_device(cfg)
-            self.teacher_process, url, keys[None] = start_server(model_path(opd.teacher), cfg, self.folder, device, "teacher.log")
+            child, url, keys[None] = self.start_child(model_path(opd.teacher), "teacher.log", device)
             urls = {None: url}
         timeout = cfg.rollout.engine_timeout_s
-        clients = {v: HttpEngineClient(u, api_key=keys.get(v), timeout_s=timeout, process=self.teacher_process) for v, u in urls.items()}
-        self.teacher = EngineTeacher(clients, opd.teacher_key, cfg.rollout.temperature, opd.top_k)
+        clients = {v: HttpEngineClient(u, api_key=keys.get(v), timeout_s=timeout, process=child) for v, u in urls.items()}
+        return EngineTeacher(clients, opd.teacher_key, cfg.rollout.temperature, opd.top_k)
 
     # ------------------------------------------------------------------------------------ loop calls
 
@@ -380,6 +393,11 @@ class LocalJob:
         self.trained_groups += len(groups)
         self.timer["wait"] = time.perf_counter() - start
         return sorted(groups, key=lambda g: g.group_id)
+
+    def hold_rollout(self, held: bool) -> None:
+        """While held, the scheduler starts no group (``noria.eval.modes.EvalHost``); none runs before the rollout starts."""
+        if self.scheduler is not None:
+            self.scheduler.hold(held)
 
     async def between_waits(self) -> None:
         """While ``take_groups`` waits for the rollout (the trainer is idle): a launcher with an engine
@@ -524,212 +542,5 @@ class LocalJob:
                 self.sync.close()
         if self.local_engine is not None:
             self.local_engine.shutdown(drain_timeout_s=1.0)
-        if self.engine_process is not None and self.config.rollout.engine == "vllm":
-            from noria.engine.vllm_server import stop_vllm_server
-
-            stop_vllm_server(self.engine_process)  # its whole process group (vLLM's engine core too)
-        elif self.engine_process is not None:
-            stop_server(self.engine_process)
-        if self.teacher_process is not None:
-            stop_server(self.teacher_process)
-
-
-# ---------------------------------------------------------------------------------------- helpers
-
-
-def context_limit(config: RunConfig) -> int | None:
-    """The engine's context in tokens (prompt + output): ``engine.max_context``, else the model's positions."""
-    from noria.models.catalog import model_path
-    from noria.models.checkpoint import read_config
-
-    return config.engine.max_context or read_config(model_path(config.model.path)).get("max_position_embeddings")
-
-
-def check_supported(config: RunConfig) -> None:
-    """What this launcher cannot run, on top of the config's own checks (run once, here, for a config
-    built in code; a loaded one was checked when loaded)."""
-    ensure_valid(config)
-    if config.train.algorithm != "rl":
-        raise NoriaError("run_rl needs train.algorithm: rl")
-    if config.train.world_size > 1:
-        raise NoriaError("train.world_size > 1 for RL runs on noria.launch.scaled.ScaledJob (run_rl picks it), not LocalJob")
-
-
-def check_teacher_tokenizer(config: RunConfig, tokenizer: Any) -> None:
-    """On-policy distillation with a teacher model (``opd.teacher``): its tokenizer must be the
-    student's (``noria.distill.teacher.check_tokenizers``); servers by URL are checked when reached."""
-    if config.train.loss.opd_coef <= 0 or not config.opd.teacher:
-        return
-    from noria.distill.teacher import check_tokenizers
-    from noria.models import load_tokenizer
-
-    check_tokenizers(tokenizer, load_tokenizer(config.opd.teacher), config.opd.teacher, config.model.path)
-
-
-def granularity(rollout: Any) -> str:
-    """``rollout.granularity`` resolved: auto is sample-level under asynchronous RL, group-level otherwise."""
-    if rollout.granularity != "auto":
-        return rollout.granularity
-    return "sample" if rollout.max_staleness > 0 else "group"
-
-
-def rollout_plugin(rollout: Any) -> dict[str, Any]:
-    """How the scheduler produces a group: per trajectory with a generate function (the default, or
-    ``rollout.generate_fn``), or a whole group at a time through a rollout or agent function."""
-    if getattr(rollout, "rollout_fn", "") or getattr(rollout, "agent_fn", ""):
-        return {"rollout_group": run_rollout}
-    if getattr(rollout, "generate_fn", ""):
-        from noria.plugins import load_plugin
-
-        return {"generate": load_plugin(rollout.generate_fn, "rollout.generate_fn")}
-    return {"generate": generate_one}
-
-
-def critic_checkpoint(policy_checkpoint: Path) -> Path:
-    """Where the critic of a policy checkpoint lives (``step-N.critic``, committed before ``step-N``)."""
-    return policy_checkpoint.with_name(policy_checkpoint.name + ".critic")
-
-
-def backend_options(config: RunConfig) -> dict[str, Any]:
-    """Keyword options of the backend that depend on other sections (deterministic numerics)."""
-    temperature = config.rollout.temperature if config.rollout.temperature > 0 else 1.0
-    return {"deterministic": config.engine.deterministic, "temperature": temperature}
-
-
-def build_weight_sync(config: RunConfig, target: Any, folder: Path) -> Any:
-    import dataclasses
-
-    from noria.sync import build_sync
-
-    cfg = config.sync
-    from noria.launch.external import sync_transport
-
-    if cfg.transport == "auto" and sync_transport(config) == "disk":
-        cfg = dataclasses.replace(cfg, transport="disk")  # an external server or vLLM loads a folder
-    if cfg.broadcast_backend == "auto" and same_cuda_device(config.train.device, engine_device(config)):
-        cfg = dataclasses.replace(cfg, broadcast_backend="gloo")  # NCCL: one rank per GPU
-    from noria.models.catalog import model_path
-
-    return build_sync(cfg, [target], run_dir=folder, source=model_path(config.model.path), device=config.train.device)
-
-
-def engine_device(config: RunConfig) -> str:
-    """The device of the ``noria serve`` engine the run starts: ``rollout.engine_device`` or ``model.device``."""
-    return config.rollout.engine_device or config.model.device
-
-
-def same_cuda_device(a: str, b: str) -> bool:
-    """Whether two device strings name the same CUDA device (``cuda`` is ``cuda:0``: no process here
-    sets another current device before the trainer and the engine load)."""
-    import torch
-
-    da, db = torch.device(a), torch.device(b)
-    return da.type == db.type == "cuda" and (da.index or 0) == (db.index or 0)
-
-
-def check_served_versions(groups: list[Group], pushed: int) -> None:
-    """EngineFailure when a token was generated by weights newer than the last version this run pushed:
-    something else updated the engine (its API key leaked, or another trainer shares it)."""
-    served = max((v for g in groups for s in g.samples for v in s.weight_versions), default=0)
-    if served > pushed:
-        group = next(g for g in groups if any(v == served for s in g.samples for v in s.weight_versions))
-        raise EngineFailure(
-            f"group {group.group_id} was generated with weight version {served}, but this run has pushed versions up to "
-            f"{pushed} only: the engine took weights from elsewhere; stopping rather than train on them"
-        )
-
-
-def group_metrics(groups: list[Group]) -> dict[str, float]:
-    """What the trained groups hold: rewards, lengths, statuses, weight versions."""
-    samples = [s for g in groups for s in g.samples]
-    rewards = [s.reward for s in samples if s.reward is not None]
-    lengths = [len(s.response_ids) for s in samples]
-    solved = [g for g in groups if any((s.reward or 0) > 0 for s in g.samples)]
-    uniform = [g for g in groups if len({s.reward for s in g.samples}) == 1]
-    mixed = [g for g in groups if len({v for s in g.samples for v, m in zip(s.weight_versions, s.loss_mask) if m}) > 1]
-    return {
-        "rollout/reward_mean": mean(rewards),
-        "rollout/response_len_mean": mean(lengths),
-        "rollout/trained_tokens": float(sum(lengths)),
-        "rollout/truncated_frac": mean([s.status is Status.TRUNCATED for s in samples]),
-        "rollout/aborted": float(sum(s.status is Status.ABORTED for s in samples)),
-        "rollout/groups_solved_frac": len(solved) / max(len(groups), 1),
-        "rollout/groups_zero_variance_frac": len(uniform) / max(len(groups), 1),
-        "rollout/groups_mixed_versions_frac": len(mixed) / max(len(groups), 1),
-    }
-
-
-def eval_sampling(config: RunConfig) -> Any:
-    import dataclasses
-
-    e = config.eval
-    return dataclasses.replace(config.rollout, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=-1, min_p=0.0)
-
-
-# ------------------------------------------------------------------------------ engine server process
-
-
-def start_server(
-    path: Path, config: RunConfig, folder: Path, device: str | None = None, log_name: str = "engine.log",
-    api_key: str | None = None, host: str = "127.0.0.1", threads: int | None = None,
-) -> tuple[subprocess.Popen, str, str]:
-    """``noria serve`` of ``path`` on a free loopback port as a child process that dies with this one,
-    behind a per-run API key (``api_key``, else a new one; in its environment, not on its command
-    line: a fleet shares one with its router), bound to ``host`` (loopback unless a launcher gives
-    the node's address for other machines to reach), on ``device`` (default
-    ``engine_device``), logging to ``folder / log_name``, on ``threads`` torch threads
-    (``OMP_NUM_THREADS``; None, or that variable set here: as this process); waits until it answers
-    /health. Returns (process, url, key)."""
-    from noria.net import free_port
-
-    port = free_port(host)
-    cmd = [sys.executable, "-m", "noria", "serve", "--model", str(path), "--host", host, "--port", str(port)]
-    cmd += ["--dtype", config.model.dtype, "--device", device or engine_device(config), "--weight-version", "0"]
-    for f in fields(config.engine):
-        value = getattr(config.engine, f.name)
-        if value is not None:
-            cmd += [f"--engine.{f.name}", json.dumps(value) if not isinstance(value, str) else value]
-    folder.mkdir(parents=True, exist_ok=True)
-    log = open(folder / log_name, "ab")
-    key = api_key or secrets.token_urlsafe(32)
-    env = child_env(PYTHONUNBUFFERED="1", NORIA_API_KEY=key)
-    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(threads)
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
-    url = f"http://{host}:{port}"
-    wait_healthy(process, url, folder / log_name, api_key=key)
-    return process, url, key
-
-
-def wait_healthy(
-    process: subprocess.Popen, url: str, log_path: Path, timeout_s: float = SERVE_READY_TIMEOUT_S, api_key: str | None = None
-) -> None:
-    """Wait until the ``noria serve`` child at ``url`` answers /health; EngineFailure (with the log's
-    tail) if it exits first, or (after stopping it) if it is not healthy within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise EngineFailure(f"engine server (noria serve) exited with code {process.returncode} while starting:\n{tail}")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        try:
-            with urllib.request.urlopen(urllib.request.Request(f"{url}/health", headers=headers), timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    stop_server(process)
-    raise EngineFailure(f"engine server at {url} did not become healthy within {timeout_s:g} s (see {log_path})")
-
-
-def stop_server(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """SIGTERM (it drains), SIGKILL after ``timeout_s``; a stopped (SIGSTOP) engine is continued so it can act."""
-    if process.poll() is None:
-        process.terminate()
-        process.send_signal(signal.SIGCONT)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        for child in reversed(self.children):  # a vLLM server: its whole process group (its engine core too)
+            child.stop()

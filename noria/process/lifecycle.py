@@ -1,6 +1,7 @@
 """How Noria's processes end: a child dies with its parent, and SIGTERM stops a run as Ctrl-C does.
 
-- ``die_with_parent()``: the ``preexec_fn`` of a child process (``noria serve`` started by a run):
+- ``die_with_parent()``: the ``preexec_fn`` of a child process (``noria.process.child`` gives it to
+  every child; ``arm_parent_death`` is the same for a spawned Python process, armed as it starts):
   the kernel sends it SIGKILL when the process that started it dies, however that one died
   (SIGKILL included), so no engine is left listening with its memory (Linux ``PR_SET_PDEATHSIG``).
 - ``sigterm_as_interrupt()``: from then on SIGTERM raises ``Terminated`` (a ``KeyboardInterrupt``)
@@ -46,12 +47,18 @@ def die_with_parent() -> Callable[[], None]:
     parent = os.getpid()
 
     def arm() -> None:  # runs in the child between fork and exec: no imports, no locks
-        if _prctl is not None:
-            _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(1)
+        arm_parent_death(parent)
 
     return arm
+
+
+def arm_parent_death(parent: int) -> None:
+    """In a child of ``parent``: SIGKILL this process when its parent (thread) dies; exit at once
+    if the parent already died before the signal was armed (the orphan's parent is then another)."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def sigterm_as_interrupt() -> None:

@@ -1,9 +1,9 @@
 """``noria train`` for ``train.algorithm: sft``: the supervised fine-tuning job.
 
-RL (``train.algorithm: rl``) is ``noria.launch.local.run_rl`` (the loop of ``noria.loop``); both
-write the same run folder, whose name and resume checks are ``noria.run_folder``.
+It sits beside the RL job (``noria.launch.rl.run_rl``, the loop of ``noria.loop``); both write the
+same run folder, whose name and resume checks are ``noria.run_folder``.
 
-The loop (``run_sft``), one optimizer step per pass::
+The loop (``sft_loop``), one optimizer step per pass::
 
     chat JSONL --prepare_sft (validate + tokenize every row; errors name file:line) --> samples
     PromptSource (seeded shuffle per epoch, resumable cursor) --next_batch(global_batch)--> rows
@@ -24,7 +24,7 @@ repeats exactly the steps an uninterrupted run would take. The config must match
 except ``train.max_steps`` (a run may be extended) and ``run_dir``.
 
 Distributed (``train.backend: fsdp2``, ``train.world_size`` > 1): under torchrun (``RANK`` set)
-every rank runs the loop; otherwise ``train`` spawns ``world_size`` local ranks itself on a free
+every rank runs the loop; otherwise ``run_sft`` spawns ``world_size`` local ranks itself on a free
 loopback port. Data is validated once, before any rank starts or any model loads.
 
 Not guaranteed: bitwise-equal losses after a resume hold on one process (not across a change of
@@ -62,17 +62,17 @@ class SFTData:
     """The chat rows as prompt records (``index`` = position in ``samples``), for ``PromptSource``."""
 
 
-def train(config: RunConfig, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None) -> Path:
+def run_sft(config: RunConfig, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None) -> Path:
     """The ``noria train`` job: validate data, then run the loop (spawning ranks if needed)."""
     if config.train.algorithm == "rl":
-        raise NoriaError("train.algorithm rl runs through noria.launch.local.run_rl (noria train picks it), not the SFT job")
+        raise NoriaError("train.algorithm rl runs through noria.launch.rl.run_rl (noria train picks it), not the SFT job")
     data = prepare_sft(config)
     if os.environ.get("RANK") is not None:  # under torchrun
         return run_rank(config, data, run_dir, resume, progress)
     folder = resolve_run_dir(config, run_dir, resume)  # once: the default name holds the time
     with discard_unstarted(folder, resume is not None):  # a run that fails before step 1 leaves no folder
         if config.train.backend == "single":
-            return run_sft(config, data, None if resume else str(folder), resume, progress)
+            return sft_loop(config, data, None if resume else str(folder), resume, progress)
         check_run_folder(folder, config, resume is not None)  # once here, not as a crash on every rank
         spawn_ranks(config, data, folder, resume is not None, progress)
     return folder
@@ -128,7 +128,7 @@ def total_steps(config: RunConfig, n_rows: int) -> int:
 # ------------------------------------------------------------------------------------- loop
 
 
-def run_sft(config: RunConfig, data: SFTData, run_dir: str | None, resume: str | None, progress: bool | None) -> Path:
+def sft_loop(config: RunConfig, data: SFTData, run_dir: str | None, resume: str | None, progress: bool | None) -> Path:
     """The SFT loop on this process (one rank of it under FSDP2); see the module docstring."""
     from noria.models.catalog import model_path
     from noria.train import build_backend
@@ -253,12 +253,11 @@ def plain_line(row: dict[str, Any], total: int) -> str:
 
 def spawn_ranks(config: RunConfig, data: SFTData, folder: Path, resume: bool, progress: bool | None) -> None:
     """Run ``world_size`` FSDP2 ranks as local processes (gloo on CPU, NCCL on CUDA)."""
-    import torch.multiprocessing as mp
-
+    from noria.process import spawn
     from noria.train.fsdp import rank_process
 
     args = (_rank_main, config.train.world_size, free_port(), config, data, str(folder), resume, progress)
-    mp.spawn(rank_process, args=args, nprocs=config.train.world_size, join=True)
+    spawn(rank_process, args, config.train.world_size)
 
 
 def _rank_main(rank: int, world: int, port: int, config: RunConfig, data: SFTData, folder: str, resume: bool, progress) -> None:
@@ -267,11 +266,11 @@ def _rank_main(rank: int, world: int, port: int, config: RunConfig, data: SFTDat
 
 
 def run_rank(config: RunConfig, data: SFTData, run_dir: str | None, resume: str | None, progress: bool | None) -> Path:
-    """``run_sft`` as one FSDP2 rank, leaving the process group torn down."""
+    """``sft_loop`` as one FSDP2 rank, leaving the process group torn down."""
     from noria.train.fsdp import shutdown_distributed
 
     try:
-        folder = run_sft(config, data, run_dir, resume, progress)
+        folder = sft_loop(config, data, run_dir, resume, progress)
     except BaseException:
         shutdown_distributed(clean=False)
         raise

@@ -1,0 +1,75 @@
+"""The built-in engine as a child process: ``noria serve`` of a model, started from a run's config.
+
+What this module owns: the command line of a ``noria serve`` child (model, dtype, device, every
+``engine.*`` key of the run, weight version 0), its per-run API key (in its environment, never on
+its command line), its log file, the wait until it answers ``/health``, and its stop. The process
+itself is a ``noria.process.Child``: it dies with the thread that started it, and a failed start
+names the engine and carries its log's tail.
+
+Used by every part that starts engines: the local job (its engine and an on-policy distillation
+teacher), engine fleets (``noria.launch.fleet``), the Ray launcher's engine actors, and the
+evaluation fleet (``noria.eval.fleet``).
+
+Not guaranteed: the port is picked free (``noria.net.free_port``) but may be taken before the server
+binds it; the start then fails with the log's tail and is not retried here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from noria.errors import EngineFailure
+from noria.process import Child, ChildFailed
+
+SERVE_READY_TIMEOUT_S = 600.0
+"""How long a start may take: a model load on a busy 2-core CPU, or a first kernel build, takes minutes."""
+
+
+def engine_device(config: Any) -> str:
+    """The device of the ``noria serve`` engine a run starts: ``rollout.engine_device`` or ``model.device``."""
+    return config.rollout.engine_device or config.model.device
+
+
+def serve_command(path: Path, config: Any, host: str, port: int, device: str) -> list[str]:
+    """``python -m noria serve`` of ``path`` with the run's dtype and every ``engine.*`` key set."""
+    cmd = [sys.executable, "-m", "noria", "serve", "--model", str(path), "--host", host, "--port", str(port)]
+    cmd += ["--dtype", config.model.dtype, "--device", device, "--weight-version", "0"]
+    for f in fields(config.engine):
+        value = getattr(config.engine, f.name)
+        if value is not None:
+            cmd += [f"--engine.{f.name}", json.dumps(value) if not isinstance(value, str) else value]
+    return cmd
+
+
+def start_engine_server(
+    path: Path, config: Any, folder: Path, device: str | None = None, log_name: str = "engine.log",
+    api_key: str | None = None, host: str = "127.0.0.1", threads: int | None = None,
+    ready_timeout_s: float = SERVE_READY_TIMEOUT_S,
+) -> tuple[Child, str, str]:
+    """``noria serve`` of ``path`` on a free port of ``host`` (loopback unless a launcher gives the
+    node's address for other machines to reach), behind ``api_key`` (else a new one: a fleet shares
+    one with its router), on ``device`` (default ``engine_device``), logging to ``folder / log_name``,
+    on ``threads`` torch threads (``OMP_NUM_THREADS``; None, or that variable set here: as this
+    process). Waits until it answers /health; ``EngineFailure`` (with the log's tail) otherwise.
+    Returns (child, url, key)."""
+    from noria.net import free_port
+
+    port = free_port(host)
+    key = api_key or secrets.token_urlsafe(32)
+    env = {"PYTHONUNBUFFERED": "1", "NORIA_API_KEY": key}
+    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = serve_command(path, config, host, port, device or engine_device(config))
+    url = f"http://{host}:{port}"
+    child = Child.start(cmd, name=f"engine server (noria serve) at {url}", log_path=folder / log_name, env=env)
+    try:
+        child.wait_http(f"{url}/health", ready_timeout_s, headers={"Authorization": f"Bearer {key}"})
+    except ChildFailed as e:
+        raise EngineFailure(str(e)) from None
+    return child, url, key
