@@ -153,3 +153,16 @@ def test_export_is_a_diffusers_folder_with_lora_merged(dit, tmp_path):
 
         got = velocity(loaded.to(trainer.dtype), x, s, y)
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)  # merged weights round once in the compute dtype
+
+
+def test_a_non_finite_step_is_skipped_up_to_the_limit_then_raises(dit):
+    """The step guard of every trainer (noria.train.step_guard): a NaN loss applies nothing."""
+    from noria.train.backend import NonFiniteError
+
+    trainer = trainer_for(dit, deterministic=False, algorithm="sft", max_nonfinite_skips=1)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    x, y = torch.full((2, 1, 8, 8), float("nan")), torch.tensor([1, 2])  # latents of the tiny DiT
+    assert trainer.sft_step(x, y)["skipped"] == 1.0 and trainer.nonfinite_streak == 1
+    assert trainer.optimizer_steps == 0 and all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    with pytest.raises(NonFiniteError, match="step 1"):
+        trainer.sft_step(x, y)

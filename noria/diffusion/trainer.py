@@ -51,7 +51,8 @@ from noria.diffusion import sde
 from noria.diffusion.model import VelocityNet, load_dit, save_dit, set_exact_numerics
 from noria.train.algorithms.aggregation import LossNorm
 from noria.train.algorithms.diffusion import DiffusionMicroBatch, get_diffusion_objective
-from noria.train.backend import NonFiniteError, TrainError
+from noria.train.backend import TrainError
+from noria.train.step_guard import step_or_skip
 from noria.types import Sample
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -280,29 +281,12 @@ class DiffusionTrainer:
     # ------------------------------------------------------------------------------------ step
 
     def _finish_step(self, loss: float) -> dict[str, float]:
-        """Clip, check finiteness, AdamW step (or skip) with the schedule's LR."""
-        from noria.train.optim import lr_at, set_lr
-
+        """Clip, then AdamW step with the schedule's LR, or skip a non-finite step (``noria.train.step_guard``)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-        lr = lr_at(self.optimizer_steps, self.cfg.optim, self.total_steps)
-        out = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.nonfinite_streak += 1
-            if self.nonfinite_streak > self.cfg.max_nonfinite_skips:
-                raise NonFiniteError(
-                    f"step {self.optimizer_steps + 1}: non-finite loss or grad norm ({self.nonfinite_streak} consecutive, "
-                    f"train.max_nonfinite_skips is {self.cfg.max_nonfinite_skips}); no update was applied"
-                )
-            return {**out, "skipped": 1.0, "step": float(self.optimizer_steps)}
-        self.nonfinite_streak = 0
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
-        return {**out, "skipped": 0.0, "step": float(self.optimizer_steps)}
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        return {"loss": loss, "grad_norm": grad_norm, **step_or_skip(self, finite)}
 
     # ------------------------------------------------------------------------------------ weights out
 

@@ -6,7 +6,8 @@ How a step runs (``train_step``)::
       -> plan_for_rank: token-budget micro-batches, dealt out to ranks, counts padded to equal
       -> per micro-batch: packed forward (PackedContext) -> hidden [n, H]
          -> chunked logprobs (noria.train.logprobs) -> LossFn(LossInputs) -> backward
-      -> clip the global grad norm -> non-finite check on ALL ranks -> AdamW step (or skip)
+      -> clip the global grad norm -> non-finite check on ALL ranks -> AdamW step (or skip:
+         noria.train.step_guard)
 
 Precision. Master weights and AdamW state are fp32 on both paths. With FSDP2 the bf16 compute
 copy comes from ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: each layer's
@@ -78,16 +79,7 @@ from noria import hardware
 from noria.config import TrainConfig, ensure_valid
 from noria.models import DecoderLM, PackedContext, load_model, save_model
 from noria.models.checkpoint import bucketize
-from noria.train.backend import (
-    LossFn,
-    LossInputs,
-    Metrics,
-    NonFiniteError,
-    TokenLogprobs,
-    TrainError,
-    Which,
-    step_totals,
-)
+from noria.train.backend import LossFn, LossInputs, Metrics, TokenLogprobs, TrainError, Which, step_totals
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
 from noria.train.logprobs import token_logprobs
 from noria.train.moe import aux_loss_term, micro_batch_routing, route_metrics
@@ -102,6 +94,7 @@ from noria.train.packing import (
     shared_layout,
     slice_batch,
 )
+from noria.train.step_guard import step_or_skip
 from noria.types import TrainBatch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -508,7 +501,7 @@ class FSDPBackend:
         grad_norm = self._clip_grads()
         finite = self._all_finite(loss_ok, grad_norm)
         out = self._reduce_metrics(sums)
-        out.update(self._apply_or_skip(finite, grad_norm))
+        out.update({"grad_norm": float(grad_norm), **step_or_skip(self, finite, " on at least one rank")})
         out.update(tokens=float(batch.n_tokens), loss_tokens=total_tokens)
         return out
 
@@ -543,25 +536,6 @@ class FSDPBackend:
         if self.distributed:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bool(bad.item() == 0)
-
-    def _apply_or_skip(self, finite: bool, grad_norm: torch.Tensor) -> dict[str, float]:
-        lr = lr_at(self.optimizer_steps, self.cfg.optim, self.total_steps)
-        if not finite:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.nonfinite_streak += 1
-            if self.nonfinite_streak > self.cfg.max_nonfinite_skips:
-                raise NonFiniteError(
-                    f"step {self.optimizer_steps + 1}: non-finite loss or grad norm on at least one rank "
-                    f"({self.nonfinite_streak} consecutive, train.max_nonfinite_skips is "
-                    f"{self.cfg.max_nonfinite_skips}); no update was applied"
-                )
-            return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 1.0, "step": float(self.optimizer_steps)}
-        self.nonfinite_streak = 0
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
-        return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0, "step": float(self.optimizer_steps)}
 
     def _reduce_metrics(self, sums: dict[str, list[float]]) -> dict[str, float]:
         if self.distributed:
