@@ -61,6 +61,7 @@ the policy (FSDP2's ``CPUOffloadPolicy`` needs an accelerator).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -77,8 +78,7 @@ from torch.utils.checkpoint import checkpoint
 
 from noria import hardware
 from noria.config import TrainConfig, ensure_valid
-from noria.models import DecoderLM, PackedContext, load_model, save_model
-from noria.models.checkpoint import bucketize
+from noria.models import DecoderLM, PackedContext, load_model
 from noria.train.backend import LossFn, LossInputs, Metrics, TokenLogprobs, TrainError, Which, step_totals
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
 from noria.train.logprobs import token_logprobs
@@ -95,6 +95,7 @@ from noria.train.packing import (
     slice_batch,
 )
 from noria.train.step_guard import step_or_skip
+from noria.train.weights_out import decoder_holding, export_hf, rank0_buckets
 from noria.types import TrainBatch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -595,33 +596,25 @@ class FSDPBackend:
             tensors = adapter_tensors(self._raw_tensors(), self.compute_dtype)
         else:
             tensors = self._full_tensors(self.compute_dtype if cast else None)
-        if self.rank != 0:
-            for _ in tensors:  # the gathers are collective: every rank runs them to the end
-                pass
-            return
-        yield from bucketize(tensors, bucket_bytes)
+        yield from rank0_buckets(tensors, bucket_bytes, self.rank == 0)
 
     def export_hf(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """Write an HF folder (weights in ``dtype``, default the compute dtype, plus tokenizer files)."""
+        """Write an HF folder (weights in ``dtype``, default the compute dtype, plus tokenizer files);
+        with LoRA also the adapters alone, unmerged, in ``adapter/``."""
         dtype = dtype or self.compute_dtype
         state = {name: t.cpu() for name, t in self._full_tensors(dtype)}
-        raw = list(self._raw_tensors()) if self.cfg.lora.enabled else []  # the adapters alone, unmerged
-        if self.rank == 0:
-            save_model(self._materialize(state, dtype), folder, source=self.model_path)
-            if raw:
-                save_adapter(iter(raw), self.cfg.lora, Path(folder) / "adapter", str(self.model_path))
-        if self.distributed:
-            dist.barrier()
-        return Path(folder)
+        raw = list(self._raw_tensors()) if self.cfg.lora.enabled else []
+
+        def adapter(folder: Path) -> None:
+            save_adapter(iter(raw), self.cfg.lora, folder / "adapter", str(self.model_path))
+
+        materialize = functools.partial(self._materialize, dtype=dtype)
+        return export_hf(folder, state, materialize, self.model_path, self.rank == 0, self.distributed, adapter if raw else None)
 
     def _materialize(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
         # An unsharded CPU model holding ``state``, for save_model (which knows both model kinds).
         if isinstance(self.lm, DecoderLM):
-            with torch.device("meta"):
-                model = DecoderLM(self.lm.args, hf_config=self.lm.hf_config).to(dtype)
-            model.load_state_dict(state, strict=False, assign=True)
-            model.tie_weights()
-            return model
+            return decoder_holding(state, self.lm.args, self.lm.hf_config, dtype)
         model = load_model(self.model_path, dtype=dtype, device="cpu", impl=self.model_impl)
         model.load_state_dict(state, strict=False)
         return model

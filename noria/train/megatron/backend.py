@@ -14,7 +14,8 @@ The loop, the RL step, the objectives registry and weight sync see the same call
            megatron.core.dist_checkpointing inside Noria's committed-folder protocol
 
 What is shared with ``FSDPBackend`` (subclassed for it): micro-batch planning, the per-micro-batch
-loss and metric plumbing, the NaN guard and LR schedule, frozen reference / teacher models (those
+loss and metric plumbing, the NaN guard and LR schedule (``noria.train.step_guard``), rank 0's
+buckets and HF folder (``noria.train.weights_out``), frozen reference / teacher models (those
 run as native models on the PyTorch path, outside Megatron, on every rank). The critic of PPO with
 GAE also runs on the PyTorch path (``noria.train.critic``).
 
@@ -31,6 +32,7 @@ fp32 parameters; the logprobs agree to bf16 rounding); Megatron's MoE load-balan
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -41,8 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from noria.config import TrainConfig
-from noria.models import DecoderLM, load_model, save_model
-from noria.models.checkpoint import bucketize
+from noria.models import load_model
 from noria.models.megatron import VOCAB_ROWS, expert_slice, expert_to_global, expert_to_local, split_dim, tp_gather, to_hf, to_megatron
 from noria.train.backend import LossFn, TrainError
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
@@ -50,6 +51,7 @@ from noria.train.fsdp import FSDPBackend, wanted_sources
 from noria.train.logprobs import token_logprobs
 from noria.train.megatron.model import build_gpt, head_logits, init_parallel, load_weights, packed_hidden, quiet_import, require_megatron
 from noria.train.optim import lr_at, set_lr
+from noria.train.weights_out import decoder_holding, export_hf, rank0_buckets
 
 class MegatronLogprobModel(nn.Module):
     """GPTModel plus the chunked logprob head: the same call as ``noria.train.fsdp.LogprobModel``."""
@@ -223,29 +225,14 @@ class MegatronBackend(FSDPBackend):
     def state_dict_for_sync(self, bucket_bytes: int, cast: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of (HF name, full tensor in the compute dtype, on this GPU); global rank 0 only,
         every rank runs the gathers. Always cast (``cast`` is ignored)."""
-        tensors = self._full_tensors(self.compute_dtype)
-        if self.global_rank != 0:
-            for _ in tensors:
-                pass
-            return
-        yield from bucketize(tensors, bucket_bytes)
+        yield from rank0_buckets(self._full_tensors(self.compute_dtype), bucket_bytes, self.global_rank == 0)
 
     def export_hf(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
         """Write an HF folder (weights in ``dtype``, default the compute dtype, plus tokenizer files)."""
         dtype = dtype or self.compute_dtype
         state = {name: t.cpu() for name, t in self._full_tensors(dtype)}
-        if self.global_rank == 0:
-            save_model(self._materialize(state, dtype), folder, source=self.model_path)
-        if self.distributed:
-            dist.barrier()
-        return Path(folder)
-
-    def _materialize(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
-        with torch.device("meta"):
-            model = DecoderLM(self.args, hf_config=self.hf_config).to(dtype)
-        model.load_state_dict(state, strict=False, assign=True)
-        model.tie_weights()
-        return model
+        materialize = functools.partial(decoder_holding, args=self.args, hf_config=self.hf_config, dtype=dtype)
+        return export_hf(folder, state, materialize, self.model_path, self.global_rank == 0, self.distributed)
 
     # ------------------------------------------------------------------------ checkpoints
 
