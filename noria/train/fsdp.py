@@ -325,11 +325,7 @@ class FSDPBackend:
         self.policy = self._wrap(lm, train=True)
         self.optimizer = build_optimizer(self.policy.parameters(), self.cfg.optim)
         set_lr(self.optimizer, lr_at(self.optimizer_steps, self.cfg.optim, total_steps))
-        self.frozen: dict[str, nn.Module] = {}
-        if self.cfg.loss.kl_coef > 0 and self.cfg.algorithm == "rl":
-            self.frozen["reference"] = self._load_frozen(model_path)
-        if self.cfg.teacher:
-            self.frozen["teacher"] = self._load_frozen(self.cfg.teacher)
+        self.frozen = self._frozen_models(model_path)
 
     def _setup_dist(self) -> tuple[int, int]:
         if not self.distributed:
@@ -379,6 +375,15 @@ class FSDPBackend:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
+
+    def _frozen_models(self, model_path: str | Path) -> dict[str, nn.Module]:
+        """The reference (RL with ``loss.kl_coef`` > 0) and the teacher (``train.teacher``) when configured."""
+        frozen: dict[str, nn.Module] = {}
+        if self.cfg.loss.kl_coef > 0 and self.cfg.algorithm == "rl":
+            frozen["reference"] = self._load_frozen(model_path)
+        if self.cfg.teacher:
+            frozen["teacher"] = self._load_frozen(self.cfg.teacher)
+        return frozen
 
     def _load_frozen(self, path: str | Path) -> nn.Module:
         lm = load_model(path, dtype=self.compute_dtype, device="cpu", impl=self.model_impl)

@@ -140,11 +140,7 @@ class MegatronBackend(FSDPBackend):
         self.policy = MegatronLogprobModel(gpt, self.args.vocab_size, self.cfg.logprob_chunk_tokens, self.temperature)
         self.optimizer = self._build_optimizer(gpt)
         set_lr(self.optimizer, lr_at(self.optimizer_steps, self.cfg.optim, total_steps))
-        self.frozen: dict[str, nn.Module] = {}
-        if self.cfg.loss.kl_coef > 0 and self.cfg.algorithm == "rl":
-            self.frozen["reference"] = self._load_frozen(model_path)
-        if self.cfg.teacher:
-            self.frozen["teacher"] = self._load_frozen(self.cfg.teacher)
+        self.frozen = self._frozen_models(model_path)
 
     def _build_optimizer(self, gpt: nn.Module) -> MegatronOptimizer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
