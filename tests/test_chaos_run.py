@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 class Train:
     """``python -m noria train`` as a child process, its stderr in a file."""
 
-    def __init__(self, tmp_path: Path, model: Path, *extra: str, resume: bool = False, **overrides) -> None:
+    def __init__(self, tmp_path: Path, model: Path, *extra: str, resume: bool = False, faults: str = "", **overrides) -> None:
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.run = tmp_path / "run"
         config = tmp_path / "chaos.yaml"
@@ -36,7 +36,7 @@ class Train:
         args = rl_args(model, **{"train.max_steps": 40, **overrides})
         where = ["--resume", str(self.run)] if resume else ["--run-dir", str(self.run)]
         self.err_path = tmp_path / ("resume.err" if resume else "train.err")
-        env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "NORIA_FAULTS": faults}
         cmd = [sys.executable, "-m", "noria", "train", str(config), *args, *where, "--no-progress", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.err_path, "wb"), env=env)  # noqa: SIM115
 
@@ -50,6 +50,16 @@ class Train:
             assert self.proc.poll() is None, f"the run exited early ({self.proc.returncode}): {self.stderr()}"
             assert time.monotonic() < deadline, f"no step {n} within {timeout_s} s: {self.stderr()}"
             time.sleep(0.1)
+
+    def kill_when_stopped(self, timeout_s: float) -> None:
+        """Wait until the run stops itself at its armed fault point (state T), then SIGKILL it there."""
+        deadline = time.monotonic() + timeout_s
+        while not stopped(self.proc.pid):
+            assert self.proc.poll() is None, f"the run exited ({self.proc.returncode}) before its fault point: {self.stderr()}"
+            assert time.monotonic() < deadline, f"the run did not reach its fault point within {timeout_s} s: {self.stderr()}"
+            time.sleep(0.05)
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
 
     def engine_pid(self) -> int:
         found = [p for p in descendants(self.proc.pid) if b"serve" in Path(f"/proc/{p}/cmdline").read_bytes()]
@@ -65,6 +75,14 @@ class Train:
 
     def stderr(self) -> str:
         return self.err_path.read_text(errors="replace")[-3000:]
+
+
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (state T in /proc/PID/stat)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
 
 
 def disaggregated(**extra) -> dict:
@@ -165,27 +183,21 @@ def final_weights(run: Path) -> dict:
 
 
 def test_sigkill_mid_checkpoint_save_then_resume_is_bitwise_identical(tiny_model_dir, tmp_path):
-    """Killed while a checkpoint is being written (its hidden partial folder exists): the resumed run
-    continues from the last committed one and ends bitwise equal to an uninterrupted run."""
+    """Killed while a checkpoint is being written (its hidden partial folder holds every file but the
+    commit marker): the resumed run continues from the last committed one and ends bitwise equal to
+    an uninterrupted run. The run stops itself at that point (fault point
+    ``checkpoint.partial_written``, the second save), so the kill lands inside the save every time."""
     import torch
 
     extra = {"train.max_steps": 4, "train.save_every": 1, "engine.deterministic": True}
     straight = Train(tmp_path / "a", tiny_model_dir, **extra)
     assert straight.wait(240) == 0, straight.stderr()
-    for attempt in range(3):  # a partial folder lives for milliseconds: the kill may land after it
-        folder = tmp_path / f"b{attempt}"
-        run = Train(folder, tiny_model_dir, **extra)
-        checkpoints = run.run / "checkpoints"
-        deadline = time.monotonic() + 240
-        while not list(checkpoints.glob(".step-*.partial")) or not list(checkpoints.glob("step-*")):
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr()
-            time.sleep(0.0005)  # poll fast
-        run.proc.send_signal(signal.SIGKILL)
-        run.proc.wait()
-        if list(checkpoints.glob(".step-*.partial")):
-            break
-    else:
-        pytest.fail("the kill missed the save three times (no partial checkpoint left): the case is not exercised")
+    folder = tmp_path / "b"
+    run = Train(folder, tiny_model_dir, faults="checkpoint.partial_written=stop@2", **extra)
+    run.kill_when_stopped(240)
+    checkpoints = run.run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-000002.partial", "step-000001"]
+    assert (checkpoints / ".step-000002.partial" / "trainer_state.json").exists()  # written, not committed
     resumed = Train(folder, tiny_model_dir, resume=True, **extra)
     assert resumed.wait(240) == 0, resumed.stderr()
     a, b = straight.steps(), resumed.steps()
@@ -197,28 +209,20 @@ def test_sigkill_mid_checkpoint_save_then_resume_is_bitwise_identical(tiny_model
 
 
 def test_sigkill_of_async_run_with_a_full_buffer_resumes_its_buffered_groups(tiny_model_dir, tmp_path):
-    """Asynchronous RL, buffer full when killed: the resumed run trains the checkpoint's buffered
-    groups, never one twice, and reaches the configured step count."""
+    """Asynchronous RL, groups waiting in the buffer when killed: the resumed run trains the
+    checkpoint's buffered groups, never one twice, and reaches the configured step count. The
+    buffer (``ReserveBuffer``) always keeps a group back, and the run stops itself right after
+    step 2's checkpoint is committed (fault point ``checkpoint.committed``): no timing involved."""
     extra = disaggregated(**{
-        "rollout.max_staleness": 2, "train.loss.off_policy": "tis", "rollout.buffer.capacity_batches": 1,
-        "train.save_every": 1, "train.max_steps": 5, "reward.name": "toy_rewards:slow_digits",
+        "rollout.max_staleness": 2, "train.loss.off_policy": "tis", "rollout.buffer.capacity_batches": 2,
+        "rollout.buffer.impl": "buffer_plugins:ReserveBuffer", "train.save_every": 1, "train.max_steps": 5,
     })  # fmt: skip
-    for attempt in range(3):  # the trainer may have taken every buffered group when step 2 saved
-        folder = tmp_path / f"a{attempt}"
-        run = Train(folder, tiny_model_dir, **extra)
-        marker = run.run / "checkpoints" / "step-000002" / "COMMITTED"
-        deadline = time.monotonic() + 240
-        while not marker.exists():
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr()
-            time.sleep(0.01)
-        run.proc.send_signal(signal.SIGKILL)
-        run.proc.wait()
-        state = json.loads((run.run / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
-        buffered = {g["group_id"] for g in state["extra"]["buffer"]["groups"]}
-        if buffered:
-            break
-    else:
-        pytest.fail("the buffer was empty at the checkpoint three times: the case is not exercised")
+    folder = tmp_path / "a"
+    run = Train(folder, tiny_model_dir, faults="checkpoint.committed=stop@2", **extra)
+    run.kill_when_stopped(240)
+    state = json.loads((run.run / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    buffered = {g["group_id"] for g in state["extra"]["buffer"]["groups"]}
+    assert buffered, "the reserve buffer held no group at the checkpoint"
     resumed = Train(folder, tiny_model_dir, resume=True, **extra)
     assert resumed.wait(240) == 0, resumed.stderr()
     assert [r["step"] for r in resumed.steps()] == [1, 2, 3, 4, 5]

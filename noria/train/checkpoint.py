@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from noria import faults
 from noria.train.backend import TrainError
 
 MARKER = "COMMITTED"
@@ -95,10 +96,12 @@ def save_checkpoint(
     _barrier()
     if rank == 0:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        faults.point("checkpoint.partial_written")
         (tmp / MARKER).write_text("")
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
+        faults.point("checkpoint.committed")
     _barrier()
     return target
 
