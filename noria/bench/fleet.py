@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from noria.process import Child
+from noria.process import run as run_command
 
 
 def add_arguments(parser) -> None:
@@ -111,8 +113,7 @@ def train(name: str, cfg: dict[str, Any], work: Path, netns: bool = False, threa
     if netns:
         cmd = ["unshare", "-n", "sh", "-c", "ip link set lo up && exec " + " ".join(cmd)]
     print(f"bench fleet: {name} -> {run}", file=sys.stderr)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-    subprocess.run(cmd, check=True, env=env)
+    run_command(cmd, env={"OMP_NUM_THREADS": str(threads)} if threads else None)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return rows[1:]
 
@@ -235,7 +236,7 @@ def wait_packed(urls: list[str], key: str, timeout_s: float = 60.0) -> None:
 
 def raw_broadcast(sizes: list[int], n: int) -> Any:
     """A callable broadcasting flat buffers of ``sizes`` from here to ``n`` receiver processes (one
-    gloo group, as the push's); the receivers stay up until this process exits."""
+    gloo group, as the push's); the receivers stay up until this process exits (they die with it)."""
     import torch
 
     from noria.engine.weight_sources import create_update_group
@@ -243,9 +244,14 @@ def raw_broadcast(sizes: list[int], n: int) -> Any:
 
     port = free_port()
     job = json.dumps({"port": port, "sizes": sizes, "world": n + 1})
-    for r in range(n):
-        subprocess.Popen([sys.executable, "-m", "noria.bench.fleet", "recv", job, str(r + 1)])
-    group = create_update_group("127.0.0.1", port, 0, n + 1, "bench-fleet", "gloo", 300)
+    receivers = [Child.start([sys.executable, "-m", "noria.bench.fleet", "recv", job, str(r + 1)], name=f"bench fleet receiver {r + 1}")
+                 for r in range(n)]  # fmt: skip
+    try:
+        group = create_update_group("127.0.0.1", port, 0, n + 1, "bench-fleet", "gloo", 300)
+    except BaseException:
+        for child in receivers:
+            child.stop()
+        raise
     buffers = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
     ack = torch.zeros(1)
 
@@ -255,6 +261,7 @@ def raw_broadcast(sizes: list[int], n: int) -> Any:
         for r in range(1, n + 1):
             group.broadcast(ack, r).wait()
 
+    round_trip.receivers = receivers  # the Child handles live as long as the callable
     return round_trip
 
 

@@ -54,7 +54,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +62,8 @@ from pathlib import Path
 from typing import Any
 
 from noria.net import free_port
+from noria.process import run as run_command
+from noria.process import spawn
 
 
 @dataclass(frozen=True)
@@ -356,12 +357,10 @@ def _fsdp_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
 
 
 def spawn_ranks(fn, world: int, spec: dict, out: Path) -> dict:
-    """``fn(rank, world, port, spec, out)`` in ``world`` fresh processes; rank 0's JSON."""
-    import torch.multiprocessing as mp
-
+    """``fn(rank, world, port, spec, out)`` in ``world`` fresh processes (dying with this one); rank 0's JSON."""
     from noria.train.fsdp import rank_process
 
-    mp.spawn(rank_process, args=(fn, world, free_port(), spec, str(out)), nprocs=world, join=True)
+    spawn(rank_process, (fn, world, free_port(), spec, str(out)), world)
     return json.loads(out.read_text())
 
 
@@ -388,7 +387,7 @@ def rl_part(args: argparse.Namespace, layout: Layout, work: Path) -> list[dict]:
         run_dir = work / f"rl-{side}"
         cmd = [sys.executable, "-m", "noria", "train", str(path), "--run-dir", str(run_dir), "--no-progress"]
         print(f"bench gpu-multi: rl {side} -> {run_dir}", file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True)
+        run_command(cmd)
         sides[side] = rl_figures(run_dir)
     a, s = sides["async"], sides["sync"]
     raw = spawn_ranks(_broadcast_rank, 2, {"bytes": int(a["sync_bytes"]), "backend": backend,

@@ -68,7 +68,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +75,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from noria.process import run as run_command
 
 PEERS = ("trl", "vllm", "noria_serve")
 ENGINE_PEERS = {
@@ -204,7 +205,7 @@ def run_noria(config: Path, run_dir: Path) -> dict[str, Any]:
     """``noria train`` as a subprocess; its per-step seconds and rewards from metrics.jsonl."""
     cmd = [sys.executable, "-m", "noria.cli", "train", str(config), "--run-dir", str(run_dir), "--no-progress"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_command(cmd, check=False, capture=True)
     run_s = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"noria train failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -217,8 +218,7 @@ def run_noria(config: Path, run_dir: Path) -> dict[str, Any]:
 def run_worker(side: str, job: dict[str, Any]) -> dict[str, Any]:
     """``python -m noria.bench.rl SIDE`` with the job on stdin; its last JSON line."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "noria.bench.rl", side], input=json.dumps(job),
-                          capture_output=True, text=True)
+    proc = run_command([sys.executable, "-m", "noria.bench.rl", side], check=False, input=json.dumps(job), capture=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench rl {side} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

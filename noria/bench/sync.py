@@ -53,13 +53,14 @@ import itertools
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from noria.process import Child
 
 TRANSPORT_CASES = ("ipc", "ipc_shm", "broadcast", "disk", "disk_delta")
 DELTA_LR = 5e-6
@@ -249,7 +250,7 @@ def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats:
                 rows += measure_delta(lm, sent, bucket_bytes, repeats, root, delta_lr, full_s, f"{label} bf16 params={params / 1e6:.0f}M")
                 continue
             if case in SERVED and server is None:  # one subprocess serves every cross-process case
-                server = _Server(folder, device)
+                server = _Server(folder, device, root / f"serve-{label}.log")
             with _pusher(case, lm, server, sent, bucket_bytes, root) as push, _primitive(case, sent, bucket_bytes, repeats, root) as prim:
                 push_s, prim_s = _interleaved(push, prim, repeats)
             name = (f"{label} bf16 params={params / 1e6:.0f}M bytes={nbytes / 1e6:.0f}MB bucket={bucket_bytes >> 20}MB "
@@ -374,14 +375,10 @@ def _next_version(engine, server: _Server | None) -> int:
     return httpx.get(f"{server.url}/get_weight_version").json()["weight_version"] + 1
 
 
-SERVED = ("ipc_shm", "broadcast")
-"""Cases whose engine is a ``noria serve`` subprocess."""
 class _Server:
-    """``noria serve`` on a free loopback port, deterministic, small KV cache."""
+    """``noria serve`` on a free loopback port, deterministic, small KV cache, logging to ``log_path``."""
 
-    def __init__(self, folder: Path, device: str = "cpu") -> None:
-        import httpx
-
+    def __init__(self, folder: Path, device: str, log_path: Path) -> None:
         from noria.net import free_port
 
         self.port = free_port()
@@ -389,34 +386,11 @@ class _Server:
         cmd = [sys.executable, "-m", "noria.cli", "serve", "--model", str(folder), "--port", str(self.port),
                "--engine.kv_cache_tokens", str(ENGINE["kv_cache_tokens"]), "--engine.block_size", str(ENGINE["block_size"]),
                "--engine.deterministic", "true", "--model.device", device]  # fmt: skip
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"noria serve exited with {self.proc.returncode}: {self._log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"noria serve not ready after 300 s: {self._log()}")
-
-    def _log(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-3000:]
+        self.child = Child.start(cmd, name=f"noria serve at {self.url}", log_path=log_path, env={"TOKENIZERS_PARALLELISM": "false"})
+        self.child.wait_http(f"{self.url}/health", timeout_s=300)  # stops it and raises ChildFailed (log tail) on failure
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        self.child.stop(timeout_s=60)
 
 
 # -------------------------------------------------------------------------------------- primitives
@@ -477,7 +451,7 @@ def _gloo_broadcast(sent: dict, bucket_bytes: int, repeats: int) -> Iterator[Cal
     buffers = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     port = free_port()
     job = json.dumps({"port": port, "sizes": sizes, "rounds": repeats + 1})
-    proc = subprocess.Popen([sys.executable, "-m", "noria.bench.sync", "recv", job])
+    receiver = Child.start([sys.executable, "-m", "noria.bench.sync", "recv", job], name="bench sync gloo receiver")
     try:
         group = create_update_group("127.0.0.1", port, 0, 2, "bench-gloo", "gloo", timeout_s=300)
         ack = torch.zeros(1)
@@ -489,7 +463,10 @@ def _gloo_broadcast(sent: dict, bucket_bytes: int, repeats: int) -> Iterator[Cal
 
         yield round_trip
     finally:
-        proc.wait(60)
+        try:
+            receiver.wait(60)
+        finally:
+            receiver.stop()  # reaped; killed if it did not finish its rounds in time
 
 
 def _receive_main(job: dict) -> None:

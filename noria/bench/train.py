@@ -41,11 +41,12 @@ from __future__ import annotations
 import json
 import math
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from noria.process import run as run_command
 
 SEED = 0
 PEERS = ("hf_padded", "trl")
@@ -152,7 +153,7 @@ def case_lengths(job: dict[str, Any]) -> list[int]:
 def run_side(side: str, job: dict[str, Any]) -> dict[str, float]:
     """Run one side in a fresh interpreter (its memory is its own) and read its JSON line."""
     cmd = [sys.executable, "-m", "noria.bench.train", side]
-    proc = subprocess.run(cmd, input=json.dumps(job), capture_output=True, text=True)
+    proc = run_command(cmd, check=False, input=json.dumps(job), capture=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench train side {side!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
