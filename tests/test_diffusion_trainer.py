@@ -166,3 +166,15 @@ def test_a_non_finite_step_is_skipped_up_to_the_limit_then_raises(dit):
     assert trainer.optimizer_steps == 0 and all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     with pytest.raises(NonFiniteError, match="step 1"):
         trainer.sft_step(x, y)
+
+
+def test_the_objectives_registry_names_the_config_field_and_refuses_a_second_entry():
+    from noria.diffusion.objectives import get_diffusion_objective, register_diffusion_objective
+    from noria.train.algorithms import UnknownAlgorithmError
+
+    assert get_diffusion_objective("flow_grpo").kind == "transition"
+    assert get_diffusion_objective("diffusion_nft").kind == "forward"
+    with pytest.raises(UnknownAlgorithmError, match=r"diffusion\.objective: .*valid: diffusion_nft, flow_grpo"):
+        get_diffusion_objective("grpo")
+    with pytest.raises(ValueError, match="already registered"):
+        register_diffusion_objective("flow_grpo", "transition")(lambda *args: None)

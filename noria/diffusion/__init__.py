@@ -9,6 +9,7 @@ The ``diffusion:`` config section (present = an image run) is ``noria.config.dif
 
     model.py     diffusers' DiT as a velocity model: folders, exact (batch-invariant) numerics
     sde.py       flow-matching schedule, ODE step, Flow-GRPO's SDE step and its log-probability
+    objectives.py  the RL objectives (Flow-GRPO, DiffusionNFT), a registry by diffusion.objective
     protocol.py  ImageRequest / ImageOutput (and their JSON)
     engine.py    DiffusionEngine: batched sampling on a thread, seeds per image, weight updates
     server.py    ``noria serve`` of a DiT folder (HTTP), and DiffusionHttpClient
@@ -19,7 +20,7 @@ The ``diffusion:`` config section (present = an image run) is ``noria.config.dif
     job.py       the RL job (``noria.loop.Job``) and the SFT run of ``noria train``
 
 Who imports whom: like ``noria.models`` it is shared by the engine side (engine.py, server.py) and
-the trainer side (trainer.py), which never import each other; the objectives live with the other
-algorithms (``noria.train.algorithms.diffusion``). diffusers and scikit-learn are optional
+the trainer side (trainer.py), which never import each other; it imports ``noria.engine`` and
+``noria.train``, never the other way (so the objectives, which need sde.py, live here). diffusers and scikit-learn are optional
 dependencies (``pip install noria[diffusion]``), imported when an image run or test needs them.
 """

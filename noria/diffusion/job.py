@@ -149,7 +149,7 @@ def diffusion_rl_step(trainer: Any, groups: list[Group], config: RunConfig, weig
     """``train.steps_per_rollout`` optimizer steps on the groups' trainable images: group advantages
     (``train.loss.advantage``, failed samples excluded first) clipped to ``diffusion.adv_clip``."""
     from noria.train.algorithms import compute_advantages
-    from noria.train.algorithms.diffusion import clip_advantages
+    from noria.diffusion.objectives import clip_advantages
     from noria.train.rl_step import average, trainable
 
     t0 = time.perf_counter()

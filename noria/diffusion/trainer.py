@@ -19,7 +19,7 @@ the masters), which is exactly the model the engine holds in that dtype. With ``
 the engine's bit for bit (tests/test_diffusion_engine.py).
 
 The RL step (``rl_steps``): the samples are split into ``k`` slices (one optimizer step each,
-``train.steps_per_rollout``); the objective (``noria.train.algorithms.diffusion``) names its pairs:
+``train.steps_per_rollout``); the objective (``noria.diffusion.objectives``) names its pairs:
 ``transition`` (Flow-GRPO): (image, step) pairs, all T steps or ``diffusion.train_steps`` of them
 drawn per image; ``forward`` (DiffusionNFT): ``diffusion.nft_timesteps`` noise draws per image. When
 ``k`` > 1 the policy's outputs at the start of the rollout step (old log-probs / old velocities)
@@ -49,8 +49,8 @@ from torch.func import functional_call
 from noria import hardware
 from noria.diffusion import sde
 from noria.diffusion.model import VelocityNet, load_dit, save_dit, set_exact_numerics
+from noria.diffusion.objectives import DiffusionMicroBatch, get_diffusion_objective
 from noria.train.algorithms.aggregation import LossNorm
-from noria.train.algorithms.diffusion import DiffusionMicroBatch, get_diffusion_objective
 from noria.train.backend import TrainError
 from noria.train.step_guard import step_or_skip
 from noria.types import Sample

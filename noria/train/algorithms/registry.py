@@ -25,7 +25,9 @@ def register(table: dict[str, Any], kind: str, name: str) -> Callable[[F], F]:
 
     def add(fn: F) -> F:
         if name in table:
-            raise ValueError(f"{kind} {name!r} is already registered ({table[name].__module__}.{table[name].__qualname__})")
+            held = table[name]  # a function, or a record holding one (a diffusion objective)
+            where = getattr(held, "__qualname__", type(held).__qualname__)
+            raise ValueError(f"{kind} {name!r} is already registered ({held.__module__}.{where})")
         table[name] = fn
         return fn
 

@@ -1,8 +1,16 @@
 """RL objectives of flow-matching image models (``diffusion.objective``): Flow-GRPO and DiffusionNFT.
 
-A registry like the others of this package, keyed by name; each entry says which kind of
-micro-batch it trains on and computes its loss from the models' velocity predictions (pure tensor
-code: the trainer, ``noria.diffusion.trainer``, runs the models):
+A registry like those of ``noria.train.algorithms`` (the same ``register`` / ``lookup``: a name
+registered twice is refused, an unknown one raises ``UnknownAlgorithmError`` naming
+``diffusion.objective``), keyed by name; each entry says which kind of micro-batch it trains on
+and computes its loss from the models' velocity predictions (pure tensor code: the trainer,
+``noria.diffusion.trainer``, runs the models).
+
+Why here and not in ``noria.train.algorithms``: only the diffusion trainer uses them, and Flow-GRPO
+rebuilds the SDE transition of ``noria.diffusion.sde``, which the diffusion engine samples with.
+``noria.diffusion`` sits above ``noria.train`` (it imports the registry helpers, ``LossNorm`` and
+``rl_loss`` from there), so with the objectives in this package no import runs from ``train`` back
+up into ``diffusion``. The kinds:
 
 - ``transition`` (``flow_grpo``): pairs (image, denoising step j) of the recorded SDE trajectory;
   the loss sees the policy's velocity at x_j (with grad) and the reference's (without), and
@@ -42,8 +50,10 @@ from typing import Any
 import torch
 
 from noria.config import LossConfig
+from noria.diffusion.sde import mean_kl, step_std, transition_logprob, transition_mean
 from noria.train.algorithms.aggregation import LossNorm
 from noria.train.algorithms.registry import lookup, register
+from noria.train.objective import rl_loss
 
 Metrics = dict[str, tuple[float, float]]
 
@@ -118,9 +128,6 @@ def clip_advantages(advantages: list[float], clip: float) -> list[float]:
 @register_diffusion_objective("flow_grpo", "transition")
 def flow_grpo(cfg: LossConfig, dcfg: Any, mb: DiffusionMicroBatch, v: torch.Tensor, v_old: Any, v_ref: Any):
     """Flow-GRPO's loss of one micro-batch of (image, step) pairs; see the module docstring."""
-    from noria.diffusion.sde import mean_kl, step_std, transition_logprob, transition_mean
-    from noria.train.objective import rl_loss
-
     args = (mb.sigma, mb.sigma_next, mb.sigma_max, mb.noise_level)
     mean = transition_mean(mb.x, v, *args)
     std = step_std(*args)
