@@ -4,6 +4,9 @@ Modules and what they own::
 
     backend.py     the contract every backend meets (TrainBackend), LossInputs / LossFn
     fsdp.py        the PyTorch backend: one process or FSDP2 (gloo on CPU, NCCL on CUDA)
+    packed_forward.py  a packed batch -> hidden states -> per-token logprobs (LogprobModel)
+    step_metrics.py, step_guard.py   a step's (sum, weight) metrics; its optimizer step or skip
+    weights_out.py rank 0's sync buckets and HF folder (FSDP2 and Megatron alike)
     megatron/      the megatron-core backend (train.backend: megatron; CUDA, optional extra)
     packing.py     samples / groups -> TrainBatch -> token-budget micro-batches (per rank)
     logprobs.py    per-token logprobs and entropy from hidden states, in vocabulary-safe chunks

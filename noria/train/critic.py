@@ -40,7 +40,8 @@ from torch import nn
 from noria.config import LossConfig, TrainConfig
 from noria.train.algorithms.advantages import EPS, gae
 from noria.train.backend import TrainError
-from noria.train.fsdp import FSDPBackend, packed_hidden, wanted_sources
+from noria.train.fsdp import FSDPBackend
+from noria.train.packed_forward import packed_hidden, wanted_sources
 from noria.train.packing import batch_to, pack_samples, slice_batch
 from noria.types import Sample, TrainBatch
 

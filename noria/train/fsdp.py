@@ -4,8 +4,9 @@ How a step runs (``train_step``)::
 
     TrainBatch (same on every rank)
       -> plan_for_rank: token-budget micro-batches, dealt out to ranks, counts padded to equal
-      -> per micro-batch: packed forward (PackedContext) -> hidden [n, H]
+      -> per micro-batch: packed forward (PackedContext; noria.train.packed_forward) -> hidden [n, H]
          -> chunked logprobs (noria.train.logprobs) -> LossFn(LossInputs) -> backward
+         -> (sum, weight) metrics (noria.train.step_metrics)
       -> clip the global grad norm -> non-finite check on ALL ranks -> AdamW step (or skip:
          noria.train.step_guard)
 
@@ -63,7 +64,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import math
 import os
 import sys
 import time
@@ -78,23 +78,16 @@ from torch.utils.checkpoint import checkpoint
 
 from noria import hardware
 from noria.config import TrainConfig, ensure_valid
-from noria.models import DecoderLM, PackedContext, load_model
-from noria.train.backend import LossFn, LossInputs, Metrics, TokenLogprobs, TrainError, Which, step_totals
+from noria.models import DecoderLM, load_model
+from noria.train.backend import LossFn, LossInputs, TokenLogprobs, TrainError, Which, step_totals
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
-from noria.train.logprobs import token_logprobs
-from noria.train.moe import aux_loss_term, micro_batch_routing, route_metrics
 from noria.train.lora import adapter_tensors, apply_lora, load_adapter, lora_scaling, merge_lora, save_adapter
+from noria.train.moe import aux_loss_term, micro_batch_routing, route_metrics
 from noria.train.optim import build_optimizer, lr_at, set_lr
-from noria.train.packing import (
-    batch_to,
-    plan_for_rank,
-    prediction_sources,
-    seq_index,
-    share_prefixes,
-    shared_layout,
-    slice_batch,
-)
+from noria.train.packed_forward import LogprobModel
+from noria.train.packing import batch_to, plan_for_rank, seq_index, share_prefixes, slice_batch
 from noria.train.step_guard import step_or_skip
+from noria.train.step_metrics import accumulate_metrics, all_reduce_metrics, averaged
 from noria.train.weights_out import decoder_holding, export_hf, rank0_buckets
 from noria.types import TrainBatch
 
@@ -152,75 +145,6 @@ def rank_process(rank: int, fn: Any, *args: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-EXTREMA = ("_max", "_min")
-"""Metric names ending so are combined with max / min, never added (their weight is 0)."""
-
-
-def accumulate_metrics(acc: dict[str, list[float]], metrics: Metrics) -> None:
-    """Add one micro-batch's (sum, weight) metrics into ``acc``; ``_max`` / ``_min`` keep extrema."""
-    for k, (s, w) in metrics.items():
-        if k == "loss":
-            continue  # the backend sums the loss itself
-        if k not in acc:
-            acc[k] = [float(s), float(w)]
-        elif k.endswith("_max"):
-            acc[k][0] = max(acc[k][0], float(s))
-        elif k.endswith("_min"):
-            acc[k][0] = min(acc[k][0], float(s))
-        else:
-            acc[k][0] += float(s)
-            acc[k][1] += float(w)
-
-
-class LogprobModel(nn.Module):
-    """The policy plus its logprob head: packed ids -> per-token logprobs (and entropy).
-
-    A module of its own so that FSDP2's root forward hooks cover the head too (``hidden_states``
-    and ``lm_head`` called separately would run outside them).
-    """
-
-    def __init__(self, lm: nn.Module, chunk_tokens: int, deterministic: bool = False, temperature: float = 1.0) -> None:
-        super().__init__()
-        self.lm = lm
-        self.chunk_tokens = chunk_tokens
-        self.deterministic = deterministic
-        self.temperature = temperature
-
-    def forward(
-        self, input_ids, positions, cu_seqlens, with_entropy: bool = False, prefix_lens=None, seq_ids=None, want=None,
-        routing=None,
-    ):
-        """``prefix_lens`` / ``seq_ids``: a shared-prefix batch (``TrainBatch``); ``want`` (bool [N]):
-        compute only these tokens' logprobs (the LM head skips the rest, which get 0); ``routing``:
-        MoE routes to replay and record (``noria.train.moe``)."""
-        hidden = packed_hidden(self.lm, input_ids, positions, cu_seqlens, prefix_lens, seq_ids, self.deterministic, routing)
-        pairs = None
-        if prefix_lens is not None or want is not None:
-            pairs = wanted_sources(cu_seqlens, positions, prefix_lens, want)
-        return token_logprobs(
-            hidden, self.lm.lm_head, input_ids, cu_seqlens, self.chunk_tokens, with_entropy, self.temperature, pairs
-        )
-
-
-def packed_hidden(
-    lm: nn.Module, input_ids, positions, cu_seqlens, prefix_lens=None, seq_ids=None, deterministic=False, routing=None
-):
-    """Final hidden states [N, H] of a packed batch (plain or shared-prefix sequences)."""
-    shared = shared_layout(cu_seqlens, prefix_lens, seq_ids)
-    ctx = PackedContext(torch.diff(cu_seqlens).tolist(), deterministic=deterministic, shared=shared)
-    moe = {} if routing is None else {"routing": routing}  # only MoE models take it
-    return lm.hidden_states(input_ids[None], positions[None], ctx, **moe)[0]
-
-
-def wanted_sources(cu_seqlens, positions, prefix_lens=None, want=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prediction_sources`` restricted to the tokens ``want`` (bool [N]) marks, when given."""
-    src, dst = prediction_sources(cu_seqlens, positions, prefix_lens)
-    if want is not None:
-        keep = want[dst]
-        src, dst = src[keep], dst[keep]
-    return src, dst
 
 
 def decoder_layers(lm: nn.Module) -> list[nn.Module]:
@@ -545,29 +469,8 @@ class FSDPBackend:
 
     def _reduce_metrics(self, sums: dict[str, list[float]]) -> dict[str, float]:
         if self.distributed:
-            sums = self._all_reduce_metrics(sums)
-        out = {}
-        for k, (s, w) in sorted(sums.items()):
-            if k.endswith(EXTREMA):
-                out[k] = s
-            elif w:
-                out[k] = s / w
-        return out
-
-    def _all_reduce_metrics(self, sums: dict[str, list[float]]) -> dict[str, list[float]]:
-        # Ranks may lack a metric (nothing to measure there), so agree on the key set first.
-        key_sets: list[list[str]] = [[] for _ in range(self.world)]
-        dist.all_gather_object(key_sets, sorted(sums), group=self.reduce_group)
-        keys = sorted(set().union(*key_sets))
-        out: dict[str, list[float]] = {}
-        for suffix, op, fill in (("_max", dist.ReduceOp.MAX, -math.inf), ("_min", dist.ReduceOp.MIN, math.inf), ("", dist.ReduceOp.SUM, 0.0)):
-            group = [k for k in keys if k not in out and k.endswith(suffix)]
-            if not group:
-                continue
-            t = torch.tensor([sums.get(k, [fill, 0.0]) for k in group], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=op, group=self.reduce_group)
-            out.update(zip(group, t.cpu().tolist()))
-        return out
+            sums = all_reduce_metrics(sums, self.world, self.reduce_group, self.device)
+        return averaged(sums)
 
     # ------------------------------------------------------------------------ weights out
 

@@ -47,14 +47,15 @@ from noria.models import load_model
 from noria.models.megatron import VOCAB_ROWS, expert_slice, expert_to_global, expert_to_local, split_dim, tp_gather, to_hf, to_megatron
 from noria.train.backend import LossFn, TrainError
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
-from noria.train.fsdp import FSDPBackend, wanted_sources
+from noria.train.fsdp import FSDPBackend
 from noria.train.logprobs import token_logprobs
 from noria.train.megatron.model import build_gpt, head_logits, init_parallel, load_weights, packed_hidden, quiet_import, require_megatron
 from noria.train.optim import lr_at, set_lr
+from noria.train.packed_forward import LogprobModel, wanted_sources
 from noria.train.weights_out import decoder_holding, export_hf, rank0_buckets
 
 class MegatronLogprobModel(nn.Module):
-    """GPTModel plus the chunked logprob head: the same call as ``noria.train.fsdp.LogprobModel``."""
+    """GPTModel plus the chunked logprob head: the same call as ``noria.train.packed_forward.LogprobModel``."""
 
     def __init__(self, gpt: nn.Module, vocab: int, chunk_tokens: int, temperature: float) -> None:
         super().__init__()
@@ -172,8 +173,6 @@ class MegatronBackend(FSDPBackend):
 
     def _load_frozen(self, path: str | Path) -> nn.Module:
         # A native model on the PyTorch path, in the compute dtype, on the CPU between uses.
-        from noria.train.fsdp import LogprobModel
-
         lm = load_model(path, dtype=self.compute_dtype, device="cpu", impl="native")
         lm.requires_grad_(False)
         return LogprobModel(lm, self.cfg.logprob_chunk_tokens, False, self.temperature).eval()
