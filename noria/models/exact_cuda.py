@@ -51,6 +51,12 @@ def available() -> bool:
 
 @functools.cache
 def _kernels():
+    """(linear, rms, attn) Triton kernels, built on first use (Triton is imported only then)."""
+    return _linear_kernel(), _rms_kernel(), _attn_kernel()
+
+
+def _linear_kernel():
+    """``x @ w.T + b`` in fixed tiles, fp32 accumulation over K in one ordered loop, no split-K."""
     import triton
     import triton.language as tl
 
@@ -76,6 +82,14 @@ def _kernels():
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
+    return linear_kernel
+
+
+def _rms_kernel():
+    """RMSNorm, one program per row: the sum of squares in one fixed-width ``tl.sum``."""
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def rms_kernel(x_ptr, w_ptr, out_ptr, H, stride_x, stride_o, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -88,6 +102,14 @@ def _kernels():
         # As the module: normalised in fp32, rounded to the input dtype, then times the weight.
         y = w * h.to(x.dtype).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return rms_kernel
+
+
+def _attn_kernel():
+    """Flash-style ``exact_attention``: ``ROWS`` query rows of one KV head per program, keys from 0 in fixed blocks."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def attn_kernel(
@@ -132,7 +154,7 @@ def _kernels():
         tl.store(out_ptr + b * so_b + qi[:, None] * so_n + head[:, None] * so_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dmask)
 
-    return linear_kernel, rms_kernel, attn_kernel
+    return attn_kernel
 
 
 def _precision(dtype: torch.dtype) -> str:

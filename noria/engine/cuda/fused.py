@@ -48,11 +48,14 @@ def _kernels():
     """The Triton kernels, built on first use (Triton is imported only then)."""
     import triton
 
-    return {**_layer_kernels(), "sample": _sample_kernel(), "next_pow2": triton.next_power_of_2}
+    return {
+        "add_rmsnorm": _add_rmsnorm_kernel(), "qk": _qk_norm_rope_store_kernel(), "silu_mul": _silu_mul_kernel(),
+        "sample": _sample_kernel(), "next_pow2": triton.next_power_of_2,
+    }
 
 
-def _layer_kernels() -> dict:
-    """The decoder layer's fused kernels: add + RMSNorm, QK-norm + RoPE + KV store, SiLU * up."""
+def _add_rmsnorm_kernel():
+    """``residual += x`` (rounded to the model dtype) and RMSNorm of the sum, one program per row."""
     import triton
     import triton.language as tl
 
@@ -71,6 +74,14 @@ def _layer_kernels() -> dict:
         normed = (h * (1.0 / tl.sqrt(var + eps))).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return add_rmsnorm_kernel
+
+
+def _qk_norm_rope_store_kernel():
+    """Per (token, head): q/k RMSNorm (Qwen3), RoPE on q and k, and the K/V writes into the paged pools."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def qk_norm_rope_store_kernel(
@@ -121,6 +132,14 @@ def _layer_kernels() -> dict:
             full = tl.arange(0, D)
             tl.store(v_pool + dst + full, tl.load(src + full))
 
+    return qk_norm_rope_store_kernel
+
+
+def _silu_mul_kernel():
+    """``silu(gate) * up``, rounded where the eager modules round."""
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -131,7 +150,7 @@ def _layer_kernels() -> dict:
         s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
         tl.store(out_ptr + offs, (s * u).to(g.dtype), mask=mask)
 
-    return {"add_rmsnorm": add_rmsnorm_kernel, "qk": qk_norm_rope_store_kernel, "silu_mul": silu_mul_kernel}
+    return silu_mul_kernel
 
 
 def _sample_kernel():
