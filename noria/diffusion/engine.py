@@ -47,8 +47,7 @@ import torch
 from noria.diffusion import sde
 from noria.diffusion.model import cast, latent_shape, load_dit, num_classes, set_exact_numerics, velocity
 from noria.diffusion.protocol import ImageOutput, ImageRequest
-from noria.engine.protocol import RequestError
-from noria.engine.thread import PAUSE_MODES, EngineThread, generate, generate_batch
+from noria.engine.thread import EngineThread, check_pause_mode, generate, generate_batch
 from noria.engine.weight_updates import WeightUpdates
 
 
@@ -109,9 +108,7 @@ class DiffusionEngine:
 
     def submit(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> str:
         """Queue a request; ``callback`` (on the engine thread) gets its output. Returns the request id."""
-        self._thread.check_alive()
-        if self._thread.closing:
-            raise RequestError("the engine is shutting down and accepts no new requests")
+        self._thread.check_accepting()
         req.validate(self.num_classes)
         if not req.rid:
             req = replace(req, rid=uuid.uuid4().hex)
@@ -147,8 +144,7 @@ class DiffusionEngine:
 
     async def pause(self, mode: str = "retract") -> None:
         """Stop denoising after the current step (both modes keep every trajectory's state)."""
-        if mode not in PAUSE_MODES:
-            raise RequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_pause_mode(mode)
         await asyncio.wrap_future(self._thread.post_future(lambda: setattr(self, "_paused", True)))
 
     async def resume(self) -> None:

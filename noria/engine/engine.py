@@ -75,7 +75,7 @@ from noria.engine.radix import RadixCache
 from noria.engine.runner import ModelRunner
 from noria.engine.sampling import device_sampleable, draw_uniforms, sample
 from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler, StopChecker
-from noria.engine.thread import PAUSE_MODES, EngineThread, call_in_loop, generate, generate_batch
+from noria.engine.thread import EngineThread, call_in_loop, check_pause_mode, generate, generate_batch
 from noria.engine.weight_updates import WeightUpdates
 from noria.models import DecoderLM, load_model, load_tokenizer, model_path
 
@@ -154,9 +154,7 @@ class Engine:
     def submit(self, req: GenerateRequest, callback: Callable[[GenerateOutput], None], stream: bool = False) -> str:
         """Queue a request; ``callback`` gets the final output (and, with ``stream``, one partial
         output after every step that adds a token). Returns the request id. Raises RequestError."""
-        self._thread.check_alive()
-        if self._thread.closing:
-            raise RequestError("the engine is shutting down and accepts no new requests")
+        self._thread.check_accepting()
         req = self._validated(req)
         internal = Req(request=req, callback=callback, stream=stream, max_total_tokens=self._max_total(req))
         if req.sampling.seed is not None:
@@ -203,8 +201,7 @@ class Engine:
     async def pause(self, mode: str = "retract") -> None:
         """Stop generating after the current step. ``retract`` frees all KV (requests resume from
         their output so far); ``in_place`` keeps it. Queued and new requests wait until resume."""
-        if mode not in PAUSE_MODES:
-            raise RequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_pause_mode(mode)
         await asyncio.wrap_future(self._thread.post_future(lambda: self.scheduler.pause(mode)))
 
     async def resume(self) -> None:

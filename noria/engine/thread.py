@@ -30,10 +30,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from noria.engine.protocol import RequestError
+
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("retract", "in_place")
 """``pause(mode)`` of every engine: ``retract`` frees what a paused request holds, ``in_place`` keeps it."""
+
+
+def check_pause_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise RequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
 
 
 class EngineDead(RuntimeError):
@@ -78,7 +85,7 @@ class EngineThread:
         def run() -> None:
             try:
                 future.set_result(fn())
-            except BaseException as e:  # handed to the caller through the future
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller through the future
                 future.set_exception(e)
 
         if threading.current_thread() is self._thread or not self._thread.is_alive():
@@ -94,6 +101,12 @@ class EngineThread:
     def check_alive(self) -> None:
         if self.error is not None:
             raise EngineDead(f"the engine loop stopped: {type(self.error).__name__}: {self.error}")
+
+    def check_accepting(self) -> None:
+        """Before a new request: EngineDead once the loop failed, RequestError once shutdown began."""
+        self.check_alive()
+        if self.closing:
+            raise RequestError("the engine is shutting down and accepts no new requests")
 
     def shutdown(self, busy: Callable[[], bool], abort_all: Callable[[], None], drain_timeout_s: float) -> None:
         """Refuse new requests, wait up to ``drain_timeout_s`` while ``busy()``, ``abort_all()``, stop
