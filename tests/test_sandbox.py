@@ -286,35 +286,186 @@ def test_concurrent_sandboxes_cannot_see_each_other(sandbox):
     assert int(rb.stdout.split("pids ")[1].split()[0]) <= 3, rb  # its own processes only
 
 
-def test_sandbox_dies_with_its_caller():
-    """SIGKILL of the process that started a sandbox (a trainer, say) takes the sandbox along."""
+# ------------------------------------------------------------------------------ the caller killed during set-up
+
+STAGES = ("setpriv", "unshare", "unshare-unarmed", "sh", "sh-unarmed", "mount", "cp", "bwrap", "bwrap-child", "running")
+"""Where the caller is killed: parked at the start of that tool of the chain (``-unarmed``: with the
+parent-death signal cleared first, as it is inside setpriv after its uid change or inside unshare
+between its fork and its prctl; ``bwrap-child``: in a child that bwrap forks, which has no signal,
+as bwrap's first process in the sandbox has none until its mounts are made), or once the program runs."""
+CALLER_UID = 4243
+"""The unprivileged caller of the test below (not ``UNPRIVILEGED_UID``: its processes are counted alone)."""
+CALLER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from sandbox import SandboxLimits, run_python
+run_python('import time\\ntime.sleep(60)', SandboxLimits(timeout_s=60, cpu_s=60))
+"""
+
+
+def _shim(stage: str, folder: Path) -> None:
+    """``folder/TOOL``, first on the caller's PATH: waits on the FIFO ``folder/park`` until the test
+    opens and closes it, then runs the real tool (see ``STAGES`` for the variants)."""
+    tool, _, variant = stage.partition("-")
+    real, real_sh, real_setpriv = shutil.which(tool), shutil.which("sh"), shutil.which("setpriv")
+    park = f"read -r _ < {folder / 'park'}; exec {real} \"$@\""
+    if variant == "unarmed":
+        park = f"exec {real_setpriv} --pdeathsig clear -- {real_sh} -c '{park}' {tool} \"$@\""
+    if variant == "child":
+        park = f"({park}) &\nwait"
+    (folder / tool).write_text(f"#!{real_sh}\n{park}\n")
+    os.chmod(folder / tool, 0o755)
+    os.mkfifo(folder / "park", 0o666)
+    os.chmod(folder / "park", 0o666)
+
+
+def _chain_processes(caller_pid: int, mode: str, shims: Path) -> dict[int, str]:
+    """The set-up chain and sandbox of that caller, zombies aside: processes of its sandbox uid (root
+    mode) or of ``CALLER_UID``, and the shim, whatever its uid; by pid, with their command lines."""
+    low = SANDBOX_UID_BASE + ((caller_pid & 0xFFFF) << 12)
+    found = {}
+    for p in Path("/proc").iterdir():
+        try:
+            status = dict(line.split(":", 1) for line in (p / "status").read_text().splitlines() if ":" in line)
+            cmdline = (p / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+        except (OSError, ValueError):
+            continue
+        uid = int(status["Uid"].split()[0])
+        ours = uid == CALLER_UID if mode == "unprivileged" else low <= uid < low + 4096
+        if p.name.isdigit() and not status["State"].strip().startswith("Z") and (ours or str(shims) in cmdline):
+            found[int(p.name)] = cmdline[:120]
+    return found
+
+
+def _dying(pid: int) -> bool:
+    """SIGKILL pending or already exiting (PF_EXITING); a process gone is not dying."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        flags = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[6])
+    except (OSError, ValueError, IndexError):
+        return False
+    return bool((int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)) & (1 << 8) or flags & 0x4)
+
+
+def _deaths_done(caller_pid: int, mode: str, shims: Path) -> None:
+    """Wait until the caller's death has gone down the chain: no process of it is still dying."""
+    deadline, calm = time.monotonic() + 10, 0
+    while calm < 2 and time.monotonic() < deadline:
+        calm = calm + 1 if not any(_dying(pid) for pid in _chain_processes(caller_pid, mode, shims)) else 0
+        time.sleep(0.02)
+
+
+def _park_reached(caller: subprocess.Popen, fifo: Path) -> int:
+    """Open the shim's FIFO once the shim waits on it; the shim stays parked until it is closed."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and caller.poll() is None:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: nobody reads it yet
+            time.sleep(0.01)
+    _never_started(caller)
+
+
+def _program_runs(caller: subprocess.Popen, mode: str, shims: Path) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and caller.poll() is None:
+        if any("main.py" in c for c in _chain_processes(caller.pid, mode, shims).values()):
+            return
+        time.sleep(0.01)
+    _never_started(caller)
+
+
+def _never_started(caller: subprocess.Popen) -> None:
+    caller.kill()
+    pytest.fail(f"the sandbox never got there: {caller.communicate()}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mode", MODES)
+def test_sandbox_dies_with_its_caller(mode, stage, module_copy):
+    """SIGKILL of the process that runs a sandbox (a trainer, say) at any stage of the set-up, or
+    once its program runs, takes every process of the chain along. A shim stands for one tool of the
+    chain on the caller's PATH and parks; the caller is killed while it is parked, then the shim goes
+    on (if it is still alive) into the real tool: nothing of the chain may be left within seconds."""
     import signal
-    import sys
 
     if os.geteuid() != 0:
-        pytest.skip("finds the sandbox by its own uid, which only root mode gives it")
-    code = "from noria.agent.sandbox import run_python\nrun_python('import time\\ntime.sleep(60)')\n"
-    caller = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1])
+        pytest.skip("finds the sandbox by its uid, which only root can give it")
+    if mode == "unprivileged" and stage == "setpriv":
+        pytest.skip("only root mode runs setpriv")
+    folder = Path(tempfile.mkdtemp(prefix="noria-sandbox-kill-", dir="/tmp"))
+    shims, tmp = folder / "shims", folder / "tmp"
+    shims.mkdir()
+    tmp.mkdir()
+    for path, permissions in ((folder, 0o755), (shims, 0o755), (tmp, 0o777)):
+        os.chmod(path, permissions)
+    if stage != "running":
+        _shim(stage, shims)
+    launcher = [] if mode == "caller" else [shutil.which("setpriv"), f"--reuid={CALLER_UID}", f"--regid={CALLER_UID}", "--clear-groups"]
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", TMPDIR=str(tmp))
+    caller = subprocess.Popen(launcher + ["/usr/bin/python3", "-c", CALLER, str(module_copy)], env=env, cwd="/",
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
-        deadline = time.monotonic() + 20
-        while not sandbox_processes() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        started = sandbox_processes()
-        assert started, "the sandbox never started"
-    finally:
+        parked = None if stage == "running" else _park_reached(caller, shims / "park")
+        if stage == "running":
+            _program_runs(caller, mode, shims)
         caller.send_signal(signal.SIGKILL)
         caller.wait()
-    deadline = time.monotonic() + 5
-    while sandbox_processes() & started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not sandbox_processes() & started
+        _deaths_done(caller.pid, mode, shims)
+        spared = [c for c in _chain_processes(caller.pid, mode, shims).values() if str(shims) in c]
+        if parked is not None:
+            os.close(parked)  # a shim still alive goes on into the real tool, the rest of the chain dead
+        deadline = time.monotonic() + 10
+        while (left := _chain_processes(caller.pid, mode, shims)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"left behind after the caller was killed at {stage}: {left}"
+        # where a death signal is armed, the caller's death itself kills the chain, not a later check
+        assert not spared or stage.endswith("-unarmed"), f"the caller's death spared the chain parked at {stage}: {spared}"
+    finally:
+        caller.kill()
+        caller.communicate()
+        for pid in _chain_processes(caller.pid, mode, shims):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+CHILD_SETUP = """
+import ctypes, os, resource, sys
+sys.path.insert(0, sys.argv[1])
+import sandbox
+setup = sandbox._child_setup(sandbox.SandboxLimits(max_procs=resource.getrlimit(resource.RLIMIT_NPROC)[1]))
+child = os.fork()
+if child == 0:  # a child of the caller: armed, goes on
+    try:
+        setup()
+        armed = ctypes.c_int()
+        ctypes.CDLL(None).prctl(2, ctypes.byref(armed), 0, 0, 0)  # PR_GET_PDEATHSIG
+        grandchild = os.fork()
+        if grandchild == 0:  # not a child of the caller, as if the caller had died: exits in setup()
+            setup()
+            os._exit(0)
+        print(armed.value, os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1]), flush=True)
+    finally:
+        os._exit(0)
+os.waitpid(child, 0)
+"""
+
+
+def test_child_of_a_caller_that_is_gone_exits_before_exec(module_copy):
+    """The first window: the caller dies between the fork and the child's arming of its parent-death
+    signal. The child's set-up arms SIGKILL, then finds its parent is not the caller and exits."""
+    out = subprocess.run(["/usr/bin/python3", "-c", CHILD_SETUP, str(module_copy)], capture_output=True, text=True, timeout=30, check=False)
+    assert out.stdout.split() == ["9", "1"], out  # SIGKILL armed; the orphan exited 1 before any exec
 
 
 # ------------------------------------------------------------------------------ failing loudly
 
 
 def test_missing_bubblewrap_is_a_clear_error(monkeypatch, tmp_path):
-    for tool in ("unshare", "setpriv", "mount", "sh"):
+    for tool in ("unshare", "setpriv", "mount", "cp", "sh"):
         (tmp_path / tool).symlink_to(shutil.which(tool))
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SandboxUnavailable, match="bwrap.*bubblewrap"):

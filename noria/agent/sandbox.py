@@ -2,13 +2,41 @@
 
 ``run_python(code)`` runs ``code`` with the system ``python3 -I`` (standard library only) inside
 bubblewrap (``bwrap``, Debian's ``bubblewrap`` package; ``scripts/setup.sh`` installs it). The
-chain, each step exec'ing the next::
+chain, each step exec'ing the next (``forks`` where it does not); every tool by its absolute path
+on the caller's ``PATH``::
 
-    [root only: setpriv to a fresh unprivileged uid]            one uid per sandbox
-      └─ unshare --user --map-root-user --mount                 a private mount namespace
-           └─ sh: mount a tmpfs (size=, nr_inodes=) on the folder, copy main.py in
-                └─ bwrap --unshare-all --disable-userns ...      the sandbox proper
-                     └─ python3 -I main.py                       no capabilities, uid 1000 inside
+    the caller's child: arms its parent-death signal, exits if the caller is gone already
+      └─ [root only: setpriv --pdeathsig KILL to a fresh uid]        one unprivileged uid per sandbox
+           └─ unshare --user --map-root-user --mount --pid --fork --kill-child
+                └─ forks sh, PID 1 of the new PID namespace: checks the caller is alive, mounts a
+                   tmpfs (size=, nr_inodes=) on the folder, copies main.py in (mount and cp: forked)
+                     └─ bwrap --unshare-all --disable-userns ...      the sandbox proper
+                          └─ python3 -I main.py                       no capabilities, uid 1000 inside
+
+Killing the caller kills the sandbox, at every stage of its set-up (``test_sandbox_dies_with_its_caller``
+parks the chain at each tool, kills the caller, lets the tool go on, and finds nothing left;
+``test_child_of_a_caller_that_is_gone_exits_before_exec``). The wall-clock timeout lives in the caller,
+so a sandbox that outlived it would run with no time limit but RLIMIT_CPU. What kills it is the
+kernel's parent-death signal (``PR_SET_PDEATHSIG``): kept across the exec of a program that is not
+setuid and across ``unshare(CLONE_NEWUSER)`` by the same user, but cleared when the uid changes
+(setpriv's switch) and never inherited by a forked child. So at each stage:
+
+1. between fork and exec, the ``preexec_fn`` arms SIGKILL, then checks the caller is still its
+   parent and exits if not (the caller died before the signal was armed);
+2. setpriv's uid change clears the signal; ``--pdeathsig KILL`` arms it again after the change;
+3. unshare keeps it; the sh it forks arms its own against unshare (``--kill-child``);
+4. sh checks that its parent's parent is the caller: every signal above was armed before, so a
+   caller alive now takes the whole chain with it when it dies, and a caller already dead died in
+   a window where one was not armed yet (inside setpriv between its uid change and its prctl,
+   inside unshare between its fork and its prctl): sh exits;
+5. from then on sh, and the bwrap it becomes, is PID 1 of a PID namespace: when it dies the kernel
+   kills every process of the namespace, nested namespaces included. That takes along mount and cp
+   (forked, with no signal) and bwrap's first process inside the sandbox, which arms
+   ``--die-with-parent`` only once it has made its mounts: killing the caller in those milliseconds
+   left sandboxes running before this namespace was there.
+
+The signal follows the *thread* that called ``run_python``; that thread waits for the sandbox, so it
+outlives it.
 
 What is protected, each claim with the test that attacks it (tests/test_sandbox.py, run both as
 root and as an unprivileged user):
@@ -27,8 +55,7 @@ root and as an unprivileged user):
   loopback is reachable (``test_no_network_connection``).
 - processes: a PID namespace (it sees and can signal only its own processes; when it exits or is
   killed, every process it started dies: ``test_grandchild_holding_the_pipes_dies_with_it``), a
-  process limit (``test_fork_bomb_is_contained``), bwrap's ``--die-with-parent`` (killing the
-  caller kills the sandbox).
+  process limit (``test_fork_bomb_is_contained``), and the sandbox dies with its caller (above).
 - other sandboxes: each has its own mount, PID, IPC, UTS, cgroup and network namespace and, when
   the caller is root, its own uid (so the process limit is per sandbox); none sees another's
   folder or processes (``test_concurrent_sandboxes_cannot_see_each_other``).
@@ -51,15 +78,16 @@ What this does NOT protect against: kernel exploits (there is no seccomp filter 
 reading what ``/usr`` holds; CPU and memory use up to the limits, and many sandboxes at once
 together exhausting the machine (limits are per process and per sandbox, not a cgroup); kernel
 memory of its files up to ``max_files`` inodes; timing side channels. In non-root mode the process
-limit counts in the sandbox's user namespace. Needs ``bwrap`` (bubblewrap >= 0.8), ``unshare`` and
-``mount`` (util-linux), ``setpriv`` when root, and unprivileged user namespaces
-(``user.max_user_namespaces`` > 0).
+limit counts in the sandbox's user namespace. Needs ``bwrap`` (bubblewrap >= 0.8), ``unshare``,
+``mount`` and, when root, ``setpriv`` (util-linux >= 2.33), ``cp``, ``sh``, and unprivileged user
+namespaces (``user.max_user_namespaces`` > 0).
 
 This module imports only the standard library, so that it runs as any user with the system Python.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import resource
@@ -82,18 +110,29 @@ WORKDIR = "/sandbox"
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 """What the program sees of the host, read-only (a symlink stays a symlink)."""
 
-# Runs as root of the outer user namespace, in its private mount namespace: the folder becomes a
-# bounded tmpfs that no other process on the host can see, then bwrap starts the program.
+PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None  # resolved before any fork
+
+# Runs as root of the outer user namespace and as PID 1 of its PID namespace, in its private mount
+# namespace. First it checks that its parent (unshare) is still the child of the caller: every
+# parent-death signal of the chain was armed before this point, so the caller alive now means the
+# whole chain dies with it; the caller dead already (it died in a window where no signal was armed)
+# means stop here. Then the folder becomes a bounded tmpfs that no other process can see, and bwrap
+# starts the program. /proc is the host's, so /proc/self/stat names the real parent's host pid
+# (getppid() is 0 for a PID namespace's first process).
 _MOUNT_AND_EXEC = r"""
 set -e
-folder="$1"; bytes="$2"; inodes="$3"; shift 3
-mount -t tmpfs -o "size=$bytes,nr_inodes=$inodes,mode=0755" noria-sandbox "$folder/work"
-cp "$folder/main.py" "$folder/work/main.py"
+caller="$1"; folder="$2"; bytes="$3"; inodes="$4"; mount="$5"; cp="$6"; shift 6
+parent_of() { read -r stat < "/proc/$1/stat"; set -- ${stat##*)}; parent="$2"; }
+parent_of self; parent_of "$parent"
+if [ "$parent" != "$caller" ]; then echo "sh: the caller (pid $caller) is gone" >&2; exit 1; fi
+"$mount" -t tmpfs -o "size=$bytes,nr_inodes=$inodes,mode=0755" noria-sandbox "$folder/work"
+"$cp" "$folder/main.py" "$folder/work/main.py"
 exec "$@"
 """
 
-SETUP_TOOLS = ("bwrap:", "unshare:", "setpriv:", "mount:", "cp:", "sh:")
-"""What a failure of the chain before the program starts writes first on stderr."""
+SETUP_TOOLS = ("bwrap", "unshare", "setpriv", "mount", "cp", "sh")
+"""The chain's tools: a failure before the program starts writes ``TOOL:`` (or ``/path/to/TOOL:``) first on stderr."""
 
 _ids = itertools.count()
 
@@ -150,8 +189,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, UNSAFE_no_
 
 
 def isolated_command(folder: Path, limits: SandboxLimits) -> list[str]:
-    """The command line that runs ``folder/main.py`` isolated (see the chain in the module docstring)."""
-    check_tools()
+    """The command line that runs ``folder/main.py`` isolated (see the chain in the module docstring);
+    every tool by its absolute path, as ``check_tools`` found it on the caller's ``PATH``."""
+    tools = check_tools()
     (folder / "work").mkdir()
     cmd: list[str] = []
     if os.geteuid() == 0:
@@ -159,17 +199,19 @@ def isolated_command(folder: Path, limits: SandboxLimits) -> list[str]:
         os.chown(folder, uid, uid)
         os.chown(folder / "work", uid, uid)
         os.chmod(folder / "main.py", 0o644)
-        cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
+        # the uid change clears the parent-death signal: --pdeathsig arms it again after it
+        cmd += [tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--pdeathsig", "KILL", "--"]
     os.chmod(folder, 0o700)
-    cmd += ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private", "--"]
-    cmd += ["/bin/sh", "-c", _MOUNT_AND_EXEC, "sandbox", str(folder), str(limits.max_folder_mb << 20), str(limits.max_files)]
-    return cmd + bwrap_args(folder / "work") + [_system_python(), "-I", "main.py"]
+    cmd += [tools["unshare"], "--user", "--map-root-user", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child=KILL", "--"]
+    cmd += [tools["sh"], "-c", _MOUNT_AND_EXEC, "sh", str(os.getpid()), str(folder), str(limits.max_folder_mb << 20), str(limits.max_files)]
+    cmd += [tools["mount"], tools["cp"]]
+    return cmd + bwrap_args(tools["bwrap"], folder / "work") + [_system_python(), "-I", "main.py"]
 
 
-def bwrap_args(work: Path) -> list[str]:
+def bwrap_args(bwrap: str, work: Path) -> list[str]:
     """bwrap's arguments: every namespace new, no further user namespace, only ``SYSTEM_DIRS``
     (read-only), ``/proc``, a read-only ``/dev`` and the writable ``work`` folder at ``WORKDIR``."""
-    args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--hostname", "sandbox"]  # fmt: skip
     for path in SYSTEM_DIRS:
         if os.path.islink(path):
@@ -181,12 +223,14 @@ def bwrap_args(work: Path) -> list[str]:
     return args + ["--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8", "--"]
 
 
-def check_tools() -> None:
-    """``SandboxUnavailable`` naming what is missing: bwrap, unshare, setpriv (root), user namespaces."""
-    wanted = {"bwrap": "bubblewrap", "unshare": "util-linux", "mount": "mount"}
+def check_tools() -> dict[str, str]:
+    """Each tool of the chain by its absolute path on this process's ``PATH``; ``SandboxUnavailable``
+    naming what is missing: bwrap, unshare, mount, cp, sh, setpriv (root), user namespaces."""
+    wanted = {"bwrap": "bubblewrap", "unshare": "util-linux", "mount": "mount", "cp": "coreutils", "sh": "dash"}
     if os.geteuid() == 0:
         wanted["setpriv"] = "util-linux"
-    missing = [f"{tool} (Debian package {package})" for tool, package in wanted.items() if shutil.which(tool) is None]
+    found = {tool: shutil.which(tool) for tool in wanted}
+    missing = [f"{tool} (Debian package {package})" for tool, package in wanted.items() if found[tool] is None]
     if missing:
         raise SandboxUnavailable(
             f"the code sandbox needs {', '.join(missing)}: apt-get install bubblewrap util-linux (scripts/setup.sh "
@@ -195,6 +239,7 @@ def check_tools() -> None:
     limit = Path("/proc/sys/user/max_user_namespaces")
     if limit.exists() and limit.read_text().strip() == "0":
         raise SandboxUnavailable("the code sandbox needs user namespaces, but user.max_user_namespaces is 0")
+    return {tool: os.path.abspath(path) for tool, path in found.items() if path is not None}
 
 
 def sandbox_uid() -> int:
@@ -215,8 +260,15 @@ def _interpreter() -> str:
     return sys.executable
 
 
-def _limiter(limits: SandboxLimits):
-    def apply() -> None:
+def _child_setup(limits: SandboxLimits):
+    """The ``preexec_fn``: arm SIGKILL for when the caller dies, check it has not died already, set the limits."""
+    caller = os.getpid()
+
+    def apply() -> None:  # runs in the child between fork and exec: no imports, no locks
+        if _prctl is not None:
+            _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != caller:  # the caller died before the signal was armed
+            os._exit(1)
         mem = limits.memory_mb << 20
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -232,7 +284,7 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], limits: SandboxLimits) 
     try:
         proc = subprocess.Popen(
             cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            preexec_fn=_limiter(limits), start_new_session=True,
+            preexec_fn=_child_setup(limits), start_new_session=True,
         )  # fmt: skip
     except OSError as e:
         return SandboxResult("sandbox_error", None, "", str(e), 0.0)
@@ -286,7 +338,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def _classify(code: int, stderr: str, seconds: float, limits: SandboxLimits) -> str:
     if code == 0:
         return "ok"
-    if stderr.startswith(SETUP_TOOLS):  # the chain failed before the program ran
+    if os.path.basename(stderr.split(":", 1)[0]) in SETUP_TOOLS:  # the chain failed before the program ran
         return "sandbox_error"
     if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU, -signal.SIGKILL) and seconds >= min(limits.cpu_s, limits.timeout_s) * 0.9:
         return "timeout"
