@@ -37,7 +37,7 @@ import torch
 
 from noria.config import RunConfig, save_config
 from noria.errors import NoriaError
-from noria.launch.job import LocalJob
+from noria.launch.job import LocalJob, steps_of
 from noria.types import Group, Prompt
 
 
@@ -69,11 +69,7 @@ class DiffusionJob(LocalJob):
         self.dropped_prompts = 0
         test = condition_prompts("test", cfg.data.task_args)[: cfg.eval.limit]
         self.test_prompts: list[tuple[Prompt, list[int]]] = [(p, [int(p.label)]) for p in test] if cfg.eval.every > 0 else []
-        per_epoch = len(train) * cfg.data.epochs // cfg.rollout.prompts_per_step
-        self.total_steps = min(per_epoch, cfg.train.max_steps) if cfg.train.max_steps else per_epoch
-        if self.total_steps < 1:
-            raise NoriaError(f"{len(train)} condition prompts x {cfg.data.epochs} epochs do not fill one step of "
-                             f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")  # fmt: skip
+        self.total_steps = steps_of(cfg, len(train), "condition prompts")
 
     def build_evals(self) -> Any:
         cfg = self.config

@@ -172,13 +172,7 @@ class LocalJob:
             fit = drop_long(rendered, cfg.data.max_prompt_tokens)[0]
             check_fit(fit, context_limit(cfg), cfg.data.max_prompt_tokens)
             self.test_prompts = [(r.prompt, r.ids) for r in fit]
-        per_epoch = len(kept) * cfg.data.epochs // cfg.rollout.prompts_per_step
-        self.total_steps = min(per_epoch, cfg.train.max_steps) if cfg.train.max_steps else per_epoch
-        if self.total_steps < 1:
-            raise NoriaError(
-                f"{len(kept)} training prompts x {cfg.data.epochs} epochs do not fill one step of "
-                f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}"
-            )
+        self.total_steps = steps_of(cfg, len(kept), "training prompts")
 
     def start_parts(self, resume: bool) -> None:
         """Build every part through the hooks below, in this order (a job kind overrides the hooks it
@@ -544,3 +538,14 @@ class LocalJob:
             self.local_engine.shutdown(drain_timeout_s=1.0)
         for child in reversed(self.children):  # a vLLM server: its whole process group (its engine core too)
             child.stop()
+
+
+def steps_of(config: RunConfig, n_prompts: int, what: str) -> int:
+    """Rollout steps of a run over ``n_prompts`` training prompts: ``data.epochs`` of them in steps of
+    ``rollout.prompts_per_step``, capped by ``train.max_steps``; ``NoriaError`` when not one step fills."""
+    per_epoch = n_prompts * config.data.epochs // config.rollout.prompts_per_step
+    steps = min(per_epoch, config.train.max_steps) if config.train.max_steps else per_epoch
+    if steps < 1:
+        raise NoriaError(f"{n_prompts} {what} x {config.data.epochs} epochs do not fill one step of "
+                         f"rollout.prompts_per_step={config.rollout.prompts_per_step}")  # fmt: skip
+    return steps
