@@ -35,7 +35,7 @@ class DiffusionConfig:
     )
     eval_steps: int = option(20, "ODE steps of evaluation images (deterministic given the seed).")
     objective: str = option(
-        "flow_grpo", "RL objective, a name of noria.train.algorithms.diffusion (flow_grpo: clipped per-step likelihood "
+        "flow_grpo", "RL objective, a name of noria.diffusion.objectives (flow_grpo: clipped per-step likelihood "
         "ratios of the SDE; diffusion_nft: likelihood-free, on the forward process of the final images)."
     )
     adv_clip: float = option(5.0, "Advantages are clipped to [-adv_clip, adv_clip] (Flow-GRPO; DiffusionNFT maps them to [0, 1] by it).")
