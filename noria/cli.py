@@ -40,6 +40,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.preflight import check_references
 
     sigterm_as_interrupt()  # SIGTERM stops the run as Ctrl-C does: step ends, logs flushed, children stopped
+    os.umask(0o077)  # the run folder's files (trajectories, checkpoints, the model) are its owner's only
     config_file = args.config
     if config_file is None:  # `noria train --resume RUN`: the run's own resolved config
         if args.resume is None:
@@ -81,6 +82,7 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
         engine_id=args.engine_id or "",
         weight_version=args.weight_version,
         served_model_name=args.served_model_name or "",
+        insecure_no_key=args.insecure_no_key,
     )
     from noria.diffusion.model import is_dit_folder
 
@@ -293,6 +295,11 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain in-flight requests on SIGTERM (default 30)")
     p.add_argument("--engine-id", help="name of this engine in /server_info and meta_info (default host:port)")
     p.add_argument("--served-model-name", help="model id in the OpenAI API (default the model path)")
+    p.add_argument(
+        "--insecure-no-key", action="store_true",
+        help="serve beyond loopback (--host) without an API key; refused otherwise: anyone who reaches the port "
+        "could generate and replace the weights",
+    )
     p.set_defaults(handler=_serve, takes_overrides=True)
 
 

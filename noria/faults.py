@@ -30,6 +30,7 @@ POINTS = {
     "checkpoint.partial_written": "noria.train.checkpoint.save_checkpoint: every file is in the hidden partial folder, "
     "COMMITTED not yet written (a crash here must leave the last committed checkpoint the one resumed)",
     "checkpoint.committed": "noria.train.checkpoint.save_checkpoint: the checkpoint is committed and in place",
+    "metrics.write": "noria.metrics.RunLog.append: a line of metrics.jsonl or eval.jsonl is about to be written",
 }
 """Every fault point: name -> where it is and what holds there."""
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from noria import faults
+from noria.errors import DiskError
 from noria.types import Group, Status
 
 SINKS = ("jsonl", "tensorboard", "wandb")
@@ -328,8 +330,7 @@ class RunLog:
             events.write(json.dumps({"event": event, "at_step": start_step, "time": time.time()}) + "\n")
 
     def write_step(self, row: dict[str, Any]) -> None:
-        self.metrics.write(json.dumps(clean(row)) + "\n")
-        self.metrics.flush()
+        self.append(self.metrics, row)
         for sink in self.sinks:
             sink.log(row, row["step"])
         self.last_row = row
@@ -346,9 +347,18 @@ class RunLog:
 
         return max(shutil.get_terminal_size((100, 24)).columns - BAR_COLUMNS, 24)
 
+    def append(self, file: Any, row: dict[str, Any]) -> None:
+        """One JSON line, flushed; a failed write (disk full, read-only) stops the run naming the file
+        and the space left (``DiskError``). A line cut short is dropped when the run resumes."""
+        try:
+            faults.point("metrics.write")
+            file.write(json.dumps(clean(row)) + "\n")
+            file.flush()
+        except OSError as e:
+            raise DiskError.writing(file.name, e, f"the run log (step {row.get('step')})") from e
+
     def write_eval(self, row: dict[str, Any], samples: list[Any] | None = None) -> None:
-        self.evals.write(json.dumps(clean(row)) + "\n")
-        self.evals.flush()
+        self.append(self.evals, row)
         if "accuracy" in row:
             self.last_accuracy = row["accuracy"]
             if self.bar is not None and self.last_row is not None:  # the bar shows the newest accuracy

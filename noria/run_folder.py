@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -47,8 +48,34 @@ def resolve_run_dir(config: RunConfig, run_dir: str | None, resume: str | None) 
     return Path(folder)
 
 
+def make_run_folder(folder: Path) -> None:
+    """Create the run folder (and its parents) readable by its owner only (0700): it holds the
+    resolved config, every trajectory, checkpoints and the model. ``noria train`` also runs with
+    umask 077, so the files in it are 0600."""
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+
+
+def check_writable(folder: Path) -> None:
+    """``NoriaError`` when the run folder (or, not made yet, the nearest folder above it) cannot be
+    written: a read-only file system or no permission. Checked before any model loads."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only file system" if _read_only(existing) else "is not writable by this user"
+        where = "" if existing == folder else f" ({existing}, where it would be made,)"
+        raise NoriaError(f"run folder {folder}{where} {why}: the run could save nothing; pick another --run-dir")
+
+
+def _read_only(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
 def check_run_folder(folder: Path, config: RunConfig, resume: bool) -> None:
-    """A fresh run needs a folder without a run in it; a resumed one, the same config as saved."""
+    """A fresh run needs a folder without a run in it; a resumed one, the same config as saved; both,
+    a folder they can write."""
+    check_writable(folder)
     if resume:
         check_same_config(folder, config)
     elif (folder / "metrics.jsonl").exists() or latest_checkpoint(folder) is not None:

@@ -172,7 +172,7 @@ def run_sft(config: RunConfig, run_dir: str | None, resume: str | None, progress
     """Flow-matching SFT of the DiT on the digits' train split (see the module docstring)."""
     from noria.data import PromptSource
     from noria.diffusion.trainer import DiffusionTrainer
-    from noria.run_folder import check_run_folder, resolve_run_dir
+    from noria.run_folder import check_run_folder, make_run_folder, resolve_run_dir
     from noria.train.checkpoint import checkpoint_dir
     from noria.launch.sft import StepLog, restore, step_row, total_steps
 
@@ -186,6 +186,7 @@ def run_sft(config: RunConfig, run_dir: str | None, resume: str | None, progress
     if resume is not None:
         restore(trainer, source, folder)
     config.run_dir = str(folder)
+    make_run_folder(folder)
     save_config(config, folder / "config.yaml")
     log = StepLog(folder / "metrics.jsonl", True, steps, trainer.optimizer_steps, progress)
     while trainer.optimizer_steps < steps and not source.exhausted:

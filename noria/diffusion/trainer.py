@@ -68,7 +68,7 @@ class DiffusionTrainer:
         self.optimizer_steps = 0
         """Optimizer steps applied (skipped non-finite steps do not count)."""
         self.nonfinite_streak = 0
-        self.rank = 0  # one process (what the run-folder helpers of noria.train.run ask)
+        self.rank = 0  # one process (what the run-folder helpers of noria.launch.sft ask)
         self.sigmas = sde.flow_sigmas(dcfg.steps, dcfg.shift)
 
     # ------------------------------------------------------------------------------------ init

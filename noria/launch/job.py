@@ -79,6 +79,7 @@ from noria.launch.parts import (
 from noria.metrics import RunLog, group_metrics
 from noria.process import Child, signals_cancel_task
 from noria.rollout import HttpEngineClient, LocalEngineClient, RolloutContext
+from noria.run_folder import make_run_folder
 from noria.rollout.buffer import DropStreak, build_buffer, prompt_to_dict, resolve_filters
 from noria.rollout.generate import granularity, rollout_plugin
 from noria.rollout.scheduler import RolloutScheduler
@@ -177,7 +178,7 @@ class LocalJob:
     def start_parts(self, resume: bool) -> None:
         """Build every part through the hooks below, in this order (a job kind overrides the hooks it
         changes and copies none of this), restore the checkpoint when resuming, open the run's log."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_run_folder(self.folder)
         self.evals = self.build_evals()  # eval.mode fleet: its engines; checkpoint: its backend
         self.client, target = self.build_engine()
         self.teacher = self.build_teacher()

@@ -47,7 +47,7 @@ from noria.data import PromptSource
 from noria.data.chat import resolve_chat_template
 from noria.errors import NoriaError
 from noria.net import free_port
-from noria.run_folder import check_run_folder, discard_unstarted, keep_metrics_through, resolve_run_dir
+from noria.run_folder import check_run_folder, discard_unstarted, keep_metrics_through, make_run_folder, resolve_run_dir
 from noria.train.checkpoint import checkpoint_dir, latest_checkpoint
 from noria.train.sft import SFTDataError, chat_sample, read_chat_jsonl
 from noria.types import Prompt, Sample
@@ -149,6 +149,7 @@ def sft_loop(config: RunConfig, data: SFTData, run_dir: str | None, resume: str 
     barrier()  # every rank has checked the saved config before rank 0 rewrites it
     if rank == 0:
         config.run_dir = str(folder)
+        make_run_folder(folder)
         save_config(config, folder / "config.yaml")
     log = StepLog(folder / "metrics.jsonl", rank == 0, steps, backend.optimizer_steps, progress)
     while backend.optimizer_steps < steps and not source.exhausted:

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from noria import faults
+from noria.errors import DiskError
 from noria.train.backend import TrainError
 
 MARKER = "COMMITTED"
@@ -81,6 +82,25 @@ def save_checkpoint(
     Megatron backend's dist_checkpointing)."""
     target = Path(folder)
     tmp = target.with_name(f".{target.name}.partial")
+    try:
+        _write_and_commit(target, tmp, model, optimizer, state, write)
+    except Exception as e:
+        cause = os_error_in(e)
+        if cause is None:
+            raise
+        if _rank() == 0:  # never trusted, and its bytes are what a full disk needs back
+            shutil.rmtree(tmp, ignore_errors=True)
+        run = target.parent.parent
+        last = latest_checkpoint(run)
+        kept = f"; the last committed checkpoint, {last.name}, is intact: --resume {run} continues from it" if last else ""
+        raise DiskError(f"{DiskError.writing(tmp, cause, f'saving checkpoint {target.name}')}; the partial folder was removed{kept}") from e
+    faults.point("checkpoint.committed")
+    _barrier()
+    return target
+
+
+def _write_and_commit(target: Path, tmp: Path, model: nn.Module, optimizer: Any, state: dict[str, Any], write: Any) -> None:
+    """Every rank writes into ``tmp``; rank 0 writes the state and the marker, then renames it to ``target``."""
     rank = _rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -101,9 +121,22 @@ def save_checkpoint(
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
-        faults.point("checkpoint.committed")
-    _barrier()
-    return target
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``error``: itself, its cause or context, or one of the per-rank failures
+    that ``torch.distributed.checkpoint`` wraps a write error in."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
+    return None
 
 
 def load_checkpoint(

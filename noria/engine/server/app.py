@@ -90,6 +90,29 @@ class ServerOptions:
     """Initial weight version of the loaded weights (None keeps the engine's default)."""
     served_model_name: str = ""
     """Model id in the OpenAI API (default: the model path)."""
+    insecure_no_key: bool = False
+    """Allow binding beyond loopback without ``api_key`` (anyone who reaches the port may generate,
+    and load weights). Off: such a server is refused before anything loads."""
+
+    def __post_init__(self) -> None:
+        if not self.api_key and not self.insecure_no_key and not is_loopback(self.host):
+            raise NoriaError(
+                f"noria serve --host {self.host} binds beyond loopback without an API key: anyone who reaches the port "
+                "could generate and replace the weights. Set NORIA_API_KEY (or --api-key), or pass --insecure-no-key "
+                "to serve without one"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback interface only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 BODY_BYTES = 64 << 20
