@@ -31,6 +31,8 @@ POINTS = {
     "COMMITTED not yet written (a crash here must leave the last committed checkpoint the one resumed)",
     "checkpoint.committed": "noria.train.checkpoint.save_checkpoint: the checkpoint is committed and in place",
     "metrics.write": "noria.metrics.RunLog.append: a line of metrics.jsonl or eval.jsonl is about to be written",
+    "sync.disk_write": "noria.sync.disk: a pushed version's tensors are written into its hidden partial folder, "
+    "not yet published (the engines must keep serving the previous version)",
 }
 """Every fault point: name -> where it is and what holds there."""
 

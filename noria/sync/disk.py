@@ -58,6 +58,8 @@ import torch
 
 from noria.models.checkpoint import bucketize
 from noria.sync.delta import DeltaBase, DeltaStats
+from noria import faults
+from noria.errors import DiskError
 from noria.sync.errors import WeightSyncError
 from noria.sync.weight_sync import Bucket, Transport, for_each
 
@@ -138,8 +140,10 @@ class DiskTransport(Transport):
         try:
             stats = self.base.write(tmp, buckets, version)
             _publish(tmp, final)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise DiskError.writing(tmp, e, f"the weight push of version {version} (a delta)") from e
             raise
         return final, stats
 
@@ -153,11 +157,14 @@ class DiskTransport(Transport):
         tmp.mkdir()
         try:
             parts = [write_safetensors(tmp / f"part-{k}.safetensors", hf_layout(bucket)) for k, bucket in enumerate(buckets)]
+            faults.point("sync.disk_write")
             _name_shards(tmp, parts)
             self._companions(tmp)
             _publish(tmp, final)
-        except BaseException:
+        except BaseException as e:  # the engines keep the version they serve; nothing half-written stays
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise DiskError.writing(tmp, e, f"the weight push of version {version}") from e
             raise
         return final
 
