@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 VENV="${NORIA_VENV:-.venv}"
 PY="${PYTHON:-python3}"
 # System tools the code sandbox needs (noria/agent/sandbox.py): bubblewrap, util-linux; the Ray tests'
-# network namespace (tests/test_ray.py): unshare (util-linux) and ip (iproute2). Installed when
+# network namespace (tests/launch/test_ray.py): unshare (util-linux) and ip (iproute2). Installed when
 # missing and this runs as root (CI does); otherwise the sandbox raises naming the package.
 if ! command -v bwrap >/dev/null || ! command -v setpriv >/dev/null || ! command -v ip >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

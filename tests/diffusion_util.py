@@ -1,10 +1,11 @@
-"""Helpers of the diffusion tests: a tiny random DiT folder, trainer and engine configs.
+"""Helpers of the diffusion tests: a tiny random DiT folder, trainer and engine configs, a rollout.
 
 Real components only: diffusers' DiT saved as a diffusers folder, the real engine and trainer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -55,3 +56,19 @@ def diffusion_config(**changes):
     cfg = DiffusionConfig(**changes)
     cfg.validate()
     return cfg
+
+
+def rollout(engine, dcfg, labels, seed=0, group=0):
+    """Samples of ``labels`` through the real generate function and the in-process client."""
+    from noria.diffusion.rollout import generate_fn
+    from noria.rollout import LocalEngineClient, RolloutContext
+    from noria.types import Sample
+
+    ctx = RolloutContext(LocalEngineClient(engine), None, None, seed=seed)
+    gen = generate_fn(dcfg.steps, dcfg.noise_level, dcfg.shift)
+    samples = [Sample(prompt_ids=[c], group_id=group, index=i) for i, c in enumerate(labels)]
+
+    async def run():
+        return await asyncio.gather(*(gen(ctx, s) for s in samples))
+
+    return asyncio.run(run())

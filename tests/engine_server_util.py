@@ -88,3 +88,11 @@ def routed_engines(model_dir, logs: Path, count: int = 2):
             router.stop()
         for e in engines:
             e.stop()
+
+
+def rss_mb(pid: int) -> float:
+    """The resident memory of process ``pid``, in MiB (Linux)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")

@@ -113,8 +113,8 @@ def _listed(family: str, word: str) -> list[str]:
 def test_drop_reasons_documented_are_the_ones_the_buffer_emits():
     import asyncio
 
+    from buffer_util import group
     from noria.rollout.buffer import DROP_REASONS, GroupBuffer, resolve_filters
-    from test_async_buffer import group
     from noria.types import Status
 
     async def main() -> set[str]:

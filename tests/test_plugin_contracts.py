@@ -27,9 +27,9 @@ EXAMPLES = {
     "rollout.generate_fn": "agent_plugins:env_step_generate",
     "rollout.agent_fn": "agent_plugins:two_turn_agent",
     "reward.name": "reward_plugins:length_at_least",
-    "rollout.buffer.filters": "test_async_buffer:drop_odd",
-    "rollout.buffer.impl": "test_async_buffer:ListBuffer",
-    "eval.backend": "test_eval_modes:SlowFlakyBackend",
+    "rollout.buffer.filters": "buffer_plugins:drop_odd",
+    "rollout.buffer.impl": "buffer_plugins:ListBuffer",
+    "eval.backend": "eval_plugins:SlowFlakyBackend",
 }
 """A plug-in per point that meets its contract (the tests' own, used by the behaviour tests too)."""
 
@@ -40,7 +40,7 @@ BROKEN = {
     "reward.name": ("test_plugin_contracts:reward_of_response_only", "cannot be called as \\(response, label, metadata\\)"),
     "rollout.buffer.filters": ("test_plugin_contracts:async_filter", "must be a plain function"),
     "rollout.buffer.impl": ("test_plugin_contracts:BufferWithoutState", "lacks state_dict, load_state_dict"),
-    "eval.backend": ("test_plugin_contracts:BackendWithoutEvaluate", "lacks evaluate"),
+    "eval.backend": ("eval_plugins:BackendWithoutEvaluate", "lacks evaluate"),
 }
 """A plug-in per point that breaks its contract, and what the error must say."""
 
@@ -82,8 +82,8 @@ def test_bad_paths_name_the_key():
         load_plugin("no_colon", "rollout.generate_fn")
     with pytest.raises(PluginError, match="rollout.buffer.impl: cannot import 'no_such_module_xyz'"):
         load_plugin("no_such_module_xyz:Buf", "rollout.buffer.impl")
-    with pytest.raises(PluginError, match="rollout.buffer.impl: 'test_async_buffer:drop_odd' names a function, not a class"):
-        load_plugin("test_async_buffer:drop_odd", "rollout.buffer.impl")
+    with pytest.raises(PluginError, match="rollout.buffer.impl: 'buffer_plugins:drop_odd' names a function, not a class"):
+        load_plugin("buffer_plugins:drop_odd", "rollout.buffer.impl")
 
 
 # ------------------------------------------------------------------------------ behaviour (no engine needed)
@@ -109,14 +109,14 @@ def _filter_behaves(fn, path):
 
 
 def _buffer_behaves(cls, path):
-    from test_async_buffer import test_contract_of_any_buffer
+    from buffer_util import check_buffer_contract
 
-    test_contract_of_any_buffer(path)
+    check_buffer_contract(path)
 
 
 BEHAVIOUR = {"reward.name": _reward_behaves, "rollout.buffer.filters": _filter_behaves, "rollout.buffer.impl": _buffer_behaves}
-"""The generate, rollout and agent functions need an engine: tests/test_agent_plugins.py runs them; an
-eval.backend needs a run: tests/test_eval_modes.py runs one."""
+"""The generate, rollout and agent functions need an engine: tests/agent/test_agent_plugins.py runs them; an
+eval.backend needs a run: tests/eval/test_eval_modes.py runs one."""
 
 
 # ------------------------------------------------------------------------------ contract breakers
@@ -213,11 +213,3 @@ def test_a_batched_reward_that_breaks_its_contract_fails_loudly():
     # a column the function needs but the data lacks: every sample fails, naming it (never a silent 0)
     counts, rewards, reasons = _scored("trl_rewards:reward_func", [_answers("p", ["a"])])
     assert rewards == [None] and "ground_truth" in reasons[0]
-
-
-class BackendWithoutEvaluate:
-    def __init__(self, config):
-        pass
-
-    def run(self, request):
-        return []

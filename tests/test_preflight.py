@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from noria.cli import main
-from test_rl_loop import rl_args
+from rl_util import rl_args
 
 BASE = ["--model.path", "m", "--data.task", "arithmetic"]
 
@@ -24,7 +24,7 @@ BASE = ["--model.path", "m", "--data.task", "arithmetic"]
         (["--reward.name", "reward_plugins:no_such_fn"], ["reward.name", "has no 'no_such_fn'"]),
         (["--rollout.buffer.filters", "nowhere_module:keep"], ["rollout.buffer.filters", "nowhere_module"]),
         (["--rollout.generate_fn", "reward_plugins:length_at_least"], ["rollout.generate_fn", "async"]),
-        (["--eval.every", "2", "--eval.mode", "checkpoint", "--eval.backend", "test_plugin_contracts:BackendWithoutEvaluate"],
+        (["--eval.every", "2", "--eval.mode", "checkpoint", "--eval.backend", "eval_plugins:BackendWithoutEvaluate"],
          ["eval.backend", "lacks evaluate"]),
         (["--data.task", "arithmetik"], ["data.task", "'arithmetik'", "arithmetic"]),
         (["--data.task_args", "{max_operands: 3}"], ["data.task", "max_operands", "max_operand"]),

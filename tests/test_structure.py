@@ -31,7 +31,7 @@ PROCESS_OWNER = "process"
 """The one part that starts processes (``noria.process``)."""
 PROCESS_EXCEPTIONS = {
     "noria.agent.sandbox": "runs with the system Python as other users, so it imports only the standard library; "
-    "its chain of namespaces is its own (tests/test_sandbox.py attacks it)",
+    "its chain of namespaces is its own (tests/agent/test_sandbox.py attacks it)",
 }
 """Modules that may start processes themselves, and why."""
 STARTERS = {

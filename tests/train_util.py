@@ -1,4 +1,5 @@
-"""Helpers shared by the trainer tests: random samples, a test loss, weight snapshots."""
+"""Helpers shared by the trainer tests: random samples (also grouped, and with rewards for the critic),
+a test loss, weight snapshots, a critic config."""
 
 from __future__ import annotations
 
@@ -62,3 +63,46 @@ def make_backend(model_dir, loss_fn=pg_loss, **overrides) -> FSDPBackend:
 def weights(backend) -> dict[str, torch.Tensor]:
     """The backend's full fp32 weights by HF name (collective under FSDP)."""
     return {name: t.clone() for name, t in backend._full_tensors(torch.float32)}
+
+
+def grouped_samples(groups=((12, 4), (9, 3), (3, 2), (10, 1)), vocab: int = 500, seed: int = 0) -> list[Sample]:
+    """(prompt length, samples) per group; responses of varied lengths, some tokens untrained."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for prompt_len, n in groups:
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        for i in range(n):
+            r = int(torch.randint(1, 9, (1,), generator=g))
+            mask = [1] + [int(x) for x in (torch.rand(r - 1, generator=g) > 0.2).tolist()]
+            out.append(Sample(
+                prompt_ids=prompt, response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(), loss_mask=mask,
+                rollout_logprobs=(-torch.rand(r, generator=g) * 5).tolist(), weight_versions=[0] * r, index=i,
+            ))
+    return out
+
+
+def samples_with_rewards(vocab: int = 200, seed: int = 0) -> list[Sample]:
+    """Two prompts x 3 samples; one response holds two tool tokens (mask 0) between policy tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(2):
+        prompt = torch.randint(3, vocab, (10,), generator=g).tolist()
+        for i in range(3):
+            r = 4 + i
+            mask = [1] * r
+            if k == 0 and i == 2:
+                mask[2] = mask[3] = 0  # tool output inside the response
+            out.append(Sample(
+                prompt_ids=prompt, response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(), loss_mask=mask,
+                rollout_logprobs=[0.0] * r, weight_versions=[0] * r, reward=float((i + k) % 2), group_id=k, index=i,
+            ))
+    return out
+
+
+def critic_config(**critic) -> TrainConfig:
+    cfg = TrainConfig(param_dtype="float32", logprob_chunk_tokens=8, micro_batch_tokens=40)
+    cfg.optim.lr = 1e-3
+    cfg.critic.lr = 3e-3
+    for k, v in critic.items():
+        setattr(cfg.critic, k, v)
+    return cfg

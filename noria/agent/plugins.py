@@ -9,7 +9,7 @@ agent function     ``async (ctx, prompt, base_url) -> dict``   the session serve
 =================  ==========================================  ==============================
 
 Contracts (signatures checked at load by ``noria.plugins.load_plugin`` and pinned by
-``tests/test_plugin_contracts.py``; behaviour by ``tests/test_agent_plugins.py``):
+``tests/test_plugin_contracts.py``; behaviour by ``tests/agent/test_agent_plugins.py``):
 
 - rollout function: ``prompts`` is a list of ``(Prompt, prompt ids)``; ``ctx.first_group_id`` is
   the id of the first group and ``ctx.sampling.n_samples`` the group size. It returns one

@@ -38,7 +38,7 @@ setuid and across ``unshare(CLONE_NEWUSER)`` by the same user, but cleared when 
 The signal follows the *thread* that called ``run_python``; that thread waits for the sandbox, so it
 outlives it.
 
-What is protected, each claim with the test that attacks it (tests/test_sandbox.py, run both as
+What is protected, each claim with the test that attacks it (tests/agent/test_sandbox.py, run both as
 root and as an unprivileged user):
 
 - files: the program sees read-only ``/usr`` (and the ``/bin``, ``/lib*``, ``/sbin`` links into

@@ -23,7 +23,7 @@ KV heads of 128, tied embeddings), N(0, 0.02) weights, bf16 safetensors, with ``
 what they cost in the real model. ``tiny`` (hidden 64, 2 layers) is the CPU test's.
 
 The tokenizer (no hub, nothing to carry): a byte-level BPE trained here with ``tokenizers`` on a
-small arithmetic corpus (about 500 tokens, ChatML chat template, as in tests/conftest.py), its
+small arithmetic corpus (about 500 tokens, ChatML chat template, as in tests/tiny_util.py), its
 vocabulary then filled up to the model's ``vocab_size`` with tokens ``" <hex n>"`` (``" 0"``,
 ``" 1"``, ... ``" 2503f"``, skipping pieces the BPE already has). The fillers have no merges, so
 prompts never encode to them, but every id the model can sample decodes to text: a random model

@@ -16,7 +16,7 @@ masters (``torch.func.functional_call`` with cast parameters and buffers, differ
 the masters), which is exactly the model the engine holds in that dtype. With ``deterministic``
 (``engine.deterministic``) the model also runs the batch-invariant kernels
 (``noria.diffusion.model.set_exact_numerics``), so the recomputed transition log-probabilities equal
-the engine's bit for bit (tests/test_diffusion_engine.py).
+the engine's bit for bit (tests/diffusion/test_diffusion_engine.py).
 
 The RL step (``rl_steps``): the samples are split into ``k`` slices (one optimizer step each,
 ``train.steps_per_rollout``); the objective (``noria.diffusion.objectives``) names its pairs:

@@ -47,7 +47,7 @@ the caller's event loop with ``call_soon_threadsafe``).
 
 Not guaranteed: order among requests that arrive in the same step; unseeded sampling is
 reproducible only for the same arrival order; deterministic mode holds on CPU (bf16 and fp32, every ISA
-checked by tests/test_exact_agreement.py) and on CUDA with Triton (``noria.models.exact_cuda``), and not across a retraction.
+checked by tests/engine/test_exact_agreement.py) and on CUDA with Triton (``noria.models.exact_cuda``), and not across a retraction.
 """
 
 from __future__ import annotations

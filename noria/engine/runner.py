@@ -39,7 +39,7 @@ token's query and its prefix. Each token then gets the same bits whatever shares
 however its prompt was chunked, and the same bits as the trainer's deterministic forward
 (``FSDPBackend(deterministic=True)``), which runs the same arithmetic over whole sequences.
 On CUDA the exact numerics run the fixed-order Triton kernels of ``noria.models.exact_cuda``
-(measured batch-invariant on an H200, tests/test_exact_cuda.py). Not guaranteed: batch invariance
+(measured batch-invariant on an H200, tests/engine/test_exact_cuda.py). Not guaranteed: batch invariance
 outside deterministic mode, or in deterministic mode in another dtype than bf16, or on a device
 that is neither the CPU nor CUDA with Triton.
 """

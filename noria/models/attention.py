@@ -259,7 +259,7 @@ def exact_attention(
     - block results are added one after the other in key order: a block past a query's last key
       adds exact zeros, so L changes nothing.
 
-    Measured, not promised by MKL (torch 2.13; ``tests/test_exact_agreement.py``): an fp32 matmul
+    Measured, not promised by MKL (torch 2.13; ``tests/engine/test_exact_agreement.py``): an fp32 matmul
     of one fixed shape gives a row the same bits wherever it sits in the tile, whatever the other
     rows hold and however many matrices share the batched call — on AVX-512 and on AVX2 (where
     MKL's result for a row does change with the number of rows, which is why the tiles are fixed).

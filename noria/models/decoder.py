@@ -48,7 +48,7 @@ from noria.models.config import ModelArgs, RopeScaling
 
 DETERMINISTIC_ROWS = 32
 """Rows of every matmul of :func:`row_chunked_linear` (the last chunk is zero-padded to it).
-Measured (torch 2.13; ``tests/test_exact_agreement.py``): a 2-D matmul of one fixed shape gives a
+Measured (torch 2.13; ``tests/engine/test_exact_agreement.py``): a 2-D matmul of one fixed shape gives a
 row the same bits wherever it sits and whatever the other rows hold, in bf16 and fp32, on AVX-512
 (oneDNN, MKL) and on AVX2 (torch's bf16 fallback, MKL). The number of rows is what changes a row's
 bits: MKL's fp32 kernels differ from 2 rows on, oneDNN's bf16 ones above 32 (a 3-D input from 18),

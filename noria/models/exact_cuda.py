@@ -20,7 +20,7 @@ order of a row's arithmetic:
 Engine and trainer both run these on CUDA, so they agree bit for bit there, as on CPU; the bits
 are not the CPU recipe's (other summation orders). The backward passes are the usual torch ops
 (the gradient of the same function up to rounding). Needs Triton; ``available()`` says whether
-this path is taken. Measured on an H200 (tests/test_engine_cuda.py); not promised by Triton.
+this path is taken. Measured on an H200 (tests/engine/test_engine_cuda.py); not promised by Triton.
 """
 
 from __future__ import annotations

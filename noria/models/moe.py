@@ -52,7 +52,7 @@ Blocking: the CPU and exact paths read the per-expert token counts on the host (
 synchronisation per layer on CUDA, so a CUDA graph holds only the grouped path:
 :func:`graph_capturable`); the grouped path does not. Not guaranteed: exact mode's equality of
 bits on CUDA rests on the Triton linear and torch's per-row softmax (checked on a GPU by
-``tests/test_models_moe_gpu.py``), and nothing makes the grouped path equal to the loop's bits.
+``tests/models/test_models_moe_gpu.py``), and nothing makes the grouped path equal to the loop's bits.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reward functions by name: the built-ins, and user functions loaded by import path ``pkg.module:fn``.
 
 The contract (the plug point ``reward.name`` of ``noria.plugins``, pinned by
-tests/test_plugin_contracts.py and tests/test_rewards_runner.py): a reward is
+tests/test_plugin_contracts.py and tests/rewards/test_rewards_runner.py): a reward is
 ``fn(response: str, label, metadata: dict, **kwargs) -> float | bool``, plain or ``async def``;
 ``kwargs`` come from ``RewardConfig.kwargs``. For image samples (``Sample.image`` set, see
 ``noria.diffusion.rewards``) the first argument is the image, a uint8 array [H, W, C]. It returns a finite number; it raises when it cannot

@@ -22,7 +22,7 @@ Replacing it: ``rollout.buffer.impl: pkg.module:Class``, a class meeting the :cl
 protocol: built with the keyword arguments ``capacity``, ``max_staleness``, ``filters`` and
 ``on_drop``, with ``async put``, ``take``, ``metrics``, ``__len__``, ``state_dict`` and
 ``load_state_dict`` (checked at load by ``noria.plugins``; behaviour pinned by
-tests/test_async_buffer.py and tests/test_plugin_contracts.py).
+tests/rollout/test_async_buffer.py and tests/test_plugin_contracts.py).
 
 Checkpoints: ``state_dict`` holds the waiting groups and the counters, so a resumed run neither
 trains a group twice nor loses one.
