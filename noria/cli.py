@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_job_commands(sub: argparse._SubParsersAction) -> None:
-    """``noria info``, ``eval``, ``train``, ``serve``."""
+    """``noria info``, ``eval``, ``train`` (and ``serve``: ``_add_serve_command``)."""
     p = sub.add_parser(
         "info",
         help="this machine as Noria sees it: CPU features, the dtype `auto` picks, kernel builds, GPUs",
@@ -270,7 +270,11 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="plain log lines even on a terminal")
     p.set_defaults(handler=_train, takes_overrides=True)
+    _add_serve_command(sub)
 
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
+    """``noria serve``."""
     p = sub.add_parser(
         "serve",
         help="serve a model over HTTP (SGLang native API and OpenAI API)",
