@@ -320,6 +320,31 @@ def _wait_running(http, n: int = 1, timeout_s: float = 10.0) -> None:
 # ------------------------------------------------------------------------------------ API key, shutdown
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "my-host.example"])
+def test_binding_beyond_loopback_without_a_key_is_refused(host):
+    from noria.engine.server import ServerOptions
+    from noria.errors import NoriaError
+
+    with pytest.raises(NoriaError, match=f"--host {host} binds beyond loopback without an API key.*--insecure-no-key"):
+        ServerOptions(host=host)
+    ServerOptions(host=host, api_key="k")  # with a key, or told so explicitly: allowed (nothing binds here)
+    ServerOptions(host=host, insecure_no_key=True)
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        ServerOptions(host=loopback)
+
+
+def test_noria_serve_refuses_a_public_host_without_a_key_before_loading(tiny_model_dir):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NORIA_API_KEY"}
+    cmd = [sys.executable, "-m", "noria", "serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0", "--port", "9"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "binds beyond loopback without an API key" in out.stderr, out.stderr
+    assert "listening on" not in out.stderr and "Traceback" not in out.stderr
+
+
 def test_api_key(tiny_model_dir, tmp_path):
     proc = ServeProcess(tiny_model_dir, "--api-key", "s3cret", log_dir=tmp_path)
     try:
