@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import noria  # noqa: F401 -- first: NORIA_CPU_ISA=avx2 must reach torch, oneDNN and MKL before any test imports torch
 from tiny_util import build_tiny_llama, build_tokenizer
 
 

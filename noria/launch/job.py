@@ -7,7 +7,7 @@ rollout uses and the weight-sync target), ``build_teacher`` (on-policy distillat
 engines), ``build_trainer`` (backend and critic), ``build_sync``. Then ``restore`` (resuming) and
 ``open_log``. Extended by ``noria.launch.scaled.ScaledJob`` (an engine fleet and trainer ranks),
 ``noria.launch.ray.RayJob`` (the same as Ray actors) and ``noria.diffusion.job.DiffusionJob`` (an
-image model); ``noria.launch.run.run_rl`` picks the class.
+image model); ``noria.launch.rl.run_rl`` picks the class.
 
 What it owns: turning a ``RunConfig`` into running parts, and the parts' per-step bookkeeping:
 

@@ -46,13 +46,15 @@ from noria.models.attention import AttentionContext, CausalContext
 from noria.models.config import ModelArgs, RopeScaling
 
 
-DETERMINISTIC_ROWS = 32
+DETERMINISTIC_ROWS = 24
 """Rows of every matmul of :func:`row_chunked_linear` (the last chunk is zero-padded to it).
 Measured (torch 2.13; ``tests/engine/test_exact_agreement.py``): a 2-D matmul of one fixed shape gives a
 row the same bits wherever it sits and whatever the other rows hold, in bf16 and fp32, on AVX-512
 (oneDNN, MKL) and on AVX2 (torch's bf16 fallback, MKL). The number of rows is what changes a row's
 bits: MKL's fp32 kernels differ from 2 rows on, oneDNN's bf16 ones above 32 (a 3-D input from 18),
-so every call gets exactly this many."""
+so every call gets exactly this many. Why 24 and not 32: on an Intel Xeon (AMX) acting as AVX2,
+MKL's fp32 kernel works in tiles of 6 rows and gives the 2 rows left over from 32 other bits (rows
+30 and 31); 24 is a whole number of 4-, 6-, 8- and 12-row tiles and stays under oneDNN's 32."""
 
 
 def row_chunked_linear(
