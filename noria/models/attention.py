@@ -178,8 +178,7 @@ class PackedContext:
         pos = torch.cat([torch.arange(n, device=device) for n in self.seq_lens])
         return pos.unsqueeze(0)
 
-    @torch.compiler.disable  # a compiled layer (train.compile) must not specialise on the packing
-    def attend(
+    def attend(  # kept out of torch.compile: keep_packing_out_of_compile
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.check_shape(q.shape[0], q.shape[1])
@@ -205,6 +204,17 @@ class PackedContext:
                 f"PackedContext expects one row of {self.total} tokens (sum of seq_lens), "
                 f"got a batch of shape {(batch, seq_len)}"
             )
+
+
+def keep_packing_out_of_compile() -> None:
+    """Keep ``PackedContext.attend`` out of ``torch.compile``: it loops over the packed sequences, so a
+    traced one would recompile for every new packing. Called by whatever compiles layers
+    (``noria.train.fsdp.compile_layer``), not at import: ``torch.compiler.disable`` imports
+    ``torch._dynamo``, which took a second of every Noria process's start (engines, ranks, the CLI)."""
+    if not getattr(PackedContext.attend, "_noria_not_compiled", False):
+        attend = torch.compiler.disable(PackedContext.attend)
+        attend._noria_not_compiled = True
+        PackedContext.attend = attend
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -169,10 +169,13 @@ def checkpoint_layer(layer: nn.Module) -> None:
 def compile_layer(layer: nn.Module) -> None:
     """``torch.compile`` the layer's forward in place (names and FSDP hooks stay as they are).
     Inductor fuses the elementwise work around the matmuls; the attention contexts' ``attend`` is
-    not traced (``torch.compiler.disable``: it loops over the packed sequences), so a new packing
+    not traced (``keep_packing_out_of_compile``: it loops over the packed sequences), so a new packing
     costs no recompile, only a new total length (dynamic after the second)."""
     import torch._dynamo
 
+    from noria.models.attention import keep_packing_out_of_compile
+
+    keep_packing_out_of_compile()
     # One graph per (layer code, shape kind): raise the limit so 100+ layers never fall back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     layer.forward = torch.compile(layer.forward)
