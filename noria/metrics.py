@@ -81,6 +81,9 @@ METRICS: tuple[Metric, ...] = tuple(
         ("rollout/mixed_fleet_frac", "fraction", "Requests since the previous step served while the fleet's live engines held different weight versions."),
         ("fleet/engines", "count", "Engines of the fleet serving at the end of the step."),
         ("fleet/restarts", "count", "Engine restarts so far in the run (each after an engine died)."),
+        ("fleet/added", "count", "Engines added to the running fleet so far (noria fleet add, or in place of the last one that left)."),
+        ("fleet/removed", "count", "Engines that left the fleet so far, drained and stopped (noria fleet remove, or SIGTERM: preemption); not failures."),
+        ("fleet/requests_moved", "count", "Requests so far that an engine leaving the fleet did not finish; their groups were generated again on the others."),
         ("engine/busy_frac", "fraction", "Share of the time since the previous step during which at least one trajectory was generating."),
         ("reward/scored", "count", "Samples the reward function scored."),
         ("reward/skipped", "count", "Samples not scored (aborted or failed generation)."),
@@ -88,6 +91,10 @@ METRICS: tuple[Metric, ...] = tuple(
         ("reward/failed/*", "count", "Failed reward calls by kind; kinds: raised, timeout, not_a_number, non_finite."),
         ("engine/prefix_hit_rate", "fraction", "Share of prompt tokens served from the engine's radix prefix cache (colocated engine)."),
         ("engine/retractions", "count", "Requests retracted for lack of KV memory (colocated engine, cumulative)."),
+        ("resume/in_flight_continued", "groups", "First step after a resume: groups in flight at the checkpoint continued from their recorded tokens (rollout.resume_in_flight)."),
+        ("resume/in_flight_retracted", "groups", "First step after a resume: groups in flight at the checkpoint retracted, their prompts back to the data source (the reasons are in the run's log)."),
+        ("resume/in_flight_tokens_kept", "tokens", "First step after a resume: response tokens of the continued groups sampled before the checkpoint (kept, not sampled again)."),
+        ("engine/kv_usage", "fraction", "Share of the rollout engines' KV cache blocks in use when the step's line is written (right after its weight sync), mean over the engines."),
     ])
     + _table("buffer", [
         ("buffer/size", "groups", "Groups waiting in the buffer after the step's take."),
@@ -153,6 +160,18 @@ METRICS: tuple[Metric, ...] = tuple(
         ("time/trainer_wait_s", "s", "Time the trainer waited for the step's batch of groups (the whole rollout when synchronous)."),
         ("time/train_s", "s", "Trainer: logprobs, loss, backward, optimizer step(s)."),
         ("time/teacher_s", "s", "On-policy distillation with the teacher in the trainer: its scoring of the step's samples (part of time/train_s)."),
+    ])
+    + _table("memory", [
+        ("memory/peak_rss_gb", "GB", "Peak resident memory so far of the run's processes (the job and its living children: engines, "
+         "eval fleet, ranks, router), each process's peak (VmHWM) summed."),
+        ("memory/gpu_peak_allocated_gb", "GB", "CUDA: peak memory allocated by torch in the job's process so far."),
+    ])
+    + _table("session", [
+        ("session/open", "count", "Agent sessions holding a place (rollout.session_max_open) when the step's metrics were taken."),
+        ("session/admitted", "count", "Agent sessions let in so far in the run (cumulative)."),
+        ("session/refused_open", "count", "First requests of agent sessions answered 429 for want of a place (rollout.session_max_open; cumulative)."),
+        ("session/refused_tokens", "count", "Agent requests answered 413: the session would pass rollout.session_max_tokens (cumulative)."),
+        ("session/closed_idle", "count", "Agent sessions closed after rollout.session_idle_timeout_s without a request (cumulative)."),
     ])
     + _table("sync", [
         ("sync/seconds", "s", "Weight push trainer -> engines (the engines serve the new version after it)."),
@@ -313,7 +332,8 @@ class RunLog:
         self.started = time.perf_counter()
         self.metrics = (folder / "metrics.jsonl").open("a")
         self.evals = (folder / "eval.jsonl").open("a")
-        self.last_accuracy: float | None = None
+        self.last_eval: tuple[float, int] | None = None
+        """(accuracy, step) of the newest evaluation: the step line shows it as ``eval 26.0% @0``."""
         self.show_buffer = config is not None and getattr(config.rollout, "max_staleness", 0) > 0
         self.sinks = build_sinks(folder, config)
         tty = sys.stderr.isatty() if progress is None else progress
@@ -335,10 +355,10 @@ class RunLog:
             sink.log(row, row["step"])
         self.last_row = row
         if self.bar is not None:
-            self.bar.set_postfix_str(short(row, self.last_accuracy, self.show_buffer, self.postfix_width()), refresh=False)
+            self.bar.set_postfix_str(short(row, self.last_eval, self.show_buffer, self.postfix_width()), refresh=False)
             self.bar.update(1)
         else:
-            text = short(row, self.last_accuracy, self.show_buffer)
+            text = short(row, self.last_eval, self.show_buffer)
             print(f"step {row['step']}/{self.total} {text} eta {self.eta(row['step'])}", file=sys.stderr, flush=True)
 
     def postfix_width(self) -> int:
@@ -360,9 +380,9 @@ class RunLog:
     def write_eval(self, row: dict[str, Any], samples: list[Any] | None = None) -> None:
         self.append(self.evals, row)
         if "accuracy" in row:
-            self.last_accuracy = row["accuracy"]
+            self.last_eval = (row["accuracy"], row["step"])
             if self.bar is not None and self.last_row is not None:  # the bar shows the newest accuracy
-                self.bar.set_postfix_str(short(self.last_row, self.last_accuracy, self.show_buffer, self.postfix_width()))
+                self.bar.set_postfix_str(short(self.last_row, self.last_eval, self.show_buffer, self.postfix_width()))
             numbers = {f"eval/{k}": float(v) for k, v in row.items() if k not in ("step", "version") and isinstance(v, (int, float))}
             for sink in self.sinks:  # the measured step (fleet and checkpoint rows arrive later than it)
                 sink.log(numbers, row["step"])
@@ -415,12 +435,14 @@ class RunLog:
                 f.close()
 
 
-def short(row: dict[str, Any], accuracy: float | None, show_buffer: bool = False, width: int | None = None) -> str:
-    """The few numbers shown per step: reward, accuracy, loss, throughput, stage times, agreement.
+def short(row: dict[str, Any], last_eval: tuple[float, int] | None, show_buffer: bool = False, width: int | None = None) -> str:
+    """The few numbers shown per step: reward, the last evaluation, loss, throughput, stage times, agreement.
 
-    With ``width``, fields are dropped least important first (:data:`SHORT_FIELDS` order, from the
-    end) until the line fits; reward and accuracy always stay."""
-    fields = short_fields(row, accuracy, show_buffer)
+    The held-out accuracy is the newest evaluation's, with the step it measured (``eval 26.0% @0``):
+    it changes only when an evaluation lands, never reads as a live figure. With ``width``, fields are
+    dropped least important first (:data:`SHORT_FIELDS` order, from the end) until the line fits;
+    reward and the evaluation always stay."""
+    fields = short_fields(row, last_eval, show_buffer)
     if width is not None:
         while len(fields) > 2 and len(" ".join(text for _, text in fields)) > width:
             fields.remove(max(fields, key=lambda f: f[0]))
@@ -440,11 +462,12 @@ SHORT_FIELDS = (
 terminal drops them from the end)."""
 
 
-def short_fields(row: dict[str, Any], accuracy: float | None, show_buffer: bool) -> list[tuple[int, str]]:
+def short_fields(row: dict[str, Any], last_eval: tuple[float, int] | None, show_buffer: bool) -> list[tuple[int, str]]:
     """(rank, text) of each field shown, in display order; a lower rank is more important."""
     parts = [(0, f"reward {row.get('rollout/reward_mean', math.nan):.3f}")]
-    if accuracy is not None:
-        parts.append((1, f"acc {accuracy:.1%}"))
+    if last_eval is not None:
+        accuracy, step = last_eval
+        parts.append((1, f"eval {accuracy:.1%} @{step}"))
     if show_buffer or row.get("buffer/staleness_max", 0) or row.get("buffer/size", 0):
         parts.append((3, f"stale {row.get('buffer/staleness_mean', 0):.1f}/{row.get('buffer/staleness_max', 0):.0f}"))
         parts.append((6, f"buf {row.get('buffer/size', 0):.0f}"))

@@ -86,7 +86,7 @@ def test_plain_progress_lines_show_stage_times_staleness_and_eta(tmp_path):
         log.close()
     lines = err.getvalue().splitlines()
     assert lines[0] == "eval at step 0: accuracy 25.0% on 8 prompts (1 s)"
-    assert lines[1].startswith("step 1/4 reward 0.500 acc 25.0% stale 0.5/1 buf 3 ")
+    assert lines[1].startswith("step 1/4 reward 0.500 eval 25.0% @0 stale 0.5/1 buf 3 ")
     for part in ("gen tok/s 120", "train tok/s 200", "wait 2.0s", "train 4.0s", "sync 0.25s", "eta 0m"):
         assert part in lines[1], lines[1]
     assert "\r" not in err.getvalue()
@@ -158,13 +158,14 @@ ROW = {"step": 3, "rollout/reward_mean": 0.5, "loss": 0.0123, "rollout_logprob_a
 def test_step_line_fits_the_terminal_dropping_the_least_important_first():
     from noria.metrics import short
 
-    whole = short(ROW, 0.625)
-    assert whole.startswith("reward 0.500 acc 62.5% loss 0.0123") and "sync 0.21s" in whole
+    whole = short(ROW, (0.625, 0))
+    assert whole.startswith("reward 0.500 eval 62.5% @0 loss 0.0123") and "sync 0.21s" in whole
     for width in (100, 70, 50, 30, 10):
-        line = short(ROW, 0.625, width=width)
-        assert line.startswith("reward 0.500 acc 62.5%")  # never dropped
-        assert len(line) <= width or line == "reward 0.500 acc 62.5%"
-    narrow = short(ROW, 0.625, width=50)
+        line = short(ROW, (0.625, 0), width=width)
+        assert line.startswith("reward 0.500 eval 62.5% @0")  # never dropped
+        assert len(line) <= width or line == "reward 0.500 eval 62.5% @0"
+    assert short(ROW, None).startswith("reward 0.500 loss")  # no evaluation yet: no accuracy shown
+    narrow = short(ROW, (0.625, 0), width=50)
     assert "loss" in narrow and "sync" not in narrow and "|dlp|max" not in narrow
 
 
@@ -175,6 +176,6 @@ def test_the_bar_shows_the_latest_evaluation(tmp_path):
     try:
         log.write_step(ROW)
         log.write_eval({"step": 3, "accuracy": 0.75, "n_prompts": 8, "seconds": 1.0})
-        assert "acc 75.0%" in log.bar.postfix  # the final bar carries the final evaluation
+        assert "eval 75.0% @3" in log.bar.postfix  # the final bar carries the final evaluation, with its step
     finally:
         log.close()

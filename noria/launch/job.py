@@ -43,8 +43,9 @@ Order of checks: the config is validated when loaded; prompts, reward and run fo
 here before any model loads, so a bad input costs seconds, not a model load.
 
 Resume (``--resume RUN_DIR``): the last committed checkpoint restores weights, AdamW, RNG, the data
-cursor (with the prompts of groups that were still generating put back first), the buffer's waiting
-groups, the step, the group counter, the count of trained groups and the weight version; the engine, started from
+cursor, the groups that were generating (continued from their recorded tokens, or their prompts put back
+first: ``rollout.resume_in_flight``), the buffer's waiting groups, the step, the group counter, the count of
+trained groups and the weight version; the engine, started from
 the base model, receives the checkpoint's weights under that version before the first rollout, and
 metrics lines after the checkpoint are dropped so the resumed run repeats exactly the same steps.
 
@@ -78,10 +79,12 @@ from noria.launch.parts import (
 )
 from noria.metrics import RunLog, group_metrics
 from noria.process import Child, signals_cancel_task
+from noria.process.usage import memory_metrics
 from noria.rollout import HttpEngineClient, LocalEngineClient, RolloutContext
 from noria.run_folder import make_run_folder
 from noria.rollout.buffer import DropStreak, build_buffer, prompt_to_dict, resolve_filters
 from noria.rollout.generate import granularity, rollout_plugin
+from noria.rollout.in_flight import LiveRequests, in_flight_policy, plan_resume
 from noria.rollout.scheduler import RolloutScheduler
 from noria.train.rl_step import on_device, rl_step
 from noria.types import Group, Prompt
@@ -136,6 +139,8 @@ class LocalJob:
         self.engine_process: Child | None = None
         """The rollout engine's process, when this job started one (``noria serve`` or vLLM)."""
         self.local_engine: Any = None
+        self.engine_key: str | None = None
+        """The API key of the ``noria serve`` child this job started (its ``/get_load`` feeds ``engine_metrics``)."""
         self.client: Any = None
         self.backend: Any = None
         self.critic: Any = None
@@ -146,6 +151,8 @@ class LocalJob:
         self.evals = Evaluations(self)
         """The evaluator (``noria.eval.modes.Evaluations``): shared mode until ``start_parts`` builds the configured one."""
         self.timer: dict[str, float] = {}
+        self.in_flight_record: dict[str, Any] | None = None  # the resumed checkpoint's (noria.rollout.in_flight)
+        self.resume_metrics: dict[str, float] = {}  # resume/... figures for the first step's line after a resume
 
     def load_data(self) -> None:
         from noria.data import PromptSource, drop_long, load_prompts, render_prompts
@@ -264,6 +271,7 @@ class LocalJob:
         url, key = cfg.rollout.engine_url, None
         if url is None:
             self.engine_process, url, key = self.start_child(path, "engine.log")
+            self.engine_key = key
         from noria.launch.external import check_engine
 
         check_engine(cfg, url, key)  # a config needing what the engine lacks stops here, before the trainer loads
@@ -337,13 +345,19 @@ class LocalJob:
         """The rollout scheduler runs in the background for the body; then it drains (in-flight work is
         cancelled and its prompts go back to the data source)."""
         r = self.config.rollout
-        ctx = RolloutContext(self.client, self.tokenizer, r, seed=self.config.seed, top_logprobs=self.teacher.top_k if self.teacher else 0)
+        live = LiveRequests() if in_flight_policy(r)[0] == "continue" else None  # checkpoints stop requests with their tokens
+        ctx = RolloutContext(self.client, self.tokenizer, r, seed=self.config.seed, top_logprobs=self.teacher.top_k if self.teacher else 0, live=live)
         self.scheduler = RolloutScheduler(
             ctx, self.next_prompt, self.buffer, self.reward, n_samples=r.n_samples, groups_per_step=r.prompts_per_step,
             max_staleness=r.max_staleness, max_in_flight=r.max_in_flight or r.prompts_per_step * r.n_samples,
             granularity=granularity(r), next_group_id=self.next_group_id, version=lambda: self.weight_version,
             trained=self.trained_groups, **self.rollout_plugin(),
         )  # fmt: skip
+        if self.in_flight_record:  # resumed: the checkpoint's in-flight groups continued or retracted, said and counted
+            plan = plan_resume(self.in_flight_record, self.weight_version, r)
+            plan.apply(self.scheduler, self.source.return_prompt)
+            self.resume_metrics, self.in_flight_record = plan.metrics(), None
+            print(f"noria train: {plan.describe()}", file=sys.stderr)
         self.scheduler.start()
         try:
             yield
@@ -461,8 +475,11 @@ class LocalJob:
         row.update(train)
         row.update(sync)
         row["groups/trained"] = float(len(groups))
+        row.update(self.resume_metrics)
+        self.resume_metrics = {}
         row["time/trainer_wait_s"] = self.timer["wait"]
         row.update(self.engine_metrics())
+        row.update(memory_metrics())
         row["seconds"] = time.perf_counter() - self.timer["start"]
         self.log.write_step(row)
         self.log.write_samples(self.step, groups, self.tokenizer)  # rollouts/step-N.jsonl (noria inspect)
@@ -472,7 +489,7 @@ class LocalJob:
         failure is logged as skipped, not raised (except a failure of the rollout engine in shared mode)."""
         await self.evals.evaluate(when)
 
-    def save(self, when: str) -> None:
+    async def save(self, when: str) -> None:
         every = self.config.train.save_every
         if when == "end":
             with phase(f"exporting the final model to {self.folder / 'final'}"):
@@ -482,14 +499,19 @@ class LocalJob:
 
             target = checkpoint_dir(self.folder, self.step)
             if not target.exists():
-                with phase(f"saving checkpoint {target}"):
-                    if self.critic is not None:  # first: the policy's checkpoint commits the step
-                        self.critic.save(critic_checkpoint(target))
-                    self.backend.save(target, extra=self.checkpoint_extra())
+                async with self.scheduler.in_flight_stopped() if self.scheduler else contextlib.nullcontext() as in_flight:
+                    with phase(f"saving checkpoint {target}"):
+                        if self.critic is not None:  # first: the policy's checkpoint commits the step
+                            self.critic.save(critic_checkpoint(target))
+                        self.backend.save(target, extra=self.checkpoint_extra(in_flight))
 
-    def checkpoint_extra(self) -> dict[str, Any]:
-        """The run's position; groups still generating are not saved: their prompts go back to the source."""
-        next_group_id, unfinished = self.scheduler.resume_point() if self.scheduler else (self.next_group_id, [])
+    def checkpoint_extra(self, in_flight: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The run's position, read in one event-loop turn. ``in_flight``: the groups in flight, recorded
+        with their tokens (``rollout.resume_in_flight``); without it their prompts go back to the source."""
+        s = self.scheduler
+        next_group_id, unfinished = (s.next_group_id, []) if in_flight is not None else s.resume_point() if s else (self.next_group_id, [])
+        retracted = [] if in_flight is not None or s is None else sorted(s.pending)
+        why = "" if in_flight is not None else in_flight_policy(self.config.rollout)[1] or "the rollout had stopped"
         data = self.source.state_dict()
         data["returned"] = [prompt_to_dict(p) for p in unfinished] + data["returned"]
         return {
@@ -499,6 +521,7 @@ class LocalJob:
             "weight_version": self.weight_version,
             "data": data,
             "buffer": self.buffer.state_dict(),
+            "in_flight": {"groups": in_flight or [], "retracted": retracted, "reason": why},
         }
 
     def restore(self) -> None:
@@ -517,16 +540,20 @@ class LocalJob:
             self.weight_version = int(extra["weight_version"] if "weight_version" in extra else extra["version"])
             self.source.load_state_dict(extra["data"])
             self.buffer.load_state_dict(extra["buffer"])
+            self.in_flight_record = extra.get("in_flight")  # continued or retracted when the rollout starts
         for name in ("metrics.jsonl", "eval.jsonl"):
             keep_metrics_through(self.folder / name, self.step)
         self.evals.last_step = self.step if self.step > 0 else None
         print(f"noria train: resuming {self.folder} at step {self.step} ({ckpt or 'no checkpoint yet'})", file=sys.stderr)
 
     def engine_metrics(self) -> dict[str, float]:
+        """The rollout engine's figures of the step's line: its share of KV blocks in use, and (in this
+        process) its prefix hits and retractions."""
         if self.local_engine is None:
-            return {}
+            return kv_usage([(self.client.base_url, self.engine_key)]) if self.engine_key else {}
         m = self.local_engine.metrics()
-        return {"engine/prefix_hit_rate": float(m["prefix_hit_rate"]), "engine/retractions": float(m["retractions"])}
+        return {"engine/prefix_hit_rate": float(m["prefix_hit_rate"]), "engine/retractions": float(m["retractions"]),
+                "engine/kv_usage": float(m["kv_usage"])}  # fmt: skip
 
     def close(self) -> None:
         self.evals.close()  # evaluation engines stopped, evaluations in flight cancelled
@@ -539,6 +566,24 @@ class LocalJob:
             self.local_engine.shutdown(drain_timeout_s=1.0)
         for child in reversed(self.children):  # a vLLM server: its whole process group (its engine core too)
             child.stop()
+
+
+def kv_usage(engines: list[tuple[str, str]], timeout_s: float = 5.0) -> dict[str, float]:
+    """``engine/kv_usage``: the mean share of KV blocks in use over the ``noria serve`` engines at
+    (url, key), from their ``/get_load`` (one loopback request each); left out when one does not
+    answer in ``timeout_s`` (a step's line is no reason to stop a run)."""
+    import json
+    import urllib.request
+
+    shares = []
+    for url, key in engines:
+        request = urllib.request.Request(f"{url}/get_load", headers={"Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+                shares.append(float(json.loads(answer.read())["kv_usage"]))
+        except (OSError, ValueError, KeyError):  # not measured this step: busy, stopping or restarting
+            return {}
+    return {"engine/kv_usage": sum(shares) / len(shares)} if shares else {}
 
 
 def steps_of(config: RunConfig, n_prompts: int, what: str) -> int:

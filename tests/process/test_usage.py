@@ -1,0 +1,34 @@
+"""memory/peak_rss_gb: the peak resident memory of a run's process tree, children included."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from noria.process.usage import children, memory_metrics, status_bytes, tree, tree_peak_rss_bytes
+
+HOLD = 200 * 2**20
+
+
+def test_the_tree_peak_counts_a_child_that_held_memory_and_drops_it_when_it_exits():
+    alone = tree_peak_rss_bytes()
+    # The child touches 200 MiB, frees it, says so, then waits: its peak stays, its current RSS falls.
+    code = f"b = bytearray({HOLD}); del b; print('ready', flush=True); import sys; sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in tree()
+        assert status_bytes(child.pid, "VmHWM") >= HOLD
+        assert status_bytes(child.pid, "VmRSS") < HOLD
+        assert tree_peak_rss_bytes() >= alone + HOLD
+        assert memory_metrics()["memory/peak_rss_gb"] * 1e9 >= alone + HOLD
+    finally:
+        child.stdin.close()
+        child.wait()
+    assert child.pid not in tree() and tree_peak_rss_bytes() < alone + HOLD
+
+
+def test_a_gone_process_has_no_children_and_no_memory():
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()  # reaped: its pid names nothing now
+    assert children(done.pid) == [] and status_bytes(done.pid, "VmHWM") == 0 and tree_peak_rss_bytes(done.pid) == 0
