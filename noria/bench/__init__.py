@@ -40,6 +40,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "async": ("async_rl", "trained tokens/s, trainer and engine idle: synchronous vs fully asynchronous RL, long-tailed responses"),
     "fleet": ("fleet", "scale-out: launch local vs ray step time, 2 engines vs 1 tokens/s and busy fraction, a weight push to N engines vs the raw broadcast"),
     "diffusion": ("diffusion", "images/s of the diffusion engine vs diffusers' DiTPipeline loop on the same DiT, and the DiT trainer's samples/s"),
+    "soak": ("soak", "an async RL job (eval fleet, agent sessions) for N minutes: RSS, fds, threads, /dev/shm, KV blocks and buffer of its process tree; fails on growth"),
 }
 """``noria bench NAME`` -> (module of ``noria.bench``, one-line help)."""
 
@@ -82,8 +83,9 @@ def machine_name() -> str:
     return cpu_info().summary()
 
 
-def write_json(path: str | Path, benchmark: str, results: list[dict[str, Any]]) -> Path:
-    """Write the benchmark's JSON document for ``results`` (the shape in the module docstring)."""
+def write_json(path: str | Path, benchmark: str, results: list[dict[str, Any]], **extra: Any) -> Path:
+    """Write the benchmark's JSON document for ``results`` (the shape in the module docstring), with
+    ``extra`` keys after them (what a benchmark records besides its cases: its samples, its run)."""
     doc = {
         "benchmark": benchmark,
         "command": "noria " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -91,6 +93,7 @@ def write_json(path: str | Path, benchmark: str, results: list[dict[str, Any]]) 
         "machine": machine_name(),
         "cpu": _cpu(),
         "results": results,
+        **extra,
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

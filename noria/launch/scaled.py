@@ -32,7 +32,7 @@ from typing import Any
 from noria.config import RunConfig, ensure_valid
 from noria.errors import NoriaError
 from noria.launch.fleet import EngineFleet, FleetClient, start_local_engine
-from noria.launch.job import LocalJob
+from noria.launch.job import LocalJob, kv_usage
 from noria.launch.ranks import InProcessRanks, ProcessRanks, RankBackend, TrainerRank
 from noria.types import Group
 
@@ -139,7 +139,7 @@ class ScaledJob(LocalJob):
                 raise WeightSyncError(error)
 
     def engine_metrics(self) -> dict[str, float]:
-        return self.fleet.metrics()
+        return {**self.fleet.metrics(), **kv_usage(self.fleet.targets())}
 
     def close(self) -> None:
         try:
