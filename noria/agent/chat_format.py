@@ -36,6 +36,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
+
 from noria.errors import NoriaError
 
 _STANDIN = "noria-standin-assistant-turn"
@@ -136,19 +138,27 @@ class ChatFormat:
         self.native_tools = "tools" in template
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool, **kwargs: Any) -> str:
-        messages = [dict(m) for m in messages]
-        if not self.native_tools:
-            messages = [tool_as_user(m) for m in messages]
-            if tools:
-                messages = with_tools_in_system(messages, tools)
-                tools = None
-        extra = {"tools": tools} if tools else {}
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra, **kwargs
-        )
+        """The chat template's text; ``TemplateError`` when it cannot render these (the client's) messages."""
+        try:
+            messages = [dict(m) for m in messages]
+            if not self.native_tools:
+                messages = [tool_as_user(m) for m in messages]
+                if tools:
+                    messages = with_tools_in_system(messages, tools)
+                    tools = None
+            extra = {"tools": tools} if tools else {}
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra, **kwargs
+            )
+        except (TemplateError, jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            # classified: the messages are the client's, so the template failing on them is a bad request
+            raise TemplateError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except (TypeError, ValueError, UnicodeEncodeError) as e:  # e.g. a lone surrogate in the client's text
+            raise TemplateError(f"the text cannot be tokenized: {type(e).__name__}: {e}") from e
 
     def first_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
         """The first turn, rendered whole, ready for generation."""

@@ -37,6 +37,24 @@ is kept and re-raised by the rollout after the agent returns (it stops the step)
 Routing: every engine request carries the session id as routing key; a request that names no
 session is refused (HTTP 400) before it reaches an engine or a router.
 
+Bounds (``SessionLimits``, from ``rollout.session_max_open``, ``session_max_tokens`` and
+``session_idle_timeout_s``; counted in ``SessionCounters``, one per run, shared by the run's
+servers and logged as ``session/*`` metrics). Each answer is an OpenAI error body whose ``param``
+names the option and ``limit`` its value:
+
+- open sessions: a session takes a place at its first request and holds it until it is closed; a
+  first request while ``max_open`` places are taken is answered 429 (``too_many_sessions``, with
+  ``Retry-After``: OpenAI clients retry it). A session never let in ends FAILED, naming the cap.
+- tokens per session: a request whose history would leave no room under ``max_tokens`` for one
+  generated token is answered 413 (``session_tokens_exceeded``) and changes nothing in the record;
+  generation is cut to the room left. The trajectory ends TRUNCATED (FAILED if it has no turn).
+- idle sessions: a session with no request in flight for ``idle_timeout_s`` is closed (its place is
+  freed); its later requests are answered 410 (``session_closed``). It ends TRUNCATED (FAILED if it
+  has no turn), naming the timeout.
+
+Bodies are checked before anything is recorded or sent: a body that is not a JSON object, or a
+field of the wrong type, is answered 400 naming the field.
+
 Not guaranteed: a session is one linear conversation (no branching, ``n`` = 1); requests of one
 session are serialized; whoever is given a session's URL (the agent function) can use it.
 """
@@ -48,12 +66,14 @@ import json
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from aiohttp import web
 
 from noria.agent.chat_format import ChatFormat, TemplateError
+from noria.agent.session_bounds import BadRequest, SessionCounters, SessionLimits, check_body, error_response, read_body
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from noria.errors import NoriaError
 from noria.router.client import MissingRoutingKey, routing_headers
@@ -67,7 +87,7 @@ class HistoryMismatch(NoriaError):
 
 
 class ContextExceeded(NoriaError):
-    """The session's tokens would exceed ``max_total_tokens``."""
+    """The session's tokens would exceed its token cap (``SessionLimits.max_tokens``)."""
 
 
 @dataclass
@@ -100,33 +120,57 @@ class Session:
     engine_outputs: list[list[int]] = field(default_factory=list)
     """The engine's output ids of every turn, as received (for checks and inspection)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    admitted: bool = False
+    """Whether it holds a place (``SessionLimits.max_open``); given back once when it is closed."""
+    released: bool = False
+    pending: int = 0
+    """Requests of it in the server now (waiting for its lock or running)."""
+    last_active: float = 0.0
+    refusals: int = 0
+    """Its first requests answered 429 (no place free)."""
+    capped: str = ""
+    """Why a request was answered 413 (its token cap), if one was."""
+    closed: str = ""
+    """Why the server closed it (idle), if it did; its later requests are answered 410."""
 
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
     def input_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None, kwargs: dict[str, Any]) -> list[int]:
-        """The ids to send for this request; appends the non-policy tokens to the record."""
-        if not self.prompt_ids:
-            self.prompt_ids = self.fmt.first_ids(messages, tools, **kwargs)
-            self.messages = [dict(m) for m in messages]
-            return self.ids
+        """The ids to send for this request; appends the non-policy tokens to the record. A request
+        past the token cap (``ContextExceeded``) or with a mismatched history changes nothing."""
         known = len(self.messages)
-        if len(messages) <= known or not same_history(messages[:known], self.messages):
+        if self.prompt_ids and (len(messages) <= known or not same_history(messages[:known], self.messages)):
             if self.on_mismatch == "error":
                 raise HistoryMismatch(history_diff(messages, self.messages))
+            first = self.fmt.first_ids(messages, tools, **kwargs)
+            self.check_room(len(first))
             self.rerenders += 1
             self.dropped_policy_tokens += sum(self.loss_mask)
             self.response_ids, self.loss_mask, self.logprobs, self.versions, self.routes = [], [], [], [], []
-            self.prompt_ids = []
-            return self.input_ids(messages, tools, kwargs)
+            self.prompt_ids, self.messages = first, [dict(m) for m in messages]
+            return self.ids
+        if not self.prompt_ids:
+            first = self.fmt.first_ids(messages, tools, **kwargs)
+            self.check_room(len(first))
+            self.prompt_ids, self.messages = first, [dict(m) for m in messages]
+            return self.ids
         appended = messages[known:]
         ids = self.fmt.appended_ids(appended, tools, **kwargs)
         if not self.response_ids or self.response_ids[-1] != self.fmt.end_of_turn_id:
             ids = [self.fmt.end_of_turn_id, *ids]  # the last turn stopped without closing (length or stop string)
+        self.check_room(len(self.ids) + len(ids))
         self.append(ids)
         self.messages.extend(dict(m) for m in appended)
         return self.ids
+
+    def check_room(self, tokens: int) -> None:
+        """``ContextExceeded`` unless a record of ``tokens`` leaves room for one generated token."""
+        if self.max_total_tokens is not None and tokens >= self.max_total_tokens:
+            raise ContextExceeded(
+                f"session {self.id} would hold {tokens} tokens before generating; rollout.session_max_tokens is {self.max_total_tokens}"
+            )
 
     def append(self, ids: list[int], out: GenerateOutput | None = None) -> None:
         """Append ``ids``: the engine's (mask 1, with logprobs) when ``out`` is given, else mask 0."""
@@ -193,16 +237,16 @@ class Session:
         return torch.stack([r if r is not None else torch.full_like(known, -1) for r in self.routes])
 
     def request_sampling(self, body: dict[str, Any]) -> SamplingParams:
+        """The server's sampling with the request's ``max_tokens`` (at most the server's, and the room
+        under the token cap) and ``stop`` strings added (``check_body`` checked their types)."""
         cap = self.sampling.max_new_tokens
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or cap
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         new = min(int(asked), cap)
         if self.max_total_tokens is not None:
-            room = self.max_total_tokens - len(self.ids)
-            if room < 1:
-                raise ContextExceeded(f"session {self.id} holds {len(self.ids)} tokens; max_total_tokens is {self.max_total_tokens}")
-            new = min(new, room)
+            self.check_room(len(self.ids))
+            new = min(new, self.max_total_tokens - len(self.ids))
         seed = self.sampling.seed
         if seed is not None:
             seed = (seed + 7_919 * self.turns) % (1 << 62)  # a distinct, reproducible seed per turn
@@ -254,10 +298,12 @@ class SessionServer:
         tokenizer: Any,
         sampling: SamplingParams,
         on_mismatch: OnMismatch = "error",
-        max_total_tokens: int | None = None,
+        limits: SessionLimits | None = None,
+        counters: SessionCounters | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         routes: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if on_mismatch not in ("error", "rerender"):
             raise ValueError(f"on_mismatch must be 'error' or 'rerender', got {on_mismatch!r}")
@@ -265,31 +311,46 @@ class SessionServer:
         self.fmt = ChatFormat(tokenizer)
         self.sampling = sampling
         self.on_mismatch: OnMismatch = on_mismatch
-        self.max_total_tokens = max_total_tokens
+        self.limits = limits or SessionLimits()
+        self.counters = counters if counters is not None else SessionCounters()
+        """Shared by every server of a run (``run_rollout`` keeps one per rollout context)."""
+        self.clock = clock
+        """Seconds, for the idle timeout (a test passes its own clock)."""
         self.routes = routes
         """Ask the engine for each policy token's MoE route (``rollout.routing_replay`` / ``record_routes``)."""
         self.host, self.port = host, port
         self.sessions: dict[str, Session] = {}
         self.runner: web.AppRunner | None = None
+        self.reaper: asyncio.Task | None = None
         self.secret = secrets.token_urlsafe(24)
         """The first path segment of every URL this server answers (see the module docstring)."""
 
     # ------------------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> SessionServer:
+    def app(self) -> web.Application:
+        """The aiohttp application: every route this server answers (the fuzzer reads them here)."""
         app = web.Application()
         root = f"/{self.secret}"
         app.router.add_post(root + "/sessions/{sid}/v1/chat/completions", self.chat)
         app.router.add_post(root + "/v1/chat/completions", self.chat)
         app.router.add_get(root + "/sessions/{sid}", self.show)
-        self.runner = web.AppRunner(app, access_log=None)
+        return app
+
+    async def start(self) -> SessionServer:
+        self.runner = web.AppRunner(self.app(), access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if self.limits.idle_timeout_s is not None:
+            self.reaper = asyncio.create_task(self._reap(self.limits.idle_timeout_s), name="session-idle-reaper")
         return self
 
     async def stop(self) -> None:
+        if self.reaper is not None:
+            self.reaper.cancel()
+            await asyncio.gather(self.reaper, return_exceptions=True)
+            self.reaper = None
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
@@ -311,53 +372,131 @@ class SessionServer:
         if sid in self.sessions:
             raise ValueError(f"session {sid} is already open")
         sampling = replace(self.sampling, seed=seed if seed is not None else self.sampling.seed)
-        self.sessions[sid] = Session(sid, self.fmt, sampling, self.on_mismatch, self.max_total_tokens)
-        return self.sessions[sid]
+        session = Session(sid, self.fmt, sampling, self.on_mismatch, self.limits.max_tokens, last_active=self.clock())
+        self.sessions[sid] = session
+        return session
 
     def base_url(self, session_id: str) -> str:
         return f"{self.url}/sessions/{session_id}/v1"
 
     def close(self, session_id: str) -> Session:
         session = self.sessions.pop(session_id)
+        self._release(session)
         forget = getattr(self.engine, "forget", None)
         if forget is not None:
             forget(session_id)
         return session
+
+    # ------------------------------------------------------------------------------ bounds
+
+    def _admit(self, session: Session) -> bool:
+        """Give ``session`` a place if it has none and one is free (``SessionLimits.max_open``)."""
+        if session.admitted:
+            return True
+        cap = self.limits.max_open
+        if cap is not None and self.counters.open >= cap:
+            session.refusals += 1
+            self.counters.refused_open += 1
+            return False
+        session.admitted = True
+        self.counters.open += 1
+        self.counters.admitted += 1
+        return True
+
+    def _release(self, session: Session) -> None:
+        if session.admitted and not session.released:
+            session.released = True
+            self.counters.open -= 1
+
+    def close_idle(self) -> list[str]:
+        """Close every session idle for ``idle_timeout_s`` (nothing in flight); their ids."""
+        timeout = self.limits.idle_timeout_s
+        if timeout is None:
+            return []
+        now, closed = self.clock(), []
+        for session in self.sessions.values():
+            if not session.closed and session.pending == 0 and now - session.last_active >= timeout:
+                session.closed = f"closed after {now - session.last_active:.1f} s idle; rollout.session_idle_timeout_s is {timeout:g}"
+                self._release(session)
+                self.counters.closed_idle += 1
+                closed.append(session.id)
+        return closed
+
+    async def _reap(self, timeout: float) -> None:
+        while True:
+            await asyncio.sleep(min(max(timeout / 4, 0.05), 5.0))
+            self.close_idle()
 
     # ------------------------------------------------------------------------------ endpoints
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         sid = request.match_info.get("sid") or request.headers.get("x-session-id")
         try:
-            body = await request.json()
+            body = check_body(await read_body(request))
             routing_headers(sid, session=True)
         except MissingRoutingKey as e:
-            return _error(400, "missing_session", f"{e}; post to /sessions/<id>/v1/chat/completions")
-        except json.JSONDecodeError:
-            return _error(400, "invalid_json", "the body is not JSON")
+            return error_response(400, "missing_session", f"{e}; post to /sessions/<id>/v1/chat/completions")
+        except BadRequest as e:
+            return error_response(400, "invalid_request", str(e))
         session = self.sessions.get(sid or "")
         if session is None:
-            return _error(404, "unknown_session", f"no open session {sid!r}")
+            return error_response(404, "unknown_session", f"no open session {sid!r}")
+        self.close_idle()
+        refused = self._refusal(session)
+        if refused is not None:
+            if not session.closed:  # a client retrying a 429 is not idle
+                session.last_active = self.clock()
+            return refused
+        session.pending += 1
+        try:
+            answer = await self._turn_locked(session, body)
+        finally:
+            session.pending -= 1
+            session.last_active = self.clock()
+        if isinstance(answer, web.Response):
+            return answer
+        if body.get("stream"):
+            return await _one_chunk_stream(request, answer)
+        return web.json_response(answer)
+
+    def _refusal(self, session: Session) -> web.Response | None:
+        """The 410 of a closed session or the 429 of one without a place; None if it may go on."""
+        if session.closed:
+            return error_response(410, "session_closed", f"session {session.id} was {session.closed}", "rollout.session_idle_timeout_s",
+                          self.limits.idle_timeout_s)  # fmt: skip
+        if not self._admit(session):
+            cap = self.limits.max_open
+            message = f"{self.counters.open} sessions are open; rollout.session_max_open is {cap}: retry when one closes"
+            response = error_response(429, "too_many_sessions", message, "rollout.session_max_open", cap, kind="rate_limit_error")
+            response.headers["Retry-After"] = "1"
+            return response
+        return None
+
+    async def _turn_locked(self, session: Session, body: dict[str, Any]) -> dict[str, Any] | web.Response:
+        """One turn under the session's lock: the OpenAI response, or the error answer."""
         async with session.lock:
+            session.last_active = self.clock()
             try:
                 choice, out = await self.turn(session, body)
             except HistoryMismatch as e:
                 session.error = f"history mismatch: {e}"
-                return _error(409, "history_mismatch", str(e))
+                return error_response(409, "history_mismatch", str(e))
             except ContextExceeded as e:
-                return _error(400, "context_length_exceeded", str(e))
-            except TemplateError as e:
-                return _error(400, "template_error", str(e))
+                session.capped, session.last_finish = str(e), "length"
+                self.counters.refused_tokens += 1
+                return error_response(413, "session_tokens_exceeded", str(e), "rollout.session_max_tokens", self.limits.max_tokens)
+            except (TemplateError, BadRequest) as e:
+                return error_response(400, "template_error" if isinstance(e, TemplateError) else "invalid_request", str(e))
             except RequestError as e:  # the engine refused the request (too long for its context, ...)
                 session.last_finish = "length"
-                return _error(400, "invalid_request", str(e))
+                return error_response(400, "invalid_request", str(e))
             except NoriaError as e:  # the engine failed, or (HTTP 4xx) refused the request
                 if _refused(e):
                     session.last_finish = "length"
-                    return _error(400, "invalid_request", str(e))
+                    return error_response(400, "invalid_request", str(e))
                 session.engine_failure = e
-                return _error(502, "engine_failure", str(e))
-        response = {
+                return error_response(502, "engine_failure", str(e))
+        return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -370,16 +509,10 @@ class SessionServer:
             },
             "noria": {"weight_version": out.weight_version, "cached_tokens": out.cached_tokens, "turn": session.turns},
         }
-        if body.get("stream"):
-            return await _one_chunk_stream(request, response)
-        return web.json_response(response)
 
     async def turn(self, session: Session, body: dict[str, Any]) -> tuple[dict[str, Any], GenerateOutput]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise TemplateError("messages must be a non-empty list")
         kwargs = dict(body.get("chat_template_kwargs") or {})
-        ids = session.input_ids(messages, body.get("tools"), kwargs)
+        ids = session.input_ids(body["messages"], body.get("tools"), kwargs)
         sampling = session.request_sampling(body)
         req = GenerateRequest(list(ids), sampling, routing_key=session.id, return_routed_experts=self.routes)
         out = await session_generate(self.engine, req)
@@ -388,7 +521,7 @@ class SessionServer:
     async def show(self, request: web.Request) -> web.Response:
         s = self.sessions.get(request.match_info["sid"])
         if s is None:
-            return _error(404, "unknown_session", "no such session")
+            return error_response(404, "unknown_session", "no such session")
         return web.json_response({"id": s.id, "turns": s.turns, "tokens": len(s.ids), "policy_tokens": sum(s.loss_mask)})
 
 
@@ -397,10 +530,6 @@ def _refused(error: BaseException) -> bool:
     cause = error.__cause__
     response = getattr(cause, "response", None)
     return response is not None and 400 <= getattr(response, "status_code", 0) < 500
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message, "type": "invalid_request_error"}}, status=status)
 
 
 async def _one_chunk_stream(request: web.Request, response: dict[str, Any]) -> web.StreamResponse:
@@ -419,11 +548,17 @@ async def _one_chunk_stream(request: web.Request, response: dict[str, Any]) -> w
 
 
 def session_status(session: Session) -> tuple[Status, str]:
-    """How the recorded trajectory ended, from the session's side."""
+    """How the recorded trajectory ended, from the session's side: a bound that stopped it is named
+    (TRUNCATED, or FAILED when it holds no turn)."""
     if session.error:
         return Status.FAILED, session.error
+    bound = session.capped or (f"session {session.id} was {session.closed}" if session.closed else "")
+    if bound:
+        return (Status.TRUNCATED if session.turns else Status.FAILED), bound
     if session.last_finish == "length":
         return Status.TRUNCATED, ""
+    if session.turns == 0 and session.refusals:
+        return Status.FAILED, f"refused {session.refusals} time(s): too many open sessions (rollout.session_max_open)"
     if session.turns == 0:
         return Status.FAILED, "the agent never called the model"
     return Status.COMPLETED, ""

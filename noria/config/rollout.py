@@ -93,6 +93,22 @@ class RolloutConfig:
         "error", "When an agent re-sends a history that differs from the session's record: error (HTTP 409, the "
         "sample fails) or rerender (the record restarts from the re-rendered history; earlier policy tokens leave it)."
     )
+    session_max_open: int | None = option(
+        None, "Agent sessions holding a place at once over the whole run (a session takes one at its first request "
+        "and frees it when closed): a first request past it is answered HTTP 429 with Retry-After (OpenAI clients "
+        "retry it); a session never let in is FAILED naming this option. null: no cap beyond rollout.max_in_flight "
+        "(one session per trajectory)."
+    )
+    session_max_tokens: int | None = option(
+        None, "Tokens one agent session may hold, prompt and response together: a request that leaves no room for one "
+        "generated token is answered HTTP 413 and the trajectory ends TRUNCATED (FAILED without a turn); generation "
+        "is cut to the room left. null: no cap but the engine's context."
+    )
+    session_idle_timeout_s: float | None = option(
+        None, "Seconds an agent session may go without a request in flight before the server closes it (its place "
+        "freed; later requests answered HTTP 410); the trajectory ends TRUNCATED (FAILED without a turn). null: none "
+        "(rollout.agent_timeout_s still bounds the whole agent)."
+    )
     placement: Literal["colocated", "disaggregated"] = option(
         "colocated",
         "colocated: the engine runs in the trainer's process and pauses (KV memory released) while it trains; "
@@ -164,6 +180,11 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.{k} must be an import path pkg.module:fn, got {getattr(self, k)!r}")
         if self.agent_timeout_s <= 0:
             raise ConfigError(f"rollout.agent_timeout_s must be > 0, got {self.agent_timeout_s}")
+        for key in ("session_max_open", "session_max_tokens"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"rollout.{key} must be >= 1 or null, got {getattr(self, key)}")
+        if self.session_idle_timeout_s is not None and not self.session_idle_timeout_s > 0:
+            raise ConfigError(f"rollout.session_idle_timeout_s must be > 0 or null, got {self.session_idle_timeout_s}")
         if self.n_samples < 1:
             raise ConfigError(f"rollout.n_samples must be >= 1, got {self.n_samples}")
         if self.prompts_per_step is not None and self.prompts_per_step < 1:

@@ -7,7 +7,9 @@ How data moves::
 
 ``run_rollout`` picks the plug-in layer the config names (``rollout.rollout_fn``, ``generate_fn``
 or ``agent_fn``; see ``noria.agent.plugins``); with none, ``rollout_groups`` with ``generate_one``.
-An agent function runs behind a session server started for the step (``noria.agent.session``).
+An agent function runs behind a session server started for the call (``noria.agent.session``); the
+servers of one rollout context share its bounds' counters (``ctx.extra["session_counters"]``, the
+``session/*`` metrics).
 Samples a plug-in already scored keep their reward; the others are scored by the reward runner.
 
 ``generate_one(ctx, sample)`` is the default generate function (``noria.plugins``): it sends the
@@ -187,13 +189,16 @@ async def run_rollout(
         return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward, generate)
     if not agent_fn:
         return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward)
-    from noria.agent.session import SessionServer
+    from noria.agent.session import SessionCounters, SessionLimits, SessionServer
 
     generate = agent_generate(load_plugin(agent_fn, "rollout.agent_fn"), getattr(cfg, "agent_timeout_s", 600.0))
     base = sampling_params(ctx, Sample(prompt_ids=[]))
     on_mismatch = getattr(cfg, "session_on_mismatch", "error")
     routes = getattr(cfg, "wants_routes", False)
-    async with SessionServer(ctx.engine, ctx.tokenizer, base, on_mismatch=on_mismatch, routes=routes) as server:
+    # One count per run: every call's server shares the context's counters (ctx.extra is shared by its copies).
+    counters = ctx.extra.setdefault("session_counters", SessionCounters())
+    limits = SessionLimits.from_rollout(cfg)
+    async with SessionServer(ctx.engine, ctx.tokenizer, base, on_mismatch, limits, counters, routes=routes) as server:
         ctx.session_server = server
         return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward, generate)
 

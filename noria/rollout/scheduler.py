@@ -163,7 +163,9 @@ class RolloutScheduler:
     def metrics(self) -> dict[str, float]:
         """What happened since the last call: tokens, generation rate, engine busy fraction, rewards."""
         stats, self._stats = self._stats, _Interval(busy=self.in_flight > 0)
-        return stats.collect(self.in_flight, len(self.pending), self._stats.start)
+        out = stats.collect(self.in_flight, len(self.pending), self._stats.start)
+        sessions = self.ctx.extra.get("session_counters")  # agent sessions' bounds (noria.agent.session_bounds)
+        return {**out, **sessions.metrics()} if sessions is not None else out
 
     # ------------------------------------------------------------------------------ worker
 

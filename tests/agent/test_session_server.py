@@ -234,3 +234,227 @@ def test_tito_with_smollm2_and_tools():
     text = engine.tokenizer.decode(sample.prompt_ids)
     assert "<tools>" in text and "calculator" in text  # SmolLM2's template has no tools: written into the system turn
     assert "<tool_response>\n5535\n</tool_response>" in engine.tokenizer.decode(sample.response_ids)
+
+
+# ---------------------------------------------------------------------------------------- bounds
+
+
+class Clock:
+    """A clock the test moves by hand (the idle timeout reads it; no waiting on real time)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def answer(base_url: str, body) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await client.post(f"{base_url}/chat/completions", json=body)
+
+
+def capped_server(engine, **limits):
+    from noria.agent.session import SessionCounters, SessionLimits
+    from noria.rollout import LocalEngineClient
+
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1)
+    clock = limits.pop("clock", None) or Clock()
+    server = SessionServer(LocalRouter([LocalEngineClient(engine)]), engine.tokenizer, sampling,
+                           limits=SessionLimits(**limits), counters=SessionCounters(), clock=clock)  # fmt: skip
+    return server, clock
+
+
+def assert_bound_error(r: httpx.Response, status: int, code: str, option: str, limit) -> None:
+    """An OpenAI error body naming the bound's option and value."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code and error["param"] == option and error["limit"] == limit, error
+    assert option in error["message"] and error["type"]
+
+
+HI = [{"role": "user", "content": "What is 3 + 4?"}]
+
+
+def test_a_first_request_past_the_open_session_cap_is_429_and_a_session_never_let_in_fails(tiny_model_dir):
+    from noria.agent.session import session_status
+    from noria.types import Status
+
+    engine = tiny_engine(tiny_model_dir)
+    try:
+
+        async def run():
+            server, _ = capped_server(engine, max_open=2)
+            async with server:
+                for sid in ("a", "b", "c", "never"):
+                    server.open(sid)
+                assert (await answer(server.base_url("a"), {"messages": HI})).status_code == 200
+                assert (await answer(server.base_url("b"), {"messages": HI})).status_code == 200
+                refused = await answer(server.base_url("c"), {"messages": HI})
+                assert_bound_error(refused, 429, "too_many_sessions", "rollout.session_max_open", 2)
+                assert refused.headers["Retry-After"] == "1" and server.sessions["c"].turns == 0
+                server.close("a")  # a place frees: c's retry gets in
+                assert (await answer(server.base_url("c"), {"messages": HI})).status_code == 200
+                assert_bound_error(await answer(server.base_url("never"), {"messages": HI}), 429, "too_many_sessions",
+                                   "rollout.session_max_open", 2)  # fmt: skip
+                metrics = server.counters.metrics()
+                return [server.close(s) for s in ("b", "c", "never")], metrics, server.counters
+
+        (b, c, never), metrics, counters = asyncio.run(run())
+    finally:
+        engine.shutdown(drain_timeout_s=1.0)
+    assert metrics == {"session/open": 2.0, "session/admitted": 3.0, "session/refused_open": 2.0,
+                       "session/refused_tokens": 0.0, "session/closed_idle": 0.0}  # fmt: skip
+    assert counters.open == 0  # every place given back once, however the session was closed
+    assert c.refusals == 1 and session_status(c)[0] is not Status.FAILED
+    status, reason = session_status(never)
+    assert status is Status.FAILED and "rollout.session_max_open" in reason
+
+
+def test_a_request_past_the_token_cap_is_413_changes_nothing_and_the_trajectory_ends_truncated(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from noria.agent.plugins import agent_generate
+    from noria.types import Sample, Status
+
+    engine = tiny_engine(tiny_model_dir)
+    first = len(ChatFormat(engine.tokenizer).first_ids(HI))
+    cap = first + 3  # the first turn fits (cut to 3 tokens); any second turn does not
+
+    async def agent(ctx, prompt, base_url):
+        seen = {}
+        r = await answer(base_url, {"messages": HI})
+        assert r.status_code == 200, r.text
+        seen["first_tokens"] = r.json()["usage"]["completion_tokens"]
+        messages = [*HI, r.json()["choices"][0]["message"], {"role": "user", "content": "and 5 + 6?"}]
+        before = len(ctx.session_server.sessions[next(iter(ctx.session_server.sessions))].ids)
+        refused = await answer(base_url, {"messages": messages})
+        assert_bound_error(refused, 413, "session_tokens_exceeded", "rollout.session_max_tokens", cap)
+        seen["unchanged"] = len(ctx.session_server.sessions[next(iter(ctx.session_server.sessions))].ids) == before
+        return {"metadata": seen}
+
+    try:
+
+        async def run():
+            server, _ = capped_server(engine, max_tokens=cap)
+            async with server:
+                ctx = SimpleNamespace(session_server=server, greedy=False, prompts={}, seed_for=lambda s: 5)
+                sample = await agent_generate(agent)(ctx, Sample(prompt_ids=[], group_id=0, index=0))
+                server.open("long")  # a first turn that alone passes the cap: refused, FAILED (no turn to train)
+                long = [{"role": "user", "content": "many words " * cap}]
+                assert_bound_error(await answer(server.base_url("long"), {"messages": long}), 413, "session_tokens_exceeded",
+                                   "rollout.session_max_tokens", cap)  # fmt: skip
+                return sample, server.close("long"), server.counters
+
+        sample, long, counters = asyncio.run(run())
+    finally:
+        engine.shutdown(drain_timeout_s=1.0)
+    from noria.agent.session import session_status
+
+    assert sample.metadata["first_tokens"] <= 3 and sample.metadata["unchanged"]
+    assert len(sample.prompt_ids) + len(sample.response_ids) <= cap
+    assert sample.status is Status.TRUNCATED and "rollout.session_max_tokens" in sample.status_reason
+    assert session_status(long)[0] is Status.FAILED and "rollout.session_max_tokens" in session_status(long)[1]
+    assert counters.refused_tokens == 2 and counters.open == 0
+
+
+def test_an_idle_session_is_closed_its_place_freed_and_later_requests_answered_410(tiny_model_dir):
+    from noria.agent.session import session_status
+    from noria.types import Status
+
+    engine = tiny_engine(tiny_model_dir)
+    try:
+
+        async def run():
+            server, clock = capped_server(engine, max_open=1, idle_timeout_s=30.0)
+            async with server:
+                server.open("idle")
+                assert (await answer(server.base_url("idle"), {"messages": HI})).status_code == 200
+                clock.now += 29.0
+                server.open("next")
+                assert_bound_error(await answer(server.base_url("next"), {"messages": HI}), 429, "too_many_sessions",
+                                   "rollout.session_max_open", 1)  # fmt: skip
+                clock.now += 1.0  # "idle" has had no request for 30 s: closed at next's next request, its place freed
+                assert (await answer(server.base_url("next"), {"messages": HI})).status_code == 200
+                late = await answer(server.base_url("idle"), {"messages": HI})
+                assert_bound_error(late, 410, "session_closed", "rollout.session_idle_timeout_s", 30.0)
+                return server.close("idle"), server.close("next"), server.counters
+
+        idle, nxt, counters = asyncio.run(run())
+    finally:
+        engine.shutdown(drain_timeout_s=1.0)
+    status, reason = session_status(idle)
+    assert status is Status.TRUNCATED and "rollout.session_idle_timeout_s" in reason and idle.turns == 1
+    assert session_status(nxt)[0] is not Status.FAILED
+    assert counters.closed_idle == 1 and counters.open == 0 and counters.admitted == 2
+
+
+def test_the_reaper_closes_an_idle_session_without_any_request(tmp_path):
+    """No request arrives after the turn: the server's own reaper closes the session."""
+    tok = qwen3_tokenizer(tmp_path)
+
+    async def run():
+        from noria.agent.session import SessionLimits
+
+        async with SessionServer(Scripted(tok, ["ok<|im_end|>"]), tok, SamplingParams(max_new_tokens=8),
+                                 limits=SessionLimits(max_open=4, idle_timeout_s=0.2)) as server:  # fmt: skip
+            server.open("r")
+            await post(server.base_url("r"), {"messages": [{"role": "user", "content": "hi"}]})
+            assert server.counters.open == 1
+            await asyncio.sleep(1.0)  # the reaper wakes every 0.05 s on this loop: it has run past the timeout
+            return server.sessions["r"].closed, server.counters.open
+
+    closed, still_open = asyncio.run(run())
+    assert "idle" in closed and still_open == 0
+
+
+def test_bound_options_are_validated_and_reach_the_server():
+    from noria.agent.session import SessionLimits
+    from noria.config import ConfigError, RolloutConfig
+
+    limits = SessionLimits.from_rollout(RolloutConfig(session_max_open=8, session_max_tokens=4096, session_idle_timeout_s=60.0))
+    assert limits == SessionLimits(8, 4096, 60.0) and SessionLimits.from_rollout(RolloutConfig()) == SessionLimits()
+    for key, value in (("session_max_open", 0), ("session_max_tokens", -1), ("session_idle_timeout_s", 0.0)):
+        with pytest.raises(ConfigError, match=f"rollout.{key}"):
+            RolloutConfig(**{key: value}).validate()
+
+
+BAD_BODIES = [
+    pytest.param(b"[1, 2]", "the body must be a JSON object", id="json-list"),
+    pytest.param(b"\xff\xfe not utf-8", "not JSON", id="non-utf8"),
+    pytest.param(b'{"messages": [1]}', "messages[0] must be an object", id="message-not-an-object"),
+    pytest.param(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}', "max_tokens", id="max-tokens-string"),
+    pytest.param(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}', "max_tokens", id="max-tokens-infinite"),
+    pytest.param(b'{"messages": [{"role": "user", "content": "hi"}], "stop": 5}', "stop", id="stop-number"),
+    pytest.param(b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": true}}',
+                 "chat_template_kwargs", id="template-kwargs-tokenize"),
+    pytest.param(b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}', "chat_template_kwargs",
+                 id="template-kwargs-list"),
+    pytest.param(b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "tokenized", id="lone-surrogate"),
+    pytest.param(b'{"messages": [{"role": "user", "content": {"a": 1}}]}', "content", id="content-object"),
+    pytest.param(b'{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": "f"}]}]}', "tool_calls",
+                 id="tool-call-function-string"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("raw, named", BAD_BODIES)
+def test_fuzz_regression_malformed_chat_bodies_are_400_naming_the_field_never_500(tmp_path, raw, named):
+    """Found by the fuzzer (noria bench fuzz): each of these bodies was answered 500 (an exception in
+    the handler) before the session server checked bodies; now 400 naming the field, nothing recorded
+    or sent, and the session still answers a good request."""
+    tok = qwen3_tokenizer(tmp_path)
+
+    async def run():
+        engine = Scripted(tok, ["fine<|im_end|>"])
+        async with SessionServer(engine, tok, SamplingParams(max_new_tokens=8)) as server:
+            server.open("f")
+            async with httpx.AsyncClient(timeout=60) as client:
+                bad = await client.post(f"{server.base_url('f')}/chat/completions", content=raw,
+                                        headers={"Content-Type": "application/json"})  # fmt: skip
+            assert server.sessions["f"].ids == [] and engine.requests == []
+            good = await post(server.base_url("f"), {"messages": [{"role": "user", "content": "hi"}]})
+            return bad, good
+
+    bad, good = asyncio.run(run())
+    assert bad.status_code == 400 and named in bad.json()["error"]["message"], bad.text
+    assert good["choices"][0]["message"]["content"] == "fine"
