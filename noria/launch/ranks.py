@@ -291,13 +291,23 @@ class ProcessRanks:
         raise TrainerRankFailure(message)
 
     def close(self, graceful: bool = True) -> None:
+        """Stop every rank: gracefully, ``close`` goes to all of them before any answer is awaited
+        (each rank's close ends in a barrier with the others: asked one at a time, the first would
+        wait there for a rank not yet asked, until the answer's timeout)."""
+        asked = []
         for pipe, process in zip(self.pipes, self.processes):
             if graceful and process.exitcode is None:
                 try:
                     pipe.send(("close", ()))
-                    pipe.poll(30) and pipe.recv()
-                except (OSError, EOFError):
+                    asked.append(pipe)
+                except OSError:
                     pass
+        for pipe in asked:
+            try:
+                pipe.poll(30) and pipe.recv()
+            except (OSError, EOFError):
+                pass
+        for process in self.processes:
             process.join(5 if graceful else 0)
             if process.exitcode is None:
                 process.kill()

@@ -45,10 +45,14 @@ def test_two_engines_and_two_ranks_train_as_one_process(tiny_model_dir, tmp_path
         return real_push(version, bucket_bytes)
 
     job.push = push
+    ranks = list(job.ranks.processes)
     try:
         asyncio.run(job.run(rl_loop))
     finally:
         job.close()
+    # A clean close: every rank passed its last barrier and exited 0 (asked one at a time, rank 0
+    # waited in that barrier for rank 1 until its answer timed out, was killed, and rank 1 failed).
+    assert [p.exitcode for p in ranks] == [0, 0]
     a, b = steps(one), steps(tmp_path / "many")
     assert b[-1]["fleet/restarts"] == 1 and b[-1]["sync/fallback"] == 0
     assert [r["rollout/reward_mean"] for r in a] == [r["rollout/reward_mean"] for r in b]
