@@ -22,9 +22,15 @@ Three paths, picked per engine:
 Ownership and clean-up: the staging area belongs to the engine (a memfd: it goes with the engine
 process and the trainer's mapping, nothing stays in /dev/shm); the trainer keeps its mapping
 between pushes (warm pages) and drops it in ``close``. Segments belong to the trainer (engines only
-map them read-only); the two are kept between pushes (each sized to the largest bucket seen) and
-unlinked by ``close``, by a failed push, and at interpreter exit; a trainer killed with SIGKILL
-leaves them to the multiprocessing resource tracker.
+map them read-only, and only while they copy a bucket) and live for one push: created at its first
+bucket (each sized to the largest bucket), unlinked once every engine has answered for its last
+bucket, by a failed push, by ``close`` and at interpreter exit. So a job killed as a whole between
+pushes (a scheduler's SIGKILL to every process, the multiprocessing resource tracker included)
+leaves nothing in /dev/shm, where a segment would hold its RAM until the machine restarts; a
+trainer killed alone leaves the segments of a push in progress to the resource tracker, which
+unlinks them when the trainer's end closes its pipe. (Kept between pushes, they were left behind
+by every such kill: ``tests/sync/test_sync_http.py::test_segments_live_for_one_push``.) The cost:
+each push maps fresh pages (a CUDA buffer, in GPU memory, is kept).
 
 Blocking: ``send`` copies on the calling thread and waits for every engine's answer.
 Not guaranteed: the trainer writes the staging area without a lock, so two pushes to one engine
@@ -86,6 +92,7 @@ class IpcTransport(Transport):
                     inflight[slot] = [self.pool.submit(t.stage_ipc, handle, manifest, update_id) for t in via_buffer]
             for futures in inflight:
                 _wait(futures)
+            self._free_segments()  # every engine has copied them out: nothing of this push stays in /dev/shm
         except BaseException:
             for futures in inflight:  # let the engines finish reading before the buffers go
                 if futures:
@@ -176,6 +183,13 @@ class IpcTransport(Transport):
 
     def _free_buffers(self) -> None:
         _free_all(self._buffers, {})
+
+    def _free_segments(self) -> None:
+        """Unlink the /dev/shm segments (a CUDA buffer stays: it is no file and its pages are GPU memory)."""
+        for i, buf in enumerate(self._buffers):
+            if buf is not None and buf.shm is not None:
+                self._buffers[i] = None  # the same list: the finalizer holds it
+                buf.free()
 
 
 class _Area:

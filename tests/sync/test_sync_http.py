@@ -202,3 +202,59 @@ def test_auto_picks_ipc_for_a_noria_engine_on_this_machine_and_broadcast_for_ano
         assert resolve_transport("auto", [HttpEngine(f"http://127.0.0.1:{other.server_port}")]) == "broadcast"
     finally:
         other.shutdown()
+
+
+PUSH_THEN_WAIT = """
+import sys, time, torch
+from noria.config import SyncConfig
+from noria.models import load_model
+from noria.sync import build_sync, bucketize
+url, model, version, folder = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+weights = {n: t.clone() for n, t in load_model(model, dtype=torch.float32).state_dict().items() if n != "lm_head.weight"}
+sync = build_sync(SyncConfig(transport="ipc", bucket_mb=1), [url], run_dir=folder)
+transport, names = sync.transport_impl, []
+transport.use_staging_area = False
+real_pack = transport._pack
+def pack(slot, bucket):  # a spy: the names of the segments the push goes through
+    handle, manifest = real_pack(slot, bucket)
+    names.append(handle["name"])
+    return handle, manifest
+transport._pack = pack
+sync.push(bucketize(weights, 30_000), version)
+print("pushed", *sorted(set(names)), flush=True)
+time.sleep(120)
+"""
+
+
+def test_segments_live_for_one_push(server, tiny_model_dir, tmp_path):
+    """A trainer whose whole process group is SIGKILLed between two pushes (a job scheduler's kill:
+    the multiprocessing resource tracker, which would unlink what a lone dead trainer left, dies
+    too) leaves no /dev/shm segment: they were kept between pushes and stayed there, holding RAM."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from repo_util import ROOT
+
+    version, _ = state(server)
+    out = tmp_path / "trainer.out"
+    trainer = subprocess.Popen([sys.executable, "-c", PUSH_THEN_WAIT, server.url, str(tiny_model_dir), str(version + 1), str(tmp_path)],
+                               stdout=open(out, "wb"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)  # noqa: SIM115
+    try:
+        deadline = time.monotonic() + 120
+        while not out.read_text().startswith("pushed"):
+            assert trainer.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.1)
+        names = out.read_text().split()[1:]
+        assert names and all(n.startswith(f"noria_sync_{trainer.pid}_") for n in names)  # the push went through segments
+        assert state(server)[0] == version + 1
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+    # the whole group is dead (the resource tracker too): nothing is left to clean up, a leftover stays for good
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"noria_sync_{trainer.pid}_")]
+    for name in left:  # removed (the old code's leftovers) so they do not hold this machine's memory
+        Path("/dev/shm", name).unlink()
+    assert left == []
