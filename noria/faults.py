@@ -33,6 +33,10 @@ POINTS = {
     "metrics.write": "noria.metrics.RunLog.append: a line of metrics.jsonl or eval.jsonl is about to be written",
     "sync.disk_write": "noria.sync.disk: a pushed version's tensors are written into its hidden partial folder, "
     "not yet published (the engines must keep serving the previous version)",
+    "rollout.in_flight_recorded": "noria.rollout.scheduler.record_in_flight: every request in flight is stopped with "
+    "its tokens and recorded, the checkpoint not yet written (a crash here must lose none of them)",
+    "rollout.in_flight_continued": "noria.rollout.generate.generate_one: a trajectory holding tokens (stopped by a "
+    "checkpoint, or recorded in one and resumed) is about to send the request that continues it",
 }
 """Every fault point: name -> where it is and what holds there."""
 

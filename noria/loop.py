@@ -88,9 +88,10 @@ class Job(Protocol):
         never raised, except an engine failure."""
         ...
 
-    def save(self, when: Literal["step", "end"]) -> None:
+    async def save(self, when: Literal["step", "end"]) -> None:
         """A checkpoint if due (``train.save_every``; always at the end when saving at all); at the
-        end, the final model too."""
+        end, the final model too. Asynchronous: the requests in flight may be stopped with their
+        tokens for it and recorded (``rollout.resume_in_flight``), then continued."""
         ...
 
     def begin_step(self) -> None:
@@ -116,6 +117,6 @@ async def rl_loop(job: Job) -> None:
                 sync_metrics = await job.sync_weights()  # engines now serve version job.weight_version
             job.end_step(groups, train_metrics, sync_metrics)
             await job.evaluate(when="step")
-            job.save(when="step")
+            await job.save(when="step")
     await job.evaluate(when="end")
-    job.save(when="end")
+    await job.save(when="end")

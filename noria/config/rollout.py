@@ -153,6 +153,17 @@ class RolloutConfig:
         "resumed from their partial tokens under the new weights), in_place (generation pauses, the weights change, it continues "
         "with its KV cache) or drain (no request starts; the update waits for the running ones: the mode of vLLM, which reports no versions).",
     )
+    resume_in_flight: Literal["auto", "continue", "retract"] = option(
+        "auto",
+        "What a checkpoint keeps of the trajectories still generating, and what --resume does with them: continue (each "
+        "request is stopped with its tokens and recorded with their logprobs and weight versions, its group's finished "
+        "samples and id; it then goes on from them, and a resumed run continues it from them, re-prefilled, unless its "
+        "oldest token is already staler than max_staleness at the checkpoint's weights: then it is retracted, the reason "
+        "logged and counted in resume/in_flight_retracted), retract (their prompts go back to the data source, their tokens "
+        "are dropped) or auto: continue under asynchronous RL (max_staleness > 0), retract under synchronous RL (a resumed "
+        "run then repeats an uninterrupted one bitwise) and where continue cannot work (rollout_fn or agent_fn, several "
+        "engines, an SGLang or vLLM engine). See docs/guarantees.md.",
+    )
     routing_replay: bool = option(
         False,
         "MoE models: the engine records the experts each policy token was routed to (per MoE layer) and the trainer's "
@@ -219,4 +230,17 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.max_in_flight must be >= rollout.n_samples ({self.n_samples}) or null, got {self.max_in_flight}"
             )
+        blockers = resume_in_flight_blockers(self)
+        if self.resume_in_flight == "continue" and blockers:
+            raise ConfigError(f"rollout.resume_in_flight: continue cannot work here: {blockers[0]}; use auto or retract")
         self.buffer.validate()
+
+
+def resume_in_flight_blockers(rollout: RolloutConfig) -> list[str]:
+    """Why the requests in flight at a checkpoint cannot be continued under this config (empty: they can)."""
+    why = [f"rollout.{k} produces whole groups: no request's tokens to keep" for k in ("rollout_fn", "agent_fn") if getattr(rollout, k)]
+    if rollout.engines > 1:
+        why.append("an engine fleet (rollout.engines > 1) is not stopped request by request")
+    if rollout.engine != "noria":
+        why.append(f"rollout.engine {rollout.engine}: only a noria engine answers an abort with the tokens so far")
+    return why

@@ -71,6 +71,10 @@ class LocalEngineClient:
         except Exception as e:  # EngineDead and anything else the engine thread raised
             raise EngineFailure(f"{self.name} failed: {type(e).__name__}: {e}") from e
 
+    async def abort(self, rid: str) -> None:
+        """Abort request ``rid``: its ``generate`` answers with the tokens so far (reason abort)."""
+        self.engine.abort(rid)
+
     async def pause(self, mode: str = "retract") -> None:
         await self.engine.pause(mode)
 
@@ -122,6 +126,11 @@ class HttpEngineClient:
             body["logprob_start_len"] = req.logprob_start_len
         data = await self._call(self.http.generate(body, routing_key=req.routing_key))
         return output_from_sglang(data, req)
+
+    async def abort(self, rid: str) -> None:
+        """Abort request ``rid`` (``/abort_request``): its ``generate`` answers with the tokens so far
+        (reason abort); an unknown or finished rid is ignored by the engine."""
+        await self._post("/abort_request", {"rid": rid})
 
     async def pause(self, mode: str = "retract") -> None:
         await self._post("/pause_generation", {"mode": mode})

@@ -31,15 +31,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from noria import faults
 from noria.config import RewardConfig, RolloutConfig
 from noria.engine.protocol import GenerateRequest, SamplingParams
 from noria.plugins import PluginError, load_plugin
 from noria.rewards.runner import ScoreCounts, score_async
 from noria.rollout.client import EngineClient
+from noria.rollout.in_flight import LiveRequests
 from noria.types import Group, Prompt, Sample, Status
 
 GenerateFn = Callable[["RolloutContext", Sample], Awaitable[Sample]]
@@ -65,6 +68,9 @@ class RolloutContext:
     top_logprobs: int = 0
     """Record the engine's top-k logprobs of every sampled token (``Sample.rollout_top_logprobs``;
     ``opd.top_k``); 0 records none."""
+    live: LiveRequests | None = None
+    """The gate a checkpoint closes to stop every request with its tokens (``noria.rollout.in_flight``;
+    ``rollout.resume_in_flight`` continue); None: requests go straight to the engine."""
 
     def seed_for(self, sample: Sample) -> int:
         """The sampling seed of ``sample`` (``sample_seed`` of the run seed, its group id and index):
@@ -103,25 +109,89 @@ def sampling_params(ctx: RolloutContext, sample: Sample) -> SamplingParams:
 
 
 async def generate_one(ctx: RolloutContext, sample: Sample) -> Sample:
-    """The default generate function: one single-turn trajectory from the engine."""
-    req = GenerateRequest(
-        input_ids=list(sample.prompt_ids), sampling=sampling_params(ctx, sample),
+    """The default generate function: one single-turn trajectory from the engine. A sample that
+    already holds response tokens (stopped by a checkpoint, or recorded in one and resumed:
+    ``noria.rollout.in_flight``) continues from them (``next_request``); they keep their logprobs,
+    versions and routes."""
+    while True:
+        seam = len(sample.response_ids)
+        if seam and seam >= ctx.sampling.max_new_tokens:  # recorded at the limit: nothing left to sample
+            return finish_sample(ctx, sample, {"type": "length"})
+        req = next_request(ctx, sample)
+        if seam:
+            faults.point("rollout.in_flight_continued")
+        out = await (ctx.live.generate(ctx.engine, req) if ctx.live is not None else ctx.engine.generate(req))
+        append_output(ctx, sample, out)
+        if seam == 0:
+            sample.metadata["cached_tokens"] = out.cached_tokens
+        stop = seam_stop(ctx, sample, seam)
+        if stop is not None:
+            return finish_sample(ctx, sample, {"type": "stop", "matched": stop})
+        if ctx.live is not None and ctx.live.stopped(out):
+            await ctx.live.gate()  # a checkpoint records the tokens so far; then they are continued
+            continue
+        return finish_sample(ctx, sample, out.finish_reason)
+
+
+def next_request(ctx: RolloutContext, sample: Sample) -> GenerateRequest:
+    """The request that samples the rest of ``sample``: its prompt followed by the response so far
+    (re-prefilled), for the tokens left of ``max_new_tokens``, seeded apart from the first request."""
+    done = len(sample.response_ids)
+    sampling = sampling_params(ctx, sample)
+    if done:
+        sampling.max_new_tokens -= done
+        if sampling.seed is not None:
+            sampling.seed = (sampling.seed + done * 7_919) % (1 << 62)
+    rid = f"noria-g{sample.group_id}-s{sample.index}-{uuid.uuid4().hex[:12]}" if ctx.live is not None else ""
+    return GenerateRequest(
+        input_ids=list(sample.prompt_ids) + list(sample.response_ids), sampling=sampling, rid=rid,
         return_routed_experts=getattr(ctx.sampling, "wants_routes", False), top_logprobs_num=ctx.top_logprobs,
     )  # fmt: skip
-    out = await ctx.engine.generate(req)
-    reason = (out.finish_reason or {}).get("type")
-    sample.response_ids = list(out.output_ids)
-    sample.loss_mask = [1] * len(out.output_ids)
-    sample.rollout_logprobs = [float(x) for x in out.logprobs]
-    sample.weight_versions = list(out.weight_versions)
-    sample.routed_experts = out.routed_experts
+
+
+def append_output(ctx: RolloutContext, sample: Sample, out: Any) -> None:
+    """Add the engine's tokens, logprobs, versions (and routes, top logprobs) to ``sample``'s."""
+    if not sample.response_ids:
+        sample.routed_experts = out.routed_experts
+    elif out.routed_experts is not None and sample.routed_experts is not None:
+        import torch
+
+        sample.routed_experts = torch.cat([sample.routed_experts, out.routed_experts])
+    sample.response_ids += list(out.output_ids)
+    sample.loss_mask += [1] * len(out.output_ids)
+    sample.rollout_logprobs += [float(x) for x in out.logprobs]
+    sample.weight_versions += list(out.weight_versions)
     if ctx.top_logprobs:
-        sample.rollout_top_logprobs = [list(step) for step in out.top_logprobs or []]
-    sample.response_text = ctx.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        sample.rollout_top_logprobs = (sample.rollout_top_logprobs or []) + [list(step) for step in out.top_logprobs or []]
+
+
+def seam_stop(ctx: RolloutContext, sample: Sample, seam: int) -> str | None:
+    """A stop string that ends within the window after ``seam`` (the tokens before it came from an
+    earlier request, whose own stop check never saw the ones after): the engine's check
+    (``noria.engine.scheduler.StopChecker``, a decoded tail window) at each token there; the response
+    is cut after the first token that completes one."""
+    stops = ctx.sampling.stop
+    if not stops or seam == 0:
+        return None
+    ids, window = sample.response_ids, 4 * max(len(s) for s in stops) + 4
+    for k in range(seam, min(len(ids), seam + window)):
+        tail = ctx.tokenizer.decode(ids[max(0, k + 1 - window) : k + 1], skip_special_tokens=True)
+        hit = next((s for s in stops if s in tail), None)
+        if hit is not None:
+            for name in ("response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "rollout_top_logprobs", "routed_experts"):
+                if getattr(sample, name) is not None:
+                    setattr(sample, name, getattr(sample, name)[: k + 1])
+            return hit
+    return None
+
+
+def finish_sample(ctx: RolloutContext, sample: Sample, finish_reason: dict[str, Any] | None) -> Sample:
+    """Status and text of a trajectory that ended for ``finish_reason`` (the engine's)."""
+    reason = (finish_reason or {}).get("type")
+    sample.response_text = ctx.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
     sample.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(reason, Status.ABORTED)
     if sample.status is Status.ABORTED:
-        sample.status_reason = str((out.finish_reason or {}).get("message", "aborted by the engine"))
-    sample.metadata["cached_tokens"] = out.cached_tokens
+        sample.status_reason = str((finish_reason or {}).get("message", "aborted by the engine"))
     return sample
 
 

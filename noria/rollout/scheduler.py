@@ -41,6 +41,14 @@ the prompts of unfinished groups are reported (``unfinished_prompts``) so that a
 them. A failure in any trajectory (``EngineFailure``) stops the worker and is raised to the trainer
 from ``wait_change``.
 
+Checkpoints (``rollout.resume_in_flight`` continue; ``noria.rollout.in_flight``): ``record_in_flight``
+stops every trajectory where it is, with its tokens, and returns the groups started and not yet in
+the buffer as plain data; nothing moves until ``release_in_flight``, after which each continues from
+its tokens. A resumed run restarts the recorded groups under their ids (``resume_groups``) before
+any new one. Each group's state for this is kept as it moves: samples while generating
+(``_samples``), being scored (``_scoring``, which a record waits out: scoring writes into samples),
+scored and waiting for buffer room (``_putting``).
+
 Not guaranteed: the order groups finish in; with several trajectories of a group retracted for a
 weight update, which of them resumes first.
 """
@@ -48,16 +56,20 @@ weight update, which of them resumes first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+from noria import faults
 from noria.config import RewardConfig
 from noria.rewards.runner import ScoreCounts, score_groups_async
-from noria.rollout.buffer import Buffer
+from noria.rollout.buffer import Buffer, group_to_dict
 from noria.rollout.client import EngineFailure
 from noria.rollout.generate import GenerateFn, RolloutContext, RolloutResult, generate_one
-from noria.types import Group, Prompt, Sample
+from noria.types import Group, Prompt, Sample, Status
 
 PromptFeed = Callable[[], "tuple[Prompt, list[int]] | None"]
 """The next (prompt, prompt ids) to roll out, or None when the data source has none now."""
@@ -113,6 +125,15 @@ class RolloutScheduler:
         self._stopping = False
         self._held = False
         self._wake_worker, self._wake_trainer = asyncio.Event(), asyncio.Event()
+        # In-flight record (noria.rollout.in_flight): each group's state while a checkpoint may look.
+        self._samples: dict[int, tuple[Sample, ...]] = {}  # group id -> its samples, while generating
+        self._putting: dict[int, Group] = {}  # scored groups not yet in the buffer (it may be full)
+        self._unfinished = 0  # trajectories whose generate call has not returned
+        self._scoring = 0  # groups being scored
+        self._recording = False  # a checkpoint records: no group starts
+        self._wake_recorder = asyncio.Event()
+        if ctx.live is not None:
+            ctx.live.changed = self._notify
         self._stats = _Interval()
 
     # ------------------------------------------------------------------------------ control
@@ -150,6 +171,55 @@ class RolloutScheduler:
             await self._wake_trainer.wait()
         self._raise_error()
 
+    @contextlib.asynccontextmanager
+    async def in_flight_stopped(self) -> AsyncIterator[list[dict[str, Any]] | None]:
+        """For a checkpoint: the groups in flight stopped and recorded for the body (``record_in_flight``),
+        then released; None without ``ctx.live`` (``rollout.resume_in_flight`` retract)."""
+        if self.ctx.live is None:
+            yield None
+            return
+        record = await self.record_in_flight()
+        try:
+            yield record
+        finally:
+            self.release_in_flight()
+
+    async def record_in_flight(self) -> list[dict[str, Any]]:
+        """Stop every trajectory where it is, with its tokens (``noria.rollout.in_flight``), and return
+        the groups started and not yet in the buffer as plain data: prompt, finished samples, partial
+        ones (tokens, logprobs, versions), ``scored`` for a group waiting for buffer room. Nothing
+        moves until ``release_in_flight``, so buffer and data cursor read now describe the same
+        instant. Needs ``ctx.live``; raises the worker's error."""
+        self._recording = True
+        try:
+            await self.ctx.live.interrupt(self.ctx.engine, self._wait_recorder)
+            while not (self.ctx.live.parked == self._unfinished and self._scoring == 0):
+                self._raise_error()
+                await self._wait_recorder(None)
+            self._raise_error()
+        except BaseException:
+            self.release_in_flight()
+            raise
+        faults.point("rollout.in_flight_recorded")
+        record = [{**group_to_dict(self._in_flight_group(g)), "scored": g in self._putting} for g in sorted(self.pending)]
+        return copy.deepcopy(record)  # the samples' lists grow again once released
+
+    def release_in_flight(self) -> None:
+        """After the checkpoint: stopped trajectories continue from their tokens, groups start again."""
+        self._recording = False
+        self.ctx.live.release()
+        self._notify()
+
+    def resume_groups(self, groups: list[Group], scored: list[bool]) -> None:
+        """Before ``start``: restart groups recorded by ``record_in_flight`` under their ids. Finished
+        samples stay; the others continue from their tokens; a scored group goes to the buffer."""
+        for group, done in zip(groups, scored):
+            if done:
+                self._putting[group.group_id] = group
+            todo = sum(s.status is Status.PENDING for s in group.samples)
+            places = 0 if done else self.n_samples if self.granularity == "group" else todo
+            self._launch(group.group_id, group.prompt, list(group.samples[0].prompt_ids), None if done else group.samples, places)
+
     def resume_point(self) -> tuple[int, list[Prompt]]:
         """Were the run to stop now: the next group id and the prompts of the groups started but not
         in the buffer yet (to go back to the data source). Pending groups at the end of the id range
@@ -170,7 +240,7 @@ class RolloutScheduler:
     # ------------------------------------------------------------------------------ worker
 
     def _admissible(self) -> bool:
-        places = self.max_in_flight - self.in_flight >= self.n_samples and not self._held
+        places = self.max_in_flight - self.in_flight >= self.n_samples and not self._held and not self._recording
         bound = (self.version() + self.max_staleness + 1) * self.groups_per_step
         return places and self.trained + len(self.buffer) + len(self.pending) < bound
 
@@ -195,28 +265,37 @@ class RolloutScheduler:
 
     def _start_group(self, prompt: Prompt, ids: list[int]) -> None:
         group_id, self.next_group_id = self.next_group_id, self.next_group_id + 1
+        self._launch(group_id, prompt, ids, self._new_samples(group_id, prompt, ids), self.n_samples)
+
+    def _new_samples(self, group_id: int, prompt: Prompt, ids: list[int]) -> tuple[Sample, ...]:
+        return tuple(Sample(prompt_ids=list(ids), group_id=group_id, index=i, metadata=dict(prompt.metadata)) for i in range(self.n_samples))
+
+    def _launch(self, group_id: int, prompt: Prompt, ids: list[int], samples: tuple[Sample, ...] | None, places: int) -> None:
         self.pending[group_id] = prompt
-        self._hold(self.n_samples)
+        if samples is not None and self.rollout_group is None:
+            self._samples[group_id] = samples
+        self._hold(places)
         task = asyncio.create_task(self._run_group(group_id, prompt, ids))
         self._tasks.add(task)
         task.add_done_callback(self._group_done)
 
     async def _run_group(self, group_id: int, prompt: Prompt, ids: list[int]) -> None:
-        while True:
+        while group_id not in self._putting:  # a resumed group may come scored
             try:
                 if self.rollout_group is not None:
                     group, counts = await self._rollout_whole_group(group_id, prompt, ids)
                 else:
-                    group, counts = await self._generate_group(group_id, prompt, ids)
-                break
+                    group, counts = await self._generate_group(group_id, prompt)
+                self._stats.add(group, counts)
+                self._putting[group_id] = group
             except EngineLost as lost:  # its places were freed: wait for an engine, then start the group over
                 self._stats.regenerated += 1
                 self._notify()  # the trainer side restarts engines between waits
                 await lost.ready()
                 self._hold(self.n_samples)
-        self._stats.add(group, counts)
-        await self.buffer.put(group)  # waits while the buffer is full; a dropped group went to on_drop
-        del self.pending[group_id]
+                self._samples[group_id] = self._new_samples(group_id, prompt, ids)
+        await self.buffer.put(self._putting[group_id])  # waits while full; a dropped group went to on_drop
+        del self._putting[group_id], self.pending[group_id]  # no await since the put: a record never holds both
         self._notify()
 
     async def _rollout_whole_group(self, group_id: int, prompt: Prompt, ids: list[int]) -> tuple[Group, ScoreCounts]:
@@ -227,9 +306,10 @@ class RolloutScheduler:
             self._hold(-self.n_samples)
         return result.groups[0], result.counts
 
-    async def _generate_group(self, group_id: int, prompt: Prompt, ids: list[int]) -> tuple[Group, ScoreCounts]:
-        samples = [Sample(prompt_ids=list(ids), group_id=group_id, index=i, metadata=dict(prompt.metadata)) for i in range(self.n_samples)]
-        tasks = [asyncio.create_task(self._run_sample(s)) for s in samples]
+    async def _generate_group(self, group_id: int, prompt: Prompt) -> tuple[Group, ScoreCounts]:
+        samples = self._samples[group_id]
+        tasks = [asyncio.create_task(self._run_sample(s)) for s in samples if s.status is Status.PENDING]
+        self._unfinished += len(tasks)  # now: a record waits until each has parked or returned
         try:
             await asyncio.gather(*tasks)
         finally:  # on a failure or cancellation, stop the group's other trajectories too
@@ -238,15 +318,33 @@ class RolloutScheduler:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.granularity == "group":
                 self._hold(-self.n_samples)
-        group = Group(group_id=group_id, prompt=prompt, samples=tuple(samples))
-        return group, await score_groups_async([group], self.reward)
+        del self._samples[group_id]
+        group = Group(group_id=group_id, prompt=prompt, samples=samples)
+        self._scoring += 1
+        try:
+            return group, await score_groups_async([group], self.reward)
+        finally:
+            self._scoring -= 1
 
     async def _run_sample(self, sample: Sample) -> None:
         try:
             await self.generate(self.ctx, sample)
         finally:
+            self._unfinished -= 1
             if self.granularity == "sample":
                 self._hold(-1)
+            self._notify()
+
+    def _in_flight_group(self, group_id: int) -> Group:
+        if group_id in self._putting:
+            return self._putting[group_id]
+        return Group(group_id=group_id, prompt=self.pending[group_id], samples=self._samples[group_id])
+
+    async def _wait_recorder(self, timeout: float | None) -> None:
+        """Until the state of a group or a request changes (or ``timeout`` seconds)."""
+        self._wake_recorder.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake_recorder.wait(), timeout)
 
     def _group_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -267,6 +365,7 @@ class RolloutScheduler:
     def _notify(self) -> None:
         self._wake_worker.set()
         self._wake_trainer.set()
+        self._wake_recorder.set()
 
     def _raise_error(self) -> None:
         if self.error is not None:
