@@ -202,6 +202,23 @@ def _docs(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _fleet(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.launch import elastic
+
+    if args.fleet_command == "status":
+        for e in elastic.status(args.run_dir):
+            left = f" ({e['left']})" if e["left"] else ""
+            print(f"engine {e['engine']}  {e['state']:<9}  version {e['version']}  {e['url']}{left}")
+        return 0
+    if args.fleet_command == "add":
+        request = {"action": "add", "n": args.n}
+    else:
+        request = {"action": "remove", "engine": args.engine}
+    answer = elastic.ask(args.run_dir, request, args.timeout)
+    print(f"noria fleet {args.fleet_command}: {answer['message']}", file=sys.stdout if answer["ok"] else sys.stderr)
+    return 0 if answer["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="noria",
@@ -215,7 +232,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_commands(sub)
     _add_bench_commands(sub)
     _add_run_commands(sub)
+    _add_fleet_commands(sub)
     return parser
+
+
+def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
+    """``noria fleet add | remove | status``: the engine fleet of a running job (``noria.launch.elastic``)."""
+    fleet = sub.add_parser(
+        "fleet",
+        help="add engines to a running RL job, or drain and remove one, without a restart",
+        description="Acts on the engine fleet of a `noria train` running in RUN_DIR (rollout.engines > 1, or "
+        "rollout.elastic: true) through a request file in the run folder, which only its owner can write. The job "
+        "acts at its next safe point (while the trainer waits for groups) and answers; this command waits for it.",
+    )
+    fsub = fleet.add_subparsers(dest="fleet_command", metavar="ACTION", required=True)
+    p = fsub.add_parser("add", help="start engines, push them the current weights (checksums verified), then route to them")
+    p.add_argument("run_dir", help="run folder of the running job")
+    p.add_argument("--n", type=int, default=1, help="engines to add (default 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)")
+    p.set_defaults(handler=_fleet, takes_overrides=False)
+    p = fsub.add_parser("remove", help="take an engine out of the router, let its requests finish or move, then stop it")
+    p.add_argument("run_dir", help="run folder of the running job")
+    p.add_argument("engine", type=int, nargs="?", help="engine index (noria fleet status; default the newest serving one)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)")
+    p.set_defaults(handler=_fleet, takes_overrides=False)
+    p = fsub.add_parser("status", help="the fleet's engines as the job last recorded them")
+    p.add_argument("run_dir", help="run folder of the job")
+    p.set_defaults(handler=_fleet, takes_overrides=False)
 
 
 def _add_job_commands(sub: argparse._SubParsersAction) -> None:

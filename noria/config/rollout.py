@@ -131,6 +131,16 @@ class RolloutConfig:
         2, "Times one engine is restarted after it died (its in-flight groups are regenerated, it is re-synced to the "
         "current weights); past that, or with no engine left alive, the run stops naming the engine."
     )
+    elastic: bool = option(
+        False, "disaggregated noria engines: run the engine fleet (sglang-router once a second engine serves) even with "
+        "rollout.engines 1, so that `noria fleet add RUN_DIR` can grow it while it runs (a fleet of 2 or more always "
+        "can); see docs/scale.md."
+    )
+    engine_drain_s: float = option(
+        30.0, "Seconds an engine of a fleet leaving it (noria fleet remove, or SIGTERM: preemption) may take to finish "
+        "its admitted requests (noria serve --drain-timeout); those it has not finished are aborted and their groups "
+        "generated again on the other engines. Under preemption, keep it below the grace period before SIGKILL."
+    )
     max_staleness: int = option(
         0, "Largest allowed trainer version minus the oldest weight version in a group; 0 is synchronous RL."
     )
@@ -207,6 +217,11 @@ class RolloutConfig:
         if self.engines > 1 and (self.placement != "disaggregated" or self.engine_url is not None):
             raise ConfigError("rollout.engines > 1 starts a fleet of `noria serve` engines: it needs rollout.placement: "
                               "disaggregated and no rollout.engine_url")
+        if self.elastic and (self.placement != "disaggregated" or self.engine_url is not None or self.engine != "noria"):
+            raise ConfigError("rollout.elastic runs a fleet of `noria serve` engines: it needs rollout.placement: "
+                              "disaggregated, rollout.engine: noria and no rollout.engine_url")
+        if self.engine_drain_s < 0:
+            raise ConfigError(f"rollout.engine_drain_s must be >= 0, got {self.engine_drain_s}")
         if self.engine_timeout_s <= 0:
             raise ConfigError(f"rollout.engine_timeout_s must be > 0, got {self.engine_timeout_s}")
         if self.engine != "noria" and (self.placement != "disaggregated" or self.engines > 1 or (self.engine == "sglang" and not self.engine_url)):

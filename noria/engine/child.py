@@ -50,13 +50,14 @@ def serve_command(path: Path, config: Any, host: str, port: int, device: str) ->
 def start_engine_server(
     path: Path, config: Any, folder: Path, device: str | None = None, log_name: str = "engine.log",
     api_key: str | None = None, host: str = "127.0.0.1", threads: int | None = None,
-    ready_timeout_s: float = SERVE_READY_TIMEOUT_S,
+    ready_timeout_s: float = SERVE_READY_TIMEOUT_S, drain_timeout_s: float | None = None,
 ) -> tuple[Child, str, str]:
     """``noria serve`` of ``path`` on a free port of ``host`` (loopback unless a launcher gives the
     node's address for other machines to reach), behind ``api_key`` (else a new one: a fleet shares
     one with its router), on ``device`` (default ``engine_device``), logging to ``folder / log_name``,
     on ``threads`` torch threads (``OMP_NUM_THREADS``; None, or that variable set here: as this
-    process). Waits until it answers /health; ``EngineFailure`` (with the log's tail) otherwise.
+    process), draining for at most ``drain_timeout_s`` on SIGTERM (None: ``noria serve``'s 30 s).
+    Waits until it answers /health; ``EngineFailure`` (with the log's tail) otherwise.
     Returns (child, url, key)."""
     from noria.net import free_port
 
@@ -66,6 +67,8 @@ def start_engine_server(
     if threads is not None and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = serve_command(path, config, host, port, device or engine_device(config))
+    if drain_timeout_s is not None:
+        cmd += ["--drain-timeout", f"{drain_timeout_s:g}"]
     url = f"http://{host}:{port}"
     child = Child.start(cmd, name=f"engine server (noria serve) at {url}", log_path=folder / log_name, env=env)
     try:

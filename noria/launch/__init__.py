@@ -8,7 +8,8 @@ Modules::
                  (build_evals, build_engine, build_teacher, build_trainer, build_sync)
     scaled.py    ScaledJob: LocalJob with an engine fleet and trainer ranks in their own processes
     ray.py       RayJob: ScaledJob whose engines and ranks are Ray actors in placement groups
-    fleet.py     EngineFleet: N noria serve engines behind sglang-router, restarts, versions
+    fleet.py     EngineFleet: N noria serve engines behind sglang-router, restarts, versions, drains
+    elastic.py   noria fleet add|remove on a running job: the request files and what the job does
     ranks.py     trainer ranks (in process, spawned processes) behind one backend facade
     external.py  engine servers other than the built-in one (SGLang, vLLM) and their capability check
     parts.py     what every job builds from a config (checks, backend options, weight sync, ...)

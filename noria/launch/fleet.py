@@ -1,5 +1,5 @@
-"""The engine fleet: ``rollout.engines`` ``noria serve`` engines behind the real sglang-router, and
-the client rollout uses to reach them (``FleetClient``, an ``EngineClient``).
+"""The engine fleet: ``rollout.engines`` ``noria serve`` engines behind the real sglang-router (the
+client rollout uses to reach them is ``noria.launch.fleet_client.FleetClient``, an ``EngineClient``).
 
 What this module owns: starting the engines (through a ``start`` function the launcher gives: a
 local child process, ``start_local_engine``, or a Ray actor, ``noria.launch.ray``), the router in
@@ -17,7 +17,22 @@ API key (in its environment) and talks to the engines with it.
 
 Engine states: ``serving`` (in rotation), ``lost`` (found dead: out of the router), ``restarted`` (a
 new process or actor, not yet holding the run's weights: out of rotation until the job pushes the
-current version to it and calls ``rejoin``), ``retired`` (dead with no restarts left).
+current version to it and calls ``rejoin``), ``retired`` (dead with no restarts left); and, for an
+elastic fleet (``noria.launch.elastic``), ``joining`` (an engine added to the running fleet: like
+``restarted``, out of rotation until the current weights are pushed to it and verified),
+``draining`` (leaving: out of the router at once, its admitted requests finishing) and ``removed``
+(gone; neither a failure nor a restart).
+
+Leaving (``begin_drain``): an engine removed by ``noria fleet remove`` (it leaves the router, then
+gets SIGTERM), or one that got SIGTERM from elsewhere (preemption). ``noria serve`` then answers 503
+while it drains (``rollout.engine_drain_s``), aborts what is left, closes its port and exits 0. The
+watcher thread (``watch``, every ``WATCH_S``) asks each serving engine for its load: a 503, a refused
+connection while its process runs, or an exit with code 0 means it is leaving; it leaves the router
+at once, and a thread waits for its process to end (SIGKILL ``STOP_S`` after the drain) and marks it
+``removed``, unless it ended other than with code 0: a crash, then ``lost`` as any death. A request
+that fails on a leaving engine (sent before the router dropped it) or that its drain aborted raises
+``EngineLost``, and its group is generated again on the others (``fleet/requests_moved``; see
+``noria.launch.fleet_client``). The last engine leaving clears ``ready``: the job starts another.
 
 Death: a request that fails makes the client look at every engine (process or actor alive?); the
 dead ones are marked lost and the request raises ``EngineLost`` (the scheduler regenerates the
@@ -42,6 +57,7 @@ server answers the agent an error) rather than regenerating its group.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -50,9 +66,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import httpx
+
 from noria.process import Child
 from noria.rollout import EngineFailure, HttpEngineClient
-from noria.rollout.scheduler import EngineLost
+
+WATCH_S = 0.1
+"""How often the watcher asks each serving engine whether it is draining (SIGTERM from outside)."""
+STOP_S = 30.0
+"""How long a leaving engine may take to exit after its drain (``drain_s``: it aborts what is left
+and stops) before it is killed."""
 
 
 class EngineProc(Protocol):
@@ -81,6 +104,10 @@ class Slot:
     version: int = 0
     lost_note: str = ""
     losses: int = 0
+    left_note: str = ""
+    """Why it left the fleet (``removed by noria fleet remove``, ``preempted``)."""
+    on_gone: Callable[[Slot], None] | None = None
+    """Called once its process has ended after it left (the answer to ``noria fleet remove``)."""
 
     @property
     def name(self) -> str:
@@ -94,14 +121,45 @@ class FleetCounters:
     restarts: int = 0
     losses: int = 0
     """Engines found dead so far: a request that fails after this grew while it ran failed on one."""
+    added: int = 0
+    leaving: int = 0
+    """Engines that began to leave (removed or preempted): a request that fails or is aborted after
+    this grew while it ran is moved to the other engines."""
+    removed: int = 0
+    moved: int = 0
+    changes: int = 0
+    """Changes of the fleet's members (a restart, an engine added or gone): the job's weight syncs
+    to the old set of engines are dropped when it moved."""
+
+
+def wait_gone(proc: Any, timeout_s: float) -> None:
+    """Until ``proc`` has ended by itself; stopped after ``timeout_s``."""
+    process = getattr(proc, "process", None)
+    try:
+        if process is not None:
+            process.wait(timeout_s)
+            return
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + timeout_s
+    while process is None and proc.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.stop()
+
+
+def exited_cleanly(proc: Any) -> bool:
+    """Whether an engine's process ended with code 0: ``noria serve`` does so only after a drain."""
+    process = getattr(proc, "process", None)
+    return process is not None and process.poll() == 0
 
 
 class EngineFleet:
     """``n`` engines started by ``start(index) -> EngineProc``, a router for n > 1."""
 
-    def __init__(self, start: Callable[[int], Any], n: int, api_key: str, restarts: int, timeout_s: float, folder: Path) -> None:
+    def __init__(self, start: Callable[[int], Any], n: int, api_key: str, restarts: int, timeout_s: float, folder: Path,
+                 drain_s: float = 30.0) -> None:  # fmt: skip
         self.start_engine, self.n, self.api_key = start, n, api_key
-        self.max_restarts, self.timeout_s, self.folder = restarts, timeout_s, folder
+        self.max_restarts, self.timeout_s, self.folder, self.drain_s = restarts, timeout_s, folder, drain_s
         self.slots: list[Slot] = []
         self.router: Any = None
         self.counters = FleetCounters()
@@ -110,23 +168,37 @@ class EngineFleet:
         the thread that started it (``noria.process.lifecycle``), and the job's worker threads come and go."""
         self.dead_urls: set[str] = set()
         """URLs of engines found dead (a request the router sent there before it dropped them fails naming one)."""
+        self.gone_urls: set[str] = set()
+        """URLs of engines that left (drained), likewise."""
+        self.on_event: Callable[..., None] = lambda event, slot, **fields: None
+        """``(event, slot, **fields)`` at each change of an engine (the job records them: ``noria.launch.elastic``)."""
         self._ready: asyncio.Event | None = None
         self._marking = threading.Lock()
+        self._closing = threading.Event()
+        self.watcher: threading.Thread | None = None
+        self.prober = ThreadPoolExecutor(8, thread_name_prefix="noria-fleet-probe")
+        self.needs_engine = False
+        """The last engine in rotation left (removed or preempted): the job adds one at its next safe point."""
 
     def start(self) -> EngineFleet:
         """Start every engine, then the router in front of them. One after the other, from this
         thread: a child dies with the thread that started it (``noria.process.lifecycle``), so none
-        is started from a short-lived pool thread."""
+        is started from a short-lived pool thread. Then the watcher thread."""
         procs = [self.start_engine(i) for i in range(self.n)]
         self.slots = [Slot(i, p, self.client_for(p)) for i, p in enumerate(procs)]
         if self.n > 1:
-            from noria.router.sglang_router import SglangRouter
-
-            self.router = SglangRouter(
-                [p.url for p in procs], api_key=self.api_key, log_path=self.folder / "router.log",
-                extra_args=["--disable-retries", "--disable-circuit-breaker"],  # a failure is this client's to handle
-            ).start()  # fmt: skip
+            self.router = self.new_router([p.url for p in procs])
+        self.watcher = threading.Thread(target=self.watch, name="noria-fleet-watch", daemon=True)
+        self.watcher.start()
         return self
+
+    def new_router(self, urls: list[str]) -> Any:
+        from noria.router.sglang_router import SglangRouter
+
+        return SglangRouter(
+            urls, api_key=self.api_key, log_path=self.folder / "router.log",
+            extra_args=["--disable-retries", "--disable-circuit-breaker"],  # a failure is this client's to handle
+        ).start()  # fmt: skip
 
     def client_for(self, proc: Any) -> HttpEngineClient:
         return HttpEngineClient(proc.url, api_key=self.api_key, timeout_s=self.timeout_s, process=getattr(proc, "process", None))
@@ -136,9 +208,13 @@ class EngineFleet:
     def serving(self) -> list[Slot]:
         return [s for s in self.slots if s.state == "serving"]
 
+    def unready(self) -> list[Slot]:
+        """Engines started and not yet holding the run's weights (restarted or joining)."""
+        return [s for s in self.slots if s.state in ("restarted", "joining")]
+
     def targets(self) -> list[tuple[str, str]]:
-        """(url, key) of every engine a push must reach: serving and restarted ones."""
-        return [(s.proc.url, self.api_key) for s in self.slots if s.state in ("serving", "restarted")]
+        """(url, key) of every engine a push must reach: serving, restarted and joining ones."""
+        return [(s.proc.url, self.api_key) for s in self.slots if s.state in ("serving", "restarted", "joining")]
 
     @property
     def mixed(self) -> bool:
@@ -158,17 +234,20 @@ class EngineFleet:
         return await asyncio.to_thread(self.lost_now, grace_s)
 
     def lost_now(self, grace_s: float = 2.0) -> list[Slot]:
-        """Mark engines that died (serving ones, and restarted ones not yet in rotation) as lost and
-        take them out of the router; a dying process gets ``grace_s`` to show it is gone. Raises
-        ``EngineFailure`` when none serves and none can restart (blocking; any thread)."""
+        """Mark engines that died (serving ones, and restarted or joining ones not yet in rotation) as
+        lost and take them out of the router; a dying process gets ``grace_s`` to show it is gone. One
+        that exited with code 0 drained (preempted): it leaves, no loss. Raises ``EngineFailure``
+        when none serves and none can restart (blocking; any thread)."""
         deadline = time.monotonic() + grace_s
         while True:
-            lost = [s for s in self.slots if s.state in ("serving", "restarted") and not s.proc.alive()]
+            lost = [s for s in self.slots if s.state in ("serving", "restarted", "joining") and not s.proc.alive()]
             if lost or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        for slot in [s for s in lost if exited_cleanly(s.proc)]:
+            self.begin_drain(slot, "preempted: its engine drained and exited")
         with self._marking:  # several failed requests look at once: each death is counted once
-            lost = [s for s in lost if s.state in ("serving", "restarted")]
+            lost = [s for s in lost if s.state in ("serving", "restarted", "joining")]
             in_router = [s for s in lost if s.state == "serving"]
             for slot in lost:
                 slot.state, slot.lost_note = "lost", slot.proc.exit_note()
@@ -178,14 +257,18 @@ class EngineFleet:
         if self.router is not None:
             for slot in in_router:
                 self.router.remove_worker(slot.proc.url)
-        if not self.serving():
-            self.ready_event().clear()
-            self.check_left()
+        for slot in lost:
+            self.on_event("lost", slot, note=slot.lost_note)
+        self.check_left()
         return lost
 
     def check_left(self) -> None:
-        """``EngineFailure`` naming a dead engine when no engine serves and none may restart."""
-        if self.serving() or any(s.state == "restarted" for s in self.slots):
+        """No engine serving: ``ready`` is cleared; ``EngineFailure`` naming a dead engine when none
+        may restart either (the last engine having left instead, the job starts another: ``needs_engine``)."""
+        if self.serving():
+            return
+        self.ready_event().clear()
+        if self.unready() or self.needs_engine:
             return
         restartable = [s for s in self.slots if s.state == "lost" and s.restarts < self.max_restarts]
         if not restartable:
@@ -208,22 +291,135 @@ class EngineFleet:
             slot.restarts += 1
             slot.state = "restarted"
             self.counters.restarts += 1
+            self.counters.changes += 1
             started.append(slot)
+            self.on_event("restarted", slot)
         self.check_left()
         return started
 
+    def add_engine(self) -> Slot:
+        """Start one more engine (blocking), ``joining``: out of rotation until the job pushes it the
+        current weights, verified, and calls ``rejoin``."""
+        index = len(self.slots)
+        proc = self.spawner.submit(self.start_engine, index).result()
+        slot = Slot(index, proc, self.client_for(proc), state="joining")
+        with self._marking:
+            self.slots.append(slot)
+            self.counters.added += 1
+            self.counters.changes += 1
+            self.needs_engine = False
+        self.on_event("started", slot)
+        return slot
+
     def rejoin(self, version: int) -> None:
-        """After a push of ``version``: restarted engines go (back) into rotation; every engine
-        pushed to now serves ``version`` (blocking: the router registers the engines)."""
-        for slot in self.slots:
-            if slot.state == "restarted" and self.router is not None:
+        """After a push of ``version``: restarted and joining engines go (back) into rotation; every
+        engine pushed to now serves ``version`` (blocking: the router registers the engines; the
+        first time a second engine serves, the router is started)."""
+        new = self.unready()
+        urls = [s.proc.url for s in self.serving()] + [s.proc.url for s in new]
+        if self.router is None and len(urls) > 1:  # from the spawner thread: the router dies with it
+            self.router = self.spawner.submit(self.new_router, urls).result()
+            for slot in [s for s in self.slots if s.proc.url in urls and s.state in ("draining", "removed", "lost")]:
+                self.router.remove_worker(slot.proc.url)  # it left while the router started
+        elif self.router is not None:
+            for slot in new:
                 self.router.add_worker(slot.proc.url)
-            if slot.state in ("serving", "restarted"):
-                slot.state, slot.version = "serving", version
+        with self._marking:  # not over one that began to leave meanwhile
+            for slot in self.slots:
+                if slot.state in ("serving", "restarted", "joining"):
+                    slot.state, slot.version = "serving", version
+        for slot in new:
+            self.on_event("serving", slot, version=version)
 
     def mark_ready(self) -> None:
         if self.serving():
             self.ready_event().set()
+
+    # ---------------------------------------------------------------------------- leaving
+
+    def begin_drain(self, slot: Slot, note: str, on_gone: Callable[[Slot], None] | None = None, stop: bool = False) -> bool:
+        """``slot`` leaves the fleet: out of the router now; a thread waits for its process to end
+        (with ``stop``, after SIGTERM: it drains for ``drain_s`` at most; SIGKILL ``STOP_S`` later) and
+        marks it ``removed``. False if it was not in the fleet (blocking; any thread)."""
+        seen = time.time()
+        with self._marking:
+            if slot.state not in ("serving", "restarted", "joining"):
+                return False
+            in_router = slot.state == "serving"
+            slot.state, slot.left_note, slot.on_gone = "draining", note, on_gone
+            self.counters.changes += 1
+            self.gone_urls.add(slot.proc.url)
+            self.needs_engine = not self.serving() and not self.unready()
+        if in_router and self.router is not None:
+            self.router.remove_worker(slot.proc.url)
+        with self._marking:  # after the router let it go: a request started later cannot reach it
+            self.counters.leaving += 1
+        self.on_event("draining", slot, note=note, seen=seen)  # its time: out of the router
+        if not self.serving():
+            self.ready_event().clear()
+        threading.Thread(target=self.finish_drain, args=(slot, stop), name=f"noria-fleet-drain-{slot.index}", daemon=True).start()
+        return True
+
+    def finish_drain(self, slot: Slot, stop: bool) -> None:
+        """Wait for a leaving engine's process to end (stopping it with ``stop``; else it got SIGTERM
+        from elsewhere), then mark it ``removed``; one not stopped here that ended other than with
+        code 0 did not drain but crashed: it is ``lost`` (restarted by the job, as any death)."""
+        start = time.monotonic()
+        if stop:
+            drain = getattr(slot.proc, "drain", None)
+            drain(self.drain_s + STOP_S) if drain is not None else slot.proc.stop()
+        else:
+            wait_gone(slot.proc, self.drain_s + STOP_S)
+        crashed = not stop and getattr(slot.proc, "process", None) is not None and not exited_cleanly(slot.proc)
+        with self._marking:
+            if crashed:
+                slot.state, slot.lost_note = "lost", slot.proc.exit_note()
+                slot.losses += 1
+                self.counters.losses += 1
+                self.dead_urls.add(slot.proc.url)
+                self.needs_engine = False
+            else:
+                slot.state = "removed"
+                self.counters.removed += 1
+        fields = {"note": slot.lost_note if crashed else slot.left_note, "exit": slot.proc.exit_note()}
+        self.on_event("lost" if crashed else "removed", slot, **fields, wait_s=round(time.monotonic() - start, 3))
+        if slot.on_gone is not None:
+            slot.on_gone(slot)
+
+    def draining_now(self, slot: Slot) -> bool:
+        """Whether a serving engine is leaving on its own (SIGTERM from elsewhere): it answers 503
+        (``noria serve`` drains), refuses connections while its process runs (it has stopped serving
+        and is exiting; ``finish_drain`` tells a crash by its exit code), or exited with code 0.
+        Starts its drain if so (blocking)."""
+        if slot.state != "serving":
+            return slot.state in ("draining", "removed")
+        try:
+            answer = httpx.get(f"{slot.proc.url}/get_load", headers={"Authorization": f"Bearer {self.api_key}"}, timeout=5.0)
+            # an engine that was ready answers 503 "unavailable" only while it drains
+            draining = answer.status_code == 503 and answer.json().get("error", {}).get("type") == "unavailable"
+        except httpx.ConnectError:
+            draining = slot.proc.alive() or exited_cleanly(slot.proc)
+        except (httpx.HTTPError, ValueError):  # slow to answer: busy, not leaving
+            draining = False
+        return draining and self.begin_drain(slot, "preempted: SIGTERM, drained")
+
+    def find_draining(self) -> list[Slot]:
+        """:meth:`draining_now` for every serving engine, asked at once (blocking)."""
+        slots = self.serving()
+        return [s for s, leaving in zip(slots, self.prober.map(self.draining_now, slots)) if leaving]
+
+    def draining(self) -> list[Slot]:
+        return [s for s in self.slots if s.state == "draining"]
+
+    def watch(self) -> None:
+        """The watcher thread: engines that began to drain leave the router within ``WATCH_S``."""
+        from noria.router.sglang_router import RouterError
+
+        while not self._closing.wait(WATCH_S):
+            try:
+                self.find_draining()
+            except RouterError as e:  # the router did not drop it: its requests there fail and are moved
+                self.on_event("router_error", None, note=str(e))
 
     async def check_versions(self, expected: int) -> None:
         """Every serving engine must serve ``expected``; ``EngineFailure`` naming the first that does not."""
@@ -232,9 +428,9 @@ class EngineFleet:
             try:
                 slot.version = await slot.client.weight_version()
             except EngineFailure:
-                if slot.proc.alive():
+                if slot.proc.alive() and not await asyncio.to_thread(self.draining_now, slot):
                     raise
-                return  # dead: found by find_lost below
+                return  # dead: found by find_lost below; draining: it left
             if slot.version != expected:
                 raise EngineFailure(
                     f"{slot.name} serves weight version {slot.version}, but the run pushed {expected}: "
@@ -250,78 +446,23 @@ class EngineFleet:
             "rollout/mixed_fleet_frac": c.mixed / c.requests if c.requests else 0.0,
             "fleet/engines": float(len(self.serving())),
             "fleet/restarts": float(c.restarts),
+            "fleet/added": float(c.added),
+            "fleet/removed": float(c.removed),
+            "fleet/requests_moved": float(c.moved),
         }
         c.requests = c.mixed = 0
         return out
 
     def close(self) -> None:
+        self._closing.set()
+        if self.watcher is not None:
+            self.watcher.join()
         if self.router is not None:
             self.router.stop()
         for slot in self.slots:
             slot.proc.stop()
         self.spawner.shutdown(wait=False)
-
-
-class FleetClient:
-    """The ``EngineClient`` rollout uses over a fleet: generation through the router (or the one
-    engine), control calls fanned out to every serving engine."""
-
-    def __init__(self, fleet: EngineFleet) -> None:
-        self.fleet = fleet
-        self.name = "engine fleet"
-        self.router_client = None
-        if fleet.router is not None:
-            self.router_client = HttpEngineClient(fleet.router.url, api_key=fleet.api_key, timeout_s=fleet.timeout_s)
-
-    async def generate(self, req: Any) -> Any:
-        fleet = self.fleet
-        await fleet.wait_ready()
-        serving = fleet.serving()
-        client = self.router_client if self.router_client is not None else serving[0].client
-        mixed, losses = fleet.mixed, fleet.counters.losses
-        try:
-            out = await client.generate(req)
-        except EngineFailure as e:
-            await fleet.find_lost()
-            dead = [url for url in fleet.dead_urls if url in str(e)]  # the router names the worker it could not reach
-            lost = [s for s in fleet.slots if s.losses > 0] if fleet.counters.losses > losses or dead else []
-            if not lost:  # no engine died while it ran: a failure of its own, which stops the run
-                raise
-            names = ", ".join(f"{s.name} ({s.lost_note})" for s in lost)
-            raise EngineLost(f"{names} died under a request; its group is regenerated", fleet.wait_ready) from e
-        fleet.counters.requests += 1
-        fleet.counters.mixed += int(mixed or fleet.mixed)
-        return out
-
-    async def fan_out(self, call: Callable[[HttpEngineClient], Any]) -> None:
-        """``call`` on every serving engine; a failure of an engine found dead is left to find_lost."""
-        slots = self.fleet.serving()
-        results = await asyncio.gather(*(call(s.client) for s in slots), return_exceptions=True)
-        for slot, result in zip(slots, results):
-            if isinstance(result, BaseException) and await asyncio.to_thread(slot.proc.alive):
-                raise result
-        await self.fleet.find_lost(grace_s=0.0)
-
-    async def pause(self, mode: str = "retract") -> None:
-        await self.fan_out(lambda c: c.pause(mode))
-
-    async def resume(self) -> None:
-        await self.fan_out(lambda c: c.resume())
-
-    async def release_memory(self) -> None:
-        await self.fan_out(lambda c: c.release_memory())
-
-    async def resume_memory(self) -> None:
-        await self.fan_out(lambda c: c.resume_memory())
-
-    async def weight_version(self) -> int:
-        return min(await asyncio.gather(*(s.client.weight_version() for s in self.fleet.serving())))
-
-    async def aclose(self) -> None:
-        for slot in self.fleet.slots:
-            await slot.client.aclose()
-        if self.router_client is not None:
-            await self.router_client.aclose()
+        self.prober.shutdown(wait=False)
 
 
 class LocalEngineProc:
@@ -339,6 +480,11 @@ class LocalEngineProc:
 
     def stop(self) -> None:
         self.process.stop(timeout_s=10.0)
+
+    def drain(self, timeout_s: float) -> None:
+        """SIGTERM (``noria serve`` finishes its admitted requests, aborts what outlives its
+        --drain-timeout, exits 0); SIGKILL after ``timeout_s``."""
+        self.process.stop(timeout_s=timeout_s)
 
 
 def shared_machine_config(config: Any) -> Any:
@@ -379,7 +525,8 @@ def start_local_engine(config: Any, folder: Path, api_key: str) -> Callable[[int
 
     def start(index: int) -> LocalEngineProc:
         process, url, _ = start_engine_server(model_path(config.model.path), engine_config, folder, api_key=api_key,
-                                              log_name=f"engine-{index}.log", threads=threads)  # fmt: skip
+                                              log_name=f"engine-{index}.log", threads=threads,
+                                              drain_timeout_s=config.rollout.engine_drain_s)  # fmt: skip
         return LocalEngineProc(process, url)
 
     return start

@@ -82,7 +82,7 @@ class EngineActorImpl:
         os.environ["NORIA_NODE_ADDRESS"] = host
         self.process, url, _ = start_engine_server(
             model_path(self.config.model.path), self.config, self.folder, device=device,
-            log_name=f"engine-{self.index}.log", api_key=self.api_key, host=host,
+            log_name=f"engine-{self.index}.log", api_key=self.api_key, host=host, drain_timeout_s=self.config.rollout.engine_drain_s,
         )  # fmt: skip
         return url
 
@@ -161,6 +161,8 @@ class RayRanks:
 
 class RayJob(ScaledJob):
     """``ScaledJob`` whose engines and trainer ranks are Ray actors (see the module docstring)."""
+
+    grows = False  # the engine pool is a placement group of rollout.engines bundles: noria fleet add is refused
 
     @staticmethod
     def check_supported(config: RunConfig) -> None:

@@ -41,13 +41,14 @@ def run_rl(
 
 
 def job_class_for(config: RunConfig) -> type[LocalJob]:
-    """The job a config asks for: ``launch: ray`` (``noria.launch.ray.RayJob``), an engine fleet or
-    several trainer ranks on this machine (``noria.launch.scaled.ScaledJob``), else ``LocalJob``."""
+    """The job a config asks for: ``launch: ray`` (``noria.launch.ray.RayJob``), an engine fleet
+    (``rollout.engines`` > 1 or ``rollout.elastic``) or several trainer ranks on this machine
+    (``noria.launch.scaled.ScaledJob``), else ``LocalJob``."""
     if config.launch == "ray":
         from noria.launch.ray import RayJob
 
         return RayJob
-    if config.rollout.engines > 1 or config.train.world_size > 1:
+    if config.rollout.engines > 1 or config.rollout.elastic or config.train.world_size > 1:
         from noria.launch.scaled import ScaledJob
 
         return ScaledJob

@@ -1,6 +1,6 @@
 """``ScaledJob``: the local launcher's job with an engine fleet and trainer ranks in their own processes.
 
-``run_rl`` picks it when ``rollout.engines`` > 1 or ``train.world_size`` > 1 (and the Ray launcher
+``run_rl`` picks it when ``rollout.engines`` > 1, ``rollout.elastic`` or ``train.world_size`` > 1 (and the Ray launcher
 builds on it: ``noria.launch.ray.RayJob`` changes only where engines and ranks start). It is
 ``LocalJob`` (the same ``noria.loop.Job`` calls, scheduler, buffer, run folder and checkpoints)
 with two parts swapped:
@@ -15,9 +15,12 @@ When what happens (the safe points, where the trainer's weights are the version 
 
 - before each batch is taken: every serving engine must report ``weight_version`` (``check_versions``);
 - while ``take_groups`` waits: dead engines are restarted and get the current version pushed to them
-  with checksums verified, then rejoin the router (``between_waits``);
+  with checksums verified, then rejoin the router; ``noria fleet add|remove`` requests are served and
+  an engine that left (preempted) is replaced if it was the last (``between_waits``,
+  ``noria.launch.elastic``);
 - each ``sync_weights``: dead engines are restarted first, and the push reaches them too; an engine
-  that dies during a push is restarted and the push made again (``push_to_fleet``).
+  that dies during a push is restarted and the push made again, one that leaves during it is left
+  out and the push made again (``push_to_fleet``).
 
 Not guaranteed: the PPO critic (``advantage: gae``) with several ranks; colocated placement (the
 engines here are always their own processes).
@@ -31,7 +34,10 @@ from typing import Any
 
 from noria.config import RunConfig, ensure_valid
 from noria.errors import NoriaError
-from noria.launch.fleet import EngineFleet, FleetClient, start_local_engine
+from noria.launch.elastic import FleetControl
+from noria.launch.elastic import serve as serve_requests
+from noria.launch.fleet import EngineFleet, start_local_engine
+from noria.launch.fleet_client import FleetClient
 from noria.launch.job import LocalJob, kv_usage
 from noria.launch.ranks import InProcessRanks, ProcessRanks, RankBackend, TrainerRank
 from noria.types import Group
@@ -42,6 +48,8 @@ class ScaledJob(LocalJob):
 
     fleet: EngineFleet
     ranks: Any
+    grows = True
+    """Whether ``noria fleet add`` may start engines here (``noria.launch.elastic``)."""
 
     @staticmethod
     def check_supported(config: RunConfig) -> None:
@@ -59,8 +67,11 @@ class ScaledJob(LocalJob):
         the trainer pushes to every engine (``push``)."""
         r = self.config.rollout
         self.api_key = secrets.token_urlsafe(32)
-        self.fleet = EngineFleet(self.engine_starter(), r.engines, self.api_key, r.engine_restarts, r.engine_timeout_s, self.folder)
+        self.fleet = EngineFleet(self.engine_starter(), r.engines, self.api_key, r.engine_restarts, r.engine_timeout_s, self.folder,
+                                 r.engine_drain_s)  # fmt: skip
         self.fleet.start()
+        self.control = FleetControl(self.folder, self.fleet).open()  # noria fleet add|remove
+        self.synced_changes = self.fleet.counters.changes
         return FleetClient(self.fleet), None
 
     def build_trainer(self) -> tuple[Any, Any]:
@@ -95,13 +106,16 @@ class ScaledJob(LocalJob):
         return await super().take_groups()
 
     async def between_waits(self) -> None:
-        if any(s.state == "lost" for s in self.fleet.slots):
-            await asyncio.to_thread(self.restart_and_resync)
+        requests = self.control.take()
+        if requests or self.fleet.needs_engine or any(s.state == "lost" for s in self.fleet.slots):
+            await asyncio.to_thread(self.change_fleet, requests)
             self.fleet.mark_ready()
 
-    def restart_and_resync(self) -> None:
-        """Restart dead engines and push them the current version, checksums verified (blocking)."""
+    def change_fleet(self, requests: list[dict[str, Any]]) -> None:
+        """Restart dead engines and push them the current version, checksums verified; then replace
+        the last engine if it left, and serve ``noria fleet`` requests (blocking)."""
         self.push_to_fleet(self.weight_version, only_restarted=True)
+        serve_requests(self, requests)
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """The RL step on every rank with the same groups; rank 0's metrics (reduced over ranks)."""
@@ -123,19 +137,22 @@ class ScaledJob(LocalJob):
         a push that fails with every engine alive raises ``WeightSyncError``."""
         from noria.sync import WeightSyncError
 
+        fleet = self.fleet
         while True:
-            started = self.fleet.restart_lost()
-            if started:  # the syncs of the old fleet hold a dead engine's group or mapped memory
+            fleet.restart_lost()
+            if fleet.counters.changes != self.synced_changes:  # the syncs of the old fleet hold a gone engine's group or memory
                 self.ranks.call("drop_syncs")
-            restarted = [s for s in self.fleet.slots if s.state == "restarted"]
-            targets = [(s.proc.url, self.api_key) for s in restarted] if only_restarted else self.fleet.targets()
+                self.synced_changes = fleet.counters.changes
+            new = fleet.unready()  # restarted or added: verified before they serve
+            targets = [(s.proc.url, self.api_key) for s in new] if only_restarted else fleet.targets()
             if not targets:
                 return {}
-            metrics, error = self.ranks.call("try_push", targets, version, only_restarted or bool(started))[0]
+            changes = fleet.counters.changes
+            metrics, error = self.ranks.call("try_push", targets, version, only_restarted or bool(new))[0]
             if error is None:
-                self.fleet.rejoin(version)
+                fleet.rejoin(version)
                 return metrics
-            if not self.fleet.lost_now():
+            if not fleet.lost_now() and not fleet.find_draining() and fleet.counters.changes == changes:
                 raise WeightSyncError(error)
 
     def engine_metrics(self) -> dict[str, float]:
@@ -149,4 +166,6 @@ class ScaledJob(LocalJob):
                 self.ranks.close()
             if getattr(self, "fleet", None) is not None:
                 self.fleet.close()
+            if getattr(self, "control", None) is not None:
+                self.control.close()
 
