@@ -8,7 +8,7 @@ to it (``reward.png``, ``kl_entropy.png``, ...).
 
 Plots of an RL run (``FIGURES``, in page order): reward and held-out accuracy; loss and policy
 loss; gradient norm and learning rate; clip fraction; response length and truncation; zero-variance
-groups; KL and entropy; rollout-vs-trainer logprob difference; tokens/s; stage timings (evaluation
+groups; KL and entropy; rollout-vs-trainer logprob difference; tokens/s; peak memory; stage timings (evaluation
 included); buffer size and staleness; weight-sync time. An SFT run (``train.algorithm: sft``) gets
 its own page (``SFT_FIGURES``: loss, gradient norm and learning rate, tokens/s). A plot whose
 metrics the run did not record says so inside its frame instead of disappearing, so the page
@@ -290,6 +290,15 @@ def _throughput(run: RunData, fig: Any) -> None:
     ax = fig.add_subplot()
     train = run.derived(lambda r: r["tokens"] / r["time/train_s"] if _finite(r.get("tokens")) and r.get("time/train_s") else None)
     lines(ax, [("generation", run.series("rollout/tokens_per_s")), ("trainer", train)], "tokens/s", "no throughput recorded")
+
+
+@figure("memory", "Memory", "Peak resident memory so far of the run's processes (the job and its living children, "
+        "each process's peak summed) and, on a GPU, torch's peak allocated memory in the job's process.",
+        ("memory/peak_rss_gb", "memory/gpu_peak_allocated_gb"))  # fmt: skip
+def _memory(run: RunData, fig: Any) -> None:
+    ax = fig.add_subplot()
+    curves = [("peak RSS (processes)", run.series("memory/peak_rss_gb")), ("GPU peak allocated", run.series("memory/gpu_peak_allocated_gb"))]
+    lines(ax, curves, "GB", "no memory recorded (runs before memory/peak_rss_gb)")
 
 
 def _rollout_part(r: dict[str, Any]) -> float:
