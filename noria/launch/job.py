@@ -313,6 +313,8 @@ class LocalJob:
 
     async def run(self, loop_fn: Any) -> None:
         with signals_cancel_task():  # SIGTERM and Ctrl-C stop the loop at an await
+            if self.config.rollout.engine_url:  # an external engine a killed run may have left paused mid-push
+                await self.client.resume()
             if self.step > 0 or self.weight_version > 0:  # resumed: the engine still serves the base model
                 await self.sync_weights(advance=False)
             await loop_fn(self)
