@@ -106,6 +106,8 @@ def test_a_running_fleet_grows_to_three_engines_and_shrinks_to_one_training_ever
             serving = job.fleet.serving()
             assert [s.index for s in serving] == [0, 1, 2] and routed(job) == {s.proc.url for s in serving}
             check_weights(job, serving)
+            status = subprocess.run([sys.executable, "-m", "noria", "fleet", "status", str(run)], capture_output=True, text=True, check=True)
+            assert [line.split()[2] for line in status.stdout.splitlines()] == ["serving"] * 3, status.stdout
             commands["remove"] = noria_fleet("remove", str(run), "1")
             wait_for("the remove request", lambda: list(requests.glob("*.json")), commands["remove"])
         if step == 3:
@@ -114,7 +116,7 @@ def test_a_running_fleet_grows_to_three_engines_and_shrinks_to_one_training_ever
             wait_for("engine 2 gone", lambda: [e for e in events(run) if e["event"] == "removed" and e["engine"] == 2])
         return real_train(groups)
 
-    async def preempt_when_busy(slot):
+    async def preempt_when_busy(slot, key):
         auth = {"Authorization": f"Bearer {job.api_key}"}
         async with httpx.AsyncClient(timeout=10) as client:
             deadline = time.monotonic() + WAIT_S
@@ -122,19 +124,22 @@ def test_a_running_fleet_grows_to_three_engines_and_shrinks_to_one_training_ever
                 load = (await client.get(f"{slot.proc.url}/get_load", headers=auth)).json()
                 if load["num_waiting_reqs"]:
                     break
-                assert time.monotonic() < deadline, "engine 2 got no request"
+                assert time.monotonic() < deadline, f"{slot.name} got no request"
                 await asyncio.sleep(0.002)
-        preempted["t"] = time.time()
+        preempted[key] = time.time()
         os.kill(slot.proc.process.pid, signal.SIGTERM)
 
     async def generate(req):
-        if job.weight_version == 3 and not preempted:
-            preempted["task"] = asyncio.ensure_future(preempt_when_busy(job.fleet.slots[2]))
+        # step 4: engine 2 preempted (3 -> 1 engines); step 6: the last one, engine 0, which is replaced
+        for version, index, key in ((3, 2, "t"), (5, 0, "last")):
+            if job.weight_version == version and f"{key}-task" not in preempted:
+                preempted[f"{key}-task"] = asyncio.ensure_future(preempt_when_busy(job.fleet.slots[index], key))
         return await real_generate(req)
 
     job.train, job.client.generate = train, generate
     try:
         asyncio.run(job.run(rl_loop))
+        wait_for("engine 0 gone", lambda: [e for e in events(run) if e["event"] == "removed" and e["engine"] == 0])
         check_weights(job, job.fleet.serving())
     finally:
         job.close()
@@ -144,22 +149,23 @@ def test_a_running_fleet_grows_to_three_engines_and_shrinks_to_one_training_ever
     check_nothing_lost(trained, rows, batch=4)  # every group trained once, none lost
     assert [r["fleet/engines"] for r in rows] == [1, 3, 2, 1, 1, 1]
     last = rows[-1]
-    assert last["fleet/added"] == 2 and last["fleet/removed"] == 2 and last["fleet/restarts"] == 0
+    assert last["fleet/added"] == 3 and last["fleet/removed"] == 3 and last["fleet/restarts"] == 0
     in_flight = int(re.search(r"draining (\d+) in-flight", (run / "engine-2.log").read_text())[1])
-    moved = last["fleet/requests_moved"] - rows[2]["fleet/requests_moved"]
+    moved = rows[3]["fleet/requests_moved"] - rows[2]["fleet/requests_moved"]
     assert in_flight > 0 and moved >= 1  # what it had at SIGTERM was aborted (drain 0), and moved: its groups regenerated
-    assert rows[3]["rollout/groups_regenerated"] >= 1
+    assert rows[3]["rollout/groups_regenerated"] >= 1 and rows[5]["rollout/groups_regenerated"] >= 1
     log = events(run)
     joined = [(e["engine"], e["version"]) for e in log if e["event"] == "serving"]
-    assert joined == [(1, 1), (2, 1)]  # each added engine served only once it held the run's version, verified
+    assert joined == [(1, 1), (2, 1), (3, 5)]  # each added engine served only once it held the run's version, verified
     gone = {e["engine"]: e for e in log if e["event"] == "removed"}
     assert gone[1]["note"] == "removed by noria fleet remove" and gone[2]["note"].startswith("preempted")
+    assert gone[0]["note"].startswith("preempted") and [s.index for s in job.fleet.serving()] == [3]  # the last one, replaced
     assert not [e for e in log if e["event"] in ("lost", "restarted")]  # leaving is neither a failure nor a restart
     draining = next(e for e in log if e["event"] == "draining" and e["engine"] == 2)
     print(f"\nshrink by SIGTERM: seen leaving after {draining['seen'] - preempted['t']:.3f} s, out of the router after "
           f"{draining['t'] - preempted['t']:.3f} s, gone after "
           f"{gone[2]['t'] - preempted['t']:.3f} s; {in_flight} requests in flight on it, {moved:g} moved (groups regenerated)")
-    assert json.loads((run / "fleet" / "engines.json").read_text())[0]["state"] == "serving"
+    assert [e["state"] for e in json.loads((run / "fleet" / "engines.json").read_text())] == ["removed"] * 3 + ["serving"]
     assert not (run / "fleet" / "job.json").exists()
 
 
