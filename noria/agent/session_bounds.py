@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from noria.errors import NoriaError
 
@@ -75,11 +76,16 @@ def error_response(status: int, code: str, message: str, param: str | None = Non
 async def read_body(request: web.Request) -> Any:
     """The body as JSON (``BadRequest`` if it is not UTF-8 JSON); a body past the server's size
     limit raises aiohttp's 413 as it is read."""
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except RequestPayloadError as e:  # a Content-Encoding the body does not have, a truncated chunk
+        raise BadRequest(f"the body cannot be read: {e}") from e
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the body is not JSON: {e}") from e
+    except RecursionError as e:
+        raise BadRequest("the body nests too deeply to parse") from e
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset({

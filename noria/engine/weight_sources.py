@@ -378,6 +378,8 @@ def create_update_group(
     another machine unless the caller names a non-loopback master."""
     if backend not in ("gloo", "nccl"):
         raise WeightUpdateError(f"weight update group: backend must be gloo or nccl, got {backend!r}")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise WeightUpdateError("weight update group: backend nccl is not available in this build of torch (a CPU engine uses gloo)")
     timeout = datetime.timedelta(seconds=timeout_s)
     join = datetime.timedelta(seconds=join_timeout_s or timeout_s)
     try:

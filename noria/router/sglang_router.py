@@ -5,7 +5,10 @@
     python -m sglang_router.launch_router --host 127.0.0.1 --port P --worker-urls URL... \
         --policy manual --assignment-mode min_load --prometheus-host 127.0.0.1 --prometheus-port Q
 
-and waits until every worker is registered and healthy (``GET /workers``). At registration the
+plus ``--max-payload-size`` (the engines' body limit, ``MAX_PAYLOAD_BYTES``) and
+``--disable-circuit-breaker`` (the breaker took a healthy engine out of rotation after ten refused
+streamed requests of one client; dead engines are still dropped by the router's health check), and
+waits until every worker is registered and healthy (``GET /workers``). At registration the
 router calls ``/server_info`` and ``/model_info`` on each worker and probes it for gRPC with an
 HTTP/2 preface; ``noria serve`` answers the first two and tolerates the probe. Start the router
 after its workers are ready: a worker that answers 503 (loading) is registered late or not at all.
@@ -45,6 +48,13 @@ ROUTER_WITH_KEY = (
     "sys.argv[1:1] = ['--api-key=' + os.environ.pop('NORIA_ROUTER_KEY')]; main()"
 )
 """The router's entry point with the API key taken from its environment."""
+
+
+MAX_PAYLOAD_BYTES = 64 << 20
+"""Largest request body the router accepts (``--max-payload-size``; its default is 512 MiB): the
+engines' own limit (``noria.engine.server.app.BODY_BYTES``), so that a larger body is refused by the
+router itself (413) rather than forwarded, and resent by the router's retries, to an engine that
+cuts it off."""
 
 
 class RouterError(NoriaError):
@@ -94,6 +104,12 @@ class SglangRouter:
             "--policy", self.policy,
             *(["--assignment-mode", self.assignment_mode] if self.policy == "manual" else []),
             "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
+            "--max-payload-size", str(MAX_PAYLOAD_BYTES),
+            # The router's circuit breaker counts an engine's 400 to a streamed request as the engine failing:
+            # ten refused streamed requests from one client took a healthy engine out of rotation for a minute
+            # (found by noria bench fuzz). A dead engine is still dropped by the router's health check, and the
+            # launcher watches its engines itself (rollout.engine_restarts).
+            "--disable-circuit-breaker",
             *self.extra_args,
         ]  # fmt: skip
 

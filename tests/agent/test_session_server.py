@@ -434,11 +434,13 @@ BAD_BODIES = [
     pytest.param(b'{"messages": [{"role": "user", "content": {"a": 1}}]}', "content", id="content-object"),
     pytest.param(b'{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": "f"}]}]}', "tool_calls",
                  id="tool-call-function-string"),
+    pytest.param(b"[" * 5000, "nests too deeply", id="json-nested-5000-deep"),
+    pytest.param(b'{"messages": []}', "cannot be read", id="bogus-content-encoding"),  # sent as "Content-Encoding: gzip"
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("raw, named", BAD_BODIES)
-def test_fuzz_regression_malformed_chat_bodies_are_400_naming_the_field_never_500(tmp_path, raw, named):
+def test_fuzz_regression_malformed_chat_bodies_are_400_naming_the_field_never_500(tmp_path, raw, named, request):
     """Found by the fuzzer (noria bench fuzz): each of these bodies was answered 500 (an exception in
     the handler) before the session server checked bodies; now 400 naming the field, nothing recorded
     or sent, and the session still answers a good request."""
@@ -449,8 +451,9 @@ def test_fuzz_regression_malformed_chat_bodies_are_400_naming_the_field_never_50
         async with SessionServer(engine, tok, SamplingParams(max_new_tokens=8)) as server:
             server.open("f")
             async with httpx.AsyncClient(timeout=60) as client:
+                encoding = {"Content-Encoding": "gzip"} if "content-encoding" in request.node.name else {}
                 bad = await client.post(f"{server.base_url('f')}/chat/completions", content=raw,
-                                        headers={"Content-Type": "application/json"})  # fmt: skip
+                                        headers={"Content-Type": "application/json", **encoding})  # fmt: skip
             assert server.sessions["f"].ids == [] and engine.requests == []
             good = await post(server.base_url("f"), {"messages": [{"role": "user", "content": "hi"}]})
             return bad, good

@@ -33,6 +33,7 @@ Every response carries the engine's current weight version in the ``X-Weight-Ver
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import math
 import signal
@@ -266,9 +267,15 @@ class EngineServer:
                 self.engine.abort(req.rid)
                 raise
 
-    async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """Partial outputs of one request; aborted in the engine unless it finished."""
-        with self._track(req):
+    def claim(self, req: GenerateRequest) -> _Tracked:
+        """Register ``req`` as in flight now, for a ``with`` around a stream's whole answer: a request id
+        already in flight raises ``RequestError`` (400) here, before any byte of the stream is sent."""
+        return self._track(req)
+
+    async def stream(self, req: GenerateRequest, claimed: bool = False) -> AsyncIterator[GenerateOutput]:
+        """Partial outputs of one request; aborted in the engine unless it finished. ``claimed``: the
+        caller holds ``claim(req)`` already."""
+        with contextlib.nullcontext() if claimed else self._track(req):
             finished = False
             parts = self.engine.stream(req)
             try:

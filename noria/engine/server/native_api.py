@@ -31,6 +31,7 @@ from noria.engine.server.parsing import (
     INERT_NATIVE,
     check_ids,
     drop_inert,
+    encode_text,
     engine_attr,
     maybe_await,
     per_item,
@@ -145,7 +146,7 @@ class NativeApi:
         tok = self.s.engine.tokenizer
         if tok is None:
             raise RequestError(f"{name}: this engine has no tokenizer; send input_ids")
-        ids = list(tok.encode(text))
+        ids = encode_text(tok, text, name)
         if not ids:
             raise RequestError(f"{name} is empty: a prompt needs at least one token")
         return ids
@@ -185,9 +186,10 @@ class NativeApi:
                 entry[2] = t
 
     async def _stream(self, request: web.Request, req: GenerateRequest, with_text: bool) -> web.StreamResponse:
-        response = await sse_response(request)
-        async for part in self.s.stream(req):
-            await sse(response, self.result(req, part, with_text))
+        with self.s.claim(req):  # a request id in flight is a 400 here, not a stream cut after its 200
+            response = await sse_response(request)
+            async for part in self.s.stream(req, claimed=True):
+                await sse(response, self.result(req, part, with_text))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

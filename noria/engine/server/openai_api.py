@@ -26,6 +26,7 @@ from noria.engine.server.parsing import (
     INERT_OPENAI,
     check_ids,
     drop_inert,
+    encode_text,
     engine_attr,
     is_int,
     read_json,
@@ -129,7 +130,7 @@ class OpenAIApi:
         add_gen = want(body, "add_generation_prompt", bool, True)
         text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_gen)
         # The template writes its own special tokens; adding a BOS on top would double it.
-        ids = list(tok.encode(text, add_special_tokens=False))
+        ids = encode_text(tok, text, "messages", add_special_tokens=False)
         if not ids:
             raise RequestError("messages render to no tokens")
         return ids

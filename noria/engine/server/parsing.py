@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from noria.engine.protocol import RequestError, SamplingParams
 
@@ -37,7 +38,10 @@ async def maybe_await(value: Any) -> Any:
 
 async def read_json(request: web.Request, required: bool = True) -> dict[str, Any]:
     """The request body as a JSON object (an empty body is ``{}`` unless ``required``)."""
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except RequestPayloadError as e:  # a Content-Encoding the body does not have, a truncated chunk
+        raise RequestError(f"the request body cannot be read: {e}") from e
     if not raw.strip():
         if required:
             raise RequestError("the request body is empty; expected a JSON object")
@@ -46,6 +50,8 @@ async def read_json(request: web.Request, required: bool = True) -> dict[str, An
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # "[[[[..." thousands deep: the parser's stack, not the server's fault
+        raise RequestError("the request body nests too deeply to parse") from e
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -151,6 +157,14 @@ def per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:
         if item is not None and (not isinstance(item, kind) or (kind is not bool and isinstance(item, bool))):
             raise RequestError(f"{name} has the wrong type: expected {kind.__name__}, got {type(item).__name__}")
     return items
+
+
+def encode_text(tokenizer: Any, text: str, name: str, **kwargs: Any) -> list[int]:
+    """``tokenizer.encode(text)``; text it cannot take (a lone surrogate) is a ``RequestError`` naming the field."""
+    try:
+        return list(tokenizer.encode(text, **kwargs))
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"{name} cannot be tokenized ({type(e).__name__}: {e}); send valid Unicode text") from e
 
 
 def engine_attr(engine: Any, name: str) -> Any:

@@ -108,6 +108,10 @@ class WeightApi:
         port, offset, world = (want(body, k, int) for k in ("master_port", "rank_offset", "world_size"))
         if address is None or port is None or offset is None or world is None:
             raise RequestError("master_address, master_port, rank_offset and world_size are required")
+        if not 1 <= port <= 65535:
+            raise RequestError(f"master_port must be in [1, 65535], got {port}")
+        if not 1 <= offset < world:  # the trainer is rank 0 and hosts the store; the engine joins it
+            raise RequestError(f"rank_offset must be in [1, world_size) (the trainer is rank 0), got {offset} of {world}")
         group = want(body, "group_name", str, "weight_update_group")
         backend = want(body, "backend", str, "nccl")
         join = self.weights.join_group
@@ -204,6 +208,8 @@ class WeightApi:
         names = want(body, "names", list)
         if names is None and request.query.get("names"):
             names = request.query["names"].split(",")
+        if names is not None and not all(isinstance(n, str) for n in names):
+            raise RequestError("names must be a list of tensor names (strings)")
         algo = want(body, "algo", str) or request.query.get("algo", "sha256")
         sums = await self.s.blocking(self.weights.checksums, names, algo)
         return web.json_response({"algo": algo, "checksums": sums, "weight_version": self.weights.version})
