@@ -15,7 +15,7 @@ A run (``fuzz_target``): Hypothesis draws ``requests`` shots (seeded: the same s
 requests), sent ``batch`` at a time, concurrently, over httpx. After each batch the engine is
 restored (a fuzzed pause or memory release undone: ``/resume_memory_occupation``,
 ``/continue_generation``), then checked: the process is alive, ``/health_generate`` answers 200
-(the session server: a first turn on a fresh session answers 200 or its documented 429), and its
+(the session server: a first turn on a fresh session answers 200, or its documented 429 or 410), and its
 resident memory (``VmRSS`` of ``/proc/PID/status``) is sampled.
 
 Pass: no 5xx but the documented ones (``DOCUMENTED_5XX``), no request without an answer (except a
@@ -156,6 +156,17 @@ def session_paths(tokenizer: Any) -> set[str]:
 def uncovered(paths: set[str], specs: list[Any]) -> list[str]:
     """Routes the server answers that no spec fuzzes (the run refuses to start with any)."""
     return sorted(paths - {s.path for s in specs})
+
+
+def check_coverage(model: str) -> None:
+    """Refuse to run while a route of ``noria serve`` or the session server has no spec."""
+    from transformers import AutoTokenizer
+
+    from noria.bench.fuzz_strategies import engine_specs, session_specs
+
+    missing = uncovered(engine_paths(), engine_specs()) + uncovered(session_paths(AutoTokenizer.from_pretrained(model)), session_specs())
+    if missing:
+        raise SystemExit(f"noria bench fuzz: routes without a strategy in noria.bench.fuzz_strategies: {missing}")
 
 
 # ------------------------------------------------------------------------------------ sending
@@ -503,6 +514,7 @@ def main(args: argparse.Namespace) -> int:
 
     shares = {k: float(v) for k, v in (item.split("=") for item in args.shares.split(","))}
     model = str(model_path(args.model))  # a catalog model is built here once, not by each process of the rig
+    check_coverage(model)
     with tempfile.TemporaryDirectory(prefix="noria-fuzz-") as folder:
         rig = start_rig(model, Path(folder), probes=args.requests // args.batch + 10)
         try:
