@@ -347,8 +347,9 @@ class LocalJob:
         """The rollout scheduler runs in the background for the body; then it drains (in-flight work is
         cancelled and its prompts go back to the data source)."""
         r = self.config.rollout
-        live = LiveRequests() if in_flight_policy(r)[0] == "continue" else None  # checkpoints stop requests with their tokens
-        ctx = RolloutContext(self.client, self.tokenizer, r, seed=self.config.seed, top_logprobs=self.teacher.top_k if self.teacher else 0, live=live)
+        top = self.teacher.top_k if self.teacher else 0
+        live = LiveRequests() if in_flight_policy(r, self.client)[0] == "continue" else None  # checkpoints stop requests with their tokens
+        ctx = RolloutContext(self.client, self.tokenizer, r, seed=self.config.seed, top_logprobs=top, live=live)
         self.scheduler = RolloutScheduler(
             ctx, self.next_prompt, self.buffer, self.reward, n_samples=r.n_samples, groups_per_step=r.prompts_per_step,
             max_staleness=r.max_staleness, max_in_flight=r.max_in_flight or r.prompts_per_step * r.n_samples,
@@ -357,8 +358,7 @@ class LocalJob:
         )  # fmt: skip
         if self.in_flight_record:  # resumed: the checkpoint's in-flight groups continued or retracted, said and counted
             plan = plan_resume(self.in_flight_record, self.weight_version, r)
-            plan.apply(self.scheduler, self.source.return_prompt)
-            self.resume_metrics, self.in_flight_record = plan.metrics(), None
+            self.resume_metrics, self.in_flight_record = plan.apply(self.scheduler, self.source.return_prompt), None
             print(f"noria train: {plan.describe()}", file=sys.stderr)
         self.scheduler.start()
         try:
@@ -513,7 +513,7 @@ class LocalJob:
         s = self.scheduler
         next_group_id, unfinished = (s.next_group_id, []) if in_flight is not None else s.resume_point() if s else (self.next_group_id, [])
         retracted = [] if in_flight is not None or s is None else sorted(s.pending)
-        why = "" if in_flight is not None else in_flight_policy(self.config.rollout)[1] or "the rollout had stopped"
+        why = "" if in_flight is not None else in_flight_policy(self.config.rollout, self.client)[1] or "the rollout had stopped"
         data = self.source.state_dict()
         data["returned"] = [prompt_to_dict(p) for p in unfinished] + data["returned"]
         return {

@@ -43,20 +43,25 @@ from typing import Any
 
 from noria.config.rollout import resume_in_flight_blockers
 from noria.engine.protocol import GenerateOutput, GenerateRequest
+from noria.errors import NoriaError
 from noria.rollout.buffer import group_from_dict
 from noria.types import Group, Prompt, Status
 
-def in_flight_policy(rollout: Any) -> tuple[str, str]:
-    """(``continue`` or ``retract``, why it is retract) for ``rollout.resume_in_flight``."""
+def in_flight_policy(rollout: Any, client: Any = None) -> tuple[str, str]:
+    """(``continue`` or ``retract``, why it is retract) for ``rollout.resume_in_flight``, with the engine
+    ``client`` the scheduler uses when given: one without ``abort(rid)`` (an engine fleet's) cannot
+    stop a request with its tokens. ``NoriaError`` when ``continue`` is asked for and cannot work."""
     want = rollout.resume_in_flight
     if want == "retract":
         return "retract", "rollout.resume_in_flight: retract"
     if want == "auto" and rollout.max_staleness == 0:
         return "retract", "synchronous RL (rollout.max_staleness 0) regenerates them, so a resumed run repeats an uninterrupted one"
     blockers = resume_in_flight_blockers(rollout)
-    if blockers:  # only under auto: validation refuses continue with a blocker
-        return "retract", blockers[0]
-    return "continue", ""
+    if client is not None and not callable(getattr(client, "abort", None)):
+        blockers.append(f"its engine client ({type(client).__name__}) cannot stop one request with its tokens")
+    if blockers and want == "continue":  # the config's own blockers were refused at load already
+        raise NoriaError(f"rollout.resume_in_flight: continue cannot work here: {blockers[0]}; use auto or retract")
+    return ("retract", blockers[0]) if blockers else ("continue", "")
 
 
 def retract_reason(group: Group, version: int, max_staleness: int) -> str | None:
@@ -146,11 +151,13 @@ class ResumePlan:
     reasons: Counter[str] = field(default_factory=Counter)
     """Groups retracted (now or at the checkpoint), by reason."""
 
-    def apply(self, scheduler: Any, return_prompt: Callable[[Prompt], None]) -> None:
-        """Before the scheduler starts: retracted prompts back to the data source, the rest restarted."""
+    def apply(self, scheduler: Any, return_prompt: Callable[[Prompt], None]) -> dict[str, float]:
+        """Before the scheduler starts: retracted prompts back to the data source, the rest restarted;
+        returns ``metrics()``."""
         for prompt in self.prompts:
             return_prompt(prompt)
         scheduler.resume_groups(self.groups, self.scored)
+        return self.metrics()
 
     def metrics(self) -> dict[str, float]:
         """The ``resume/...`` figures of the first step after the resume."""

@@ -268,7 +268,8 @@ class RolloutScheduler:
         self._launch(group_id, prompt, ids, self._new_samples(group_id, prompt, ids), self.n_samples)
 
     def _new_samples(self, group_id: int, prompt: Prompt, ids: list[int]) -> tuple[Sample, ...]:
-        return tuple(Sample(prompt_ids=list(ids), group_id=group_id, index=i, metadata=dict(prompt.metadata)) for i in range(self.n_samples))
+        n, meta = self.n_samples, prompt.metadata
+        return tuple(Sample(prompt_ids=list(ids), group_id=group_id, index=i, metadata=dict(meta)) for i in range(n))
 
     def _launch(self, group_id: int, prompt: Prompt, ids: list[int], samples: tuple[Sample, ...] | None, places: int) -> None:
         self.pending[group_id] = prompt

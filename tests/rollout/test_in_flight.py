@@ -179,3 +179,35 @@ def test_policy_auto_continues_only_asynchronous_rl_with_requests_it_can_stop():
         rollout_config(resume_in_flight="continue", agent_fn="agent_plugins:echo").validate()
     with pytest.raises(ConfigError, match="rollout.engine vllm"):
         rollout_config(resume_in_flight="continue", engine="vllm").validate()
+
+
+def test_a_stop_string_across_the_seam_ends_the_continued_trajectory(engine):
+    """The tokens before the seam came from an earlier request, whose engine never saw the ones after:
+    a stop string completed across it is found by the client, which cuts the response there."""
+    from noria.rollout.generate import seam_stop
+
+    tok = engine.tokenizer
+    before, after = tok.encode("1 ~#", add_special_tokens=False), tok.encode("@! 2 3 4", add_special_tokens=False)
+    ctx = RolloutContext(None, tok, rollout_config(stop=["#@"]))
+    n = len(before) + len(after)
+    sample = Sample(prompt_ids=[1], response_ids=before + after, loss_mask=[1] * n, rollout_logprobs=[-1.0] * n, weight_versions=[0] * n)
+    assert seam_stop(ctx, sample, len(before)) == "#@"
+    cut = len(sample.response_ids)
+    assert len(before) < cut < n and len(sample.rollout_logprobs) == len(sample.weight_versions) == len(sample.loss_mask) == cut
+    assert "#@" in tok.decode(sample.response_ids) and "#@" not in tok.decode(sample.response_ids[:-1])
+    whole = Sample(prompt_ids=[1], response_ids=before + after, loss_mask=[1] * n, rollout_logprobs=[-1.0] * n, weight_versions=[0] * n)
+    assert seam_stop(RolloutContext(None, tok, rollout_config(stop=["%%"])), whole, len(before)) is None and len(whole.response_ids) == n
+
+
+def test_an_engine_client_that_cannot_stop_one_request_retracts_or_is_refused(engine):
+    """An engine fleet's client has no ``abort(rid)``: auto retracts (the reason names it), continue is refused."""
+    from noria.errors import NoriaError
+
+    class FleetLike:
+        async def generate(self, req): ...
+
+    assert in_flight_policy(rollout_config(), LocalEngineClient(engine)) == ("continue", "")
+    policy, why = in_flight_policy(rollout_config(), FleetLike())
+    assert policy == "retract" and "FleetLike" in why
+    with pytest.raises(NoriaError, match="continue cannot work here: its engine client"):
+        in_flight_policy(rollout_config(resume_in_flight="continue"), FleetLike())
