@@ -64,6 +64,13 @@ FIXED: list[tuple[str, str]] = [
      "tests/engine/test_fuzz.py::test_fuzz_regression_a_streamed_request_with_an_id_in_flight_is_400_not_a_cut_stream"),
     ("router front: ten refused streamed requests of one client opened sglang-router's circuit breaker: 503 to everyone "
      "for a minute", "tests/engine/test_fuzz.py::test_fuzz_regression_refused_streamed_requests_do_not_take_the_engine_out_of_the_router"),
+    ("noria serve: a streamed request the engine refused once admitted (logprob_start_len past the prompt) got a 400 written "
+     "into its open stream: an illegal chunk, a cut stream through the router",
+     "tests/engine/test_fuzz.py::test_fuzz_regression_an_error_after_a_stream_started_is_its_last_event_not_a_broken_stream"),
+    ("noria serve: /update_weights_from_disk with a path the system refuses (too long) was answered 500",
+     "tests/engine/test_fuzz.py::test_fuzz_regression_engine_answers_400_naming_the_problem_never_500"),
+    ("noria serve: /abort_request abort_all aborted /health_generate's own generation, which answered 503",
+     "tests/engine/test_fuzz.py::test_fuzz_regression_abort_all_leaves_the_health_probe_alone"),
 ]  # fmt: skip
 """Failures this fuzzer found, each fixed, and the regression test that pins it."""
 

@@ -9,6 +9,8 @@ run. The route tables come from the servers themselves; a route without a strate
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from noria.bench import fuzz
@@ -86,6 +88,7 @@ ENGINE_500S = [
                  b'"world_size": 0, "timeout_s": 0.1}', "rank_offset", id="join-world-size-0"),
     pytest.param("/init_weights_update_group", {}, b'{"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, '
                  b'"world_size": 2, "backend": "nccl", "timeout_s": 0.1}', "nccl", id="join-nccl-on-a-cpu-engine"),
+    pytest.param("/update_weights_from_disk", {}, b'{"model_path": "' + b"a" * 300 + b'"}', "model_path", id="disk-path-too-long"),
 ]  # fmt: skip
 
 
@@ -140,3 +143,45 @@ def test_fuzz_regression_refused_streamed_requests_do_not_take_the_engine_out_of
     bad = {"input_ids": [5], "stream": True, "sampling_params": {"temperature": -1}}
     assert [httpx.post(rig.router.url + "/generate", json=bad, timeout=60).status_code for _ in range(12)] == [400] * 12
     assert httpx.post(rig.router.url + "/generate", json=GOOD, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("front", ["engine", "router"])
+def test_fuzz_regression_an_error_after_a_stream_started_is_its_last_event_not_a_broken_stream(rig, front):
+    """Found by the fuzzer (50,000-request run): a streamed request the engine refused once admitted
+    (here logprob_start_len past the prompt) got its 400 written into the open stream: an illegal
+    chunk for the client, a cut stream through the router. Now the error is the stream's last event
+    (as SGLang sends it), then [DONE]."""
+    import httpx
+
+    url = rig.engine_url if front == "engine" else rig.router.url
+    body = {"input_ids": [5, 6, 7], "stream": True, "logprob_start_len": 3, "sampling_params": {"max_new_tokens": 2}}
+    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/generate", json=body) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]", events
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 400 and "logprob_start_len" in error["message"]
+
+
+def test_fuzz_regression_abort_all_leaves_the_health_probe_alone(rig):
+    """Found by the fuzzer (50,000-request run): /abort_request with abort_all aborted
+    /health_generate's own generation, which then answered 503 unhealthy."""
+    import threading
+    import time
+
+    import httpx
+
+    url, answers = rig.engine_url, []
+    with httpx.Client(timeout=60) as client:
+        assert client.post(url + "/pause_generation", json={"mode": "in_place"}).status_code == 200
+        probe = threading.Thread(target=lambda: answers.append(httpx.get(url + "/health_generate", timeout=60).status_code))
+        try:
+            probe.start()
+            deadline = time.monotonic() + 30
+            while client.get(url + "/get_load").json()["num_inflight_http"] < 1:  # the probe is in flight (paused)
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert client.post(url + "/abort_request", json={"abort_all": True}).json()["aborted"] == []
+        finally:
+            client.post(url + "/continue_generation")
+            probe.join(60)
+    assert answers == [200]

@@ -39,6 +39,7 @@ from noria.engine.server.parsing import (
     reject_unknown,
     sampling_from,
     sse,
+    sse_error,
     sse_response,
     token_texts,
     want,
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from noria.engine.server.app import EngineServer
 
 ONE_TOKEN = {"max_new_tokens": 1, "temperature": 0.0}
+HEALTH_RID = "health-"
+"""Request ids of ``/health_generate``'s own generations (``abort_all`` leaves them alone)."""
 
 
 class NativeApi:
@@ -188,8 +191,13 @@ class NativeApi:
     async def _stream(self, request: web.Request, req: GenerateRequest, with_text: bool) -> web.StreamResponse:
         with self.s.claim(req):  # a request id in flight is a 400 here, not a stream cut after its 200
             response = await sse_response(request)
-            async for part in self.s.stream(req, claimed=True):
-                await sse(response, self.result(req, part, with_text))
+            try:
+                async for part in self.s.stream(req, claimed=True):
+                    await sse(response, self.result(req, part, with_text))
+            except (ConnectionResetError, asyncio.CancelledError):
+                raise  # the client went away
+            except Exception as e:  # noqa: BLE001 -- classified: after the 200, the error is the stream's last event
+                await sse_error(response, e)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -202,7 +210,7 @@ class NativeApi:
     async def health_generate(self, request: web.Request) -> web.Response:
         """A real one-token greedy generation through the scheduler."""
         token = 0 if self.s.engine.tokenizer is None else _first_token(self.s.engine.tokenizer)
-        req = GenerateRequest(input_ids=[token], sampling=SamplingParams(**ONE_TOKEN), rid=f"health-{self.s.new_rid()}")
+        req = GenerateRequest(input_ids=[token], sampling=SamplingParams(**ONE_TOKEN), rid=f"{HEALTH_RID}{self.s.new_rid()}")
         out = await self.s.generate(req)
         if len(out.output_ids) != 1:
             raise HttpError(503, f"health generation produced {len(out.output_ids)} tokens", "unhealthy")
@@ -292,8 +300,8 @@ class NativeApi:
         body = await read_json(request)
         reject_unknown(body, {"rid", "abort_all"})
         rid = want(body, "rid", str, "")
-        if want(body, "abort_all", bool, False):
-            rids = list(self.s.inflight)
+        if want(body, "abort_all", bool, False):  # every client request; not the server's own health probe
+            rids = [r for r in self.s.inflight if not r.startswith(HEALTH_RID)]
         elif rid:
             rids = [rid]
         else:

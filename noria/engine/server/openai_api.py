@@ -33,6 +33,7 @@ from noria.engine.server.parsing import (
     reject_unknown,
     sampling_from,
     sse,
+    sse_error,
     sse_response,
     token_texts,
     want,
@@ -181,24 +182,35 @@ class OpenAIApi:
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
         try:
             response = await sse_response(request)
-            done, finals = 0, [None] * len(reqs)
-            while done < len(reqs):
-                index, part = await queue.get()
-                if part is None:
-                    done += 1
-                    continue
-                finals[index] = part
-                if chunk := render.chunk(index, part):
-                    await sse(response, chunk)
-            for t in tasks:
-                t.result()  # re-raise an engine error
-            await sse(response, render.usage_chunk(finals))
+            try:
+                await self._pump_out(response, queue, tasks, render)
+            except (ConnectionResetError, asyncio.CancelledError):
+                raise  # the client went away
+            except Exception as e:  # noqa: BLE001 -- classified: after the 200, the error is the stream's last event
+                await sse_error(response, e)
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
         finally:
             for t in tasks:
                 t.cancel()
+
+
+    @staticmethod
+    async def _pump_out(response: web.StreamResponse, queue: asyncio.Queue, tasks: list, render: Any) -> None:
+        """Write the choices' chunks as they come, then the usage chunk; an engine error re-raised."""
+        done, finals = 0, [None] * len(tasks)
+        while done < len(tasks):
+            index, part = await queue.get()
+            if part is None:
+                done += 1
+                continue
+            finals[index] = part
+            if chunk := render.chunk(index, part):
+                await sse(response, chunk)
+        for t in tasks:
+            t.result()  # re-raise an engine error
+        await sse(response, render.usage_chunk(finals))
 
 
 def _chat_message(message: Any, i: int) -> dict[str, str]:

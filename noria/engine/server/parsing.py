@@ -20,6 +20,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from noria.engine.protocol import RequestError, SamplingParams
+from noria.errors import NoriaError
 
 INVALID = "invalid_request"
 
@@ -186,3 +187,10 @@ async def sse_response(request: web.Request) -> web.StreamResponse:
 
 async def sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+async def sse_error(response: web.StreamResponse, error: BaseException) -> None:
+    """An error raised after a stream's 200 went out (a request the engine refuses once admitted):
+    the stream's last event, as SGLang sends it; an error answer there would corrupt the stream."""
+    status, kind = (400, INVALID) if isinstance(error, (RequestError, NoriaError)) else (500, "internal_error")
+    await sse(response, {"error": {"message": f"{type(error).__name__}: {error}" if status == 500 else str(error), "type": kind, "code": status}})

@@ -94,7 +94,10 @@ class WeightApi:
         if not path:
             raise RequestError("model_path: give the folder holding the new weights")
         version = self._version(body)
-        await self.s.blocking(self.weights.update_from_disk, path, version)
+        try:
+            await self.s.blocking(self.weights.update_from_disk, path, version)
+        except OSError as e:  # a path the system refuses (too long, not readable): nothing was changed
+            raise RequestError(f"model_path: cannot read {path[:200]!r}: {e.strerror or e}") from e
         return self._updated(f"loaded weights from {path}")
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
