@@ -173,13 +173,6 @@ METRICS: tuple[Metric, ...] = tuple(
         ("session/refused_tokens", "count", "Agent requests answered 413: the session would pass rollout.session_max_tokens (cumulative)."),
         ("session/closed_idle", "count", "Agent sessions closed after rollout.session_idle_timeout_s without a request (cumulative)."),
     ])
-    + _table("session", [
-        ("session/open", "count", "Agent sessions holding a place (rollout.session_max_open) when the step's metrics were taken."),
-        ("session/admitted", "count", "Agent sessions let in so far in the run (cumulative)."),
-        ("session/refused_open", "count", "First requests of agent sessions answered 429 for want of a place (rollout.session_max_open; cumulative)."),
-        ("session/refused_tokens", "count", "Agent requests answered 413: the session would pass rollout.session_max_tokens (cumulative)."),
-        ("session/closed_idle", "count", "Agent sessions closed after rollout.session_idle_timeout_s without a request (cumulative)."),
-    ])
     + _table("sync", [
         ("sync/seconds", "s", "Weight push trainer -> engines (the engines serve the new version after it)."),
         ("sync/bytes", "bytes", "Bytes pushed, in the engines' dtype (counted once however many engines)."),
