@@ -88,13 +88,14 @@ def latest_checkpoint(run: Path) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def chain(tiny_model_dir, tmp_path_factory):
     """The run killed at each of ``KILLS`` in turn and resumed, then to its end: (run folder, the
-    in-flight record of every checkpoint a run resumed from, seconds per run)."""
+    in-flight record of every checkpoint a run resumed from, the folder of the chain, the groups
+    waiting in the buffer at each of those checkpoints)."""
     tmp = tmp_path_factory.mktemp("chain")
     (tmp / "chain.yaml").write_text("name: resume-in-flight\n")
     with (tmp / "prompts.jsonl").open("w") as f:
         for i in range(N_PROMPTS):
             f.write(json.dumps({"prompt": f"Question {i}: what is {i} plus one?", "label": str(i + 1)}) + "\n")
-    records, seconds = {}, []
+    records, buffered, seconds = {}, {}, []
     engine = ServeProcess(tiny_model_dir, log_dir=tmp).wait_ready()
     try:
         for i, fault in enumerate([*KILLS, ""]):
@@ -109,10 +110,12 @@ def chain(tiny_model_dir, tmp_path_factory):
             step, extra = latest_checkpoint(tmp / "run")
             if extra:
                 records[step] = extra.get("in_flight", {"groups": []})  # none before in-flight records existed
+                buffered[step] = len(extra["buffer"]["groups"])
     finally:
         assert engine.stop() == 0, engine.read_log()
     print(f"chain: {len(seconds)} runs, {sum(seconds):.1f} s: " + " ".join(f"{s:.1f}" for s in seconds))
-    return tmp / "run", records, tmp
+    print(f"groups buffered at each checkpoint resumed from: {buffered}")
+    return tmp / "run", records, tmp, buffered
 
 
 def trained_samples(run: Path) -> list[dict]:
@@ -121,7 +124,8 @@ def trained_samples(run: Path) -> list[dict]:
 
 def test_twenty_sigkills_of_an_async_run_train_every_prompt_exactly_once(chain):
     """The prompts of the trained groups, over the whole run: each of the data's prompts exactly once."""
-    run, records, tmp = chain
+    run, records, tmp, buffered = chain
+    assert any(buffered.values()), "no checkpoint resumed from held buffered groups: the check below would not cover them"
     steps = [row["step"] for row in read_jsonl(run / "metrics.jsonl")]
     assert steps == list(range(1, N_PROMPTS // PER_STEP + 1))
     prompt_of = {row["group_id"]: row["prompt"] for row in trained_samples(run)}
@@ -140,7 +144,7 @@ def test_continued_requests_keep_their_recorded_tokens_logprobs_and_versions(cha
     """Each trajectory a checkpoint recorded mid-generation ends, trained, with exactly the recorded
     tokens first, with their logprobs and weight versions (a stale group may have been retracted or
     dropped instead: its prompt was then trained under another group, as the test above shows)."""
-    run, records, _ = chain
+    run, records, _, _ = chain
     final = {(row["group_id"], row["index"]): row for row in trained_samples(run)}
     recorded = [
         (g["group_id"], s) for record in records.values() for g in record["groups"]
