@@ -69,7 +69,7 @@ import torch
 from noria import hardware
 from noria.config import EngineConfig, ensure_valid
 from noria.engine import scoring
-from noria.engine.kv_cache import KVCache
+from noria.engine.kv_cache import KVCache, zeroed_pools
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
 from noria.engine.runner import ModelRunner
@@ -260,9 +260,7 @@ class Engine:
         def resume() -> None:
             if self._kv_shape is None:
                 return
-            layers = len(self.kv.k_pools)
-            self.kv.k_pools = [torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
-            self.kv.v_pools = [torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+            self.kv.k_pools, self.kv.v_pools = zeroed_pools(len(self.kv.k_pools), self._kv_shape, self.dtype, self.device)
             self._kv_shape = None
             if not self._paused_before_release:
                 self.scheduler.resume()

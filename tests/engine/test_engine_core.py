@@ -241,3 +241,28 @@ def test_shutdown_aborts_what_does_not_drain(model, tokenizer):
     assert fut.result(timeout=5).finish_reason["type"] == "abort"
     with pytest.raises(RequestError, match="shutting down"):
         engine.submit(GenerateRequest(input_ids=prompt(5)), print)
+
+
+def test_a_large_cpu_kv_cache_costs_no_resident_memory_until_its_blocks_are_written():
+    """The pools are zero pages mapped on first touch (``zeroed_pools``): a 2 GB cache does not
+    raise the process's resident memory until blocks are written, and unwritten slots read 0."""
+    import torch
+
+    from noria.engine.kv_cache import KVCache
+
+    before = _rss()
+    kv = KVCache(num_layers=4, num_blocks=2**15, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16, device="cpu")
+    total = sum(p.numel() * p.element_size() for p in kv.k_pools + kv.v_pools)
+    assert total == 2**31 and _rss() - before < 64 * 2**20
+    kv.k_pools[0][:16] = 1.0  # one block of one layer written
+    assert kv.k_pools[0][:16].float().sum().item() == 16 * 4 * 64 and kv.k_pools[0][16:].abs().sum().item() == 0
+    assert kv.v_pools[3].dtype == torch.bfloat16 and kv.v_pools[3].shape == (2**19, 4, 64)
+    assert _rss() - before < 64 * 2**20
+
+
+def _rss() -> int:
+    import os
+
+    from noria.process.usage import status_bytes
+
+    return status_bytes(os.getpid(), "VmRSS")
