@@ -71,6 +71,8 @@ FIXED: list[tuple[str, str]] = [
      "tests/engine/test_fuzz.py::test_fuzz_regression_engine_answers_400_naming_the_problem_never_500"),
     ("noria serve: /abort_request abort_all aborted /health_generate's own generation, which answered 503",
      "tests/engine/test_fuzz.py::test_fuzz_regression_abort_all_leaves_the_health_probe_alone"),
+    ("noria serve: a sampling integer past 2^63 (top_k or stop_token_ids) passed the checks and killed the engine loop; "
+     "every later request was a 500", "tests/engine/test_fuzz.py::test_fuzz_regression_integers_past_64_bits_are_400_and_the_engine_lives"),
 ]  # fmt: skip
 """Failures this fuzzer found, each fixed, and the regression test that pins it."""
 

@@ -74,14 +74,14 @@ class SamplingParams:
             raise RequestError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise RequestError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise RequestError(f"sampling_params.top_k must be -1 or >= 1, got {self.top_k}")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k >= 2**31:  # past 2^31 it overflowed in the engine loop and killed it
+            raise RequestError(f"sampling_params.top_k must be -1 or in [1, 2^31), got {self.top_k}")
         if not 0 <= self.min_p < 1:
             raise RequestError(f"sampling_params.min_p must be in [0, 1), got {self.min_p}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("sampling_params.stop must be a string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
-            raise RequestError("sampling_params.stop_token_ids must be a list of integers")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and 0 <= t < 2**31 for t in self.stop_token_ids):
+            raise RequestError("sampling_params.stop_token_ids must be a list of integers in [0, 2^31)")
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
             raise RequestError(f"sampling_params.seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
 

@@ -185,3 +185,15 @@ def test_fuzz_regression_abort_all_leaves_the_health_probe_alone(rig):
             client.post(url + "/continue_generation")
             probe.join(60)
     assert answers == [200]
+
+
+@pytest.mark.parametrize("sampling", [{"top_k": 2**63}, {"top_k": 10**30}, {"stop_token_ids": [2**64]}, {"stop_token_ids": [2**63]}],
+                         ids=["top-k-2^63", "top-k-1e30", "stop-token-2^64", "stop-token-2^63"])
+def test_fuzz_regression_integers_past_64_bits_are_400_and_the_engine_lives(rig, sampling):
+    """Found by the fuzzer (second 50,000-request run): a sampling integer past 2^63 passed the checks
+    and killed the engine's loop ("Overflow when unpacking long long"); every later request was a 500."""
+    import httpx
+
+    r = httpx.post(rig.engine_url + "/generate", json={"input_ids": [5, 6], "sampling_params": {**sampling, "max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 400 and next(iter(sampling)) in r.json()["error"]["message"], r.text
+    assert httpx.get(rig.engine_url + "/health_generate", timeout=60).status_code == 200
