@@ -553,9 +553,8 @@ class LocalJob:
         process) its prefix hits and retractions."""
         if self.local_engine is None:
             return kv_usage([(self.client.base_url, self.engine_key)]) if self.engine_key else {}
-        m = self.local_engine.metrics()
-        return {"engine/prefix_hit_rate": float(m["prefix_hit_rate"]), "engine/retractions": float(m["retractions"]),
-                "engine/kv_usage": float(m["kv_usage"])}  # fmt: skip
+        m = self.local_engine.metrics()  # the generic (transformers) engine has no paged KV pool: no kv_usage
+        return {f"engine/{k}": float(m[k]) for k in ("prefix_hit_rate", "retractions", "kv_usage") if k in m}
 
     def close(self) -> None:
         self.evals.close()  # evaluation engines stopped, evaluations in flight cancelled
