@@ -42,6 +42,7 @@ from torch import nn
 from noria.engine import weight_delta
 from noria.engine import weight_sources as sources
 from noria.engine.weights import WeightStage, WeightUpdateError, stage_tensors, tensor_checksum
+from noria.process.usage import release_free_memory
 
 
 class WeightUpdates:
@@ -195,7 +196,9 @@ class WeightUpdates:
             self._on_commit()
             return changed
 
-        return self._between_steps(apply)
+        changed = self._between_steps(apply)
+        release_free_memory()  # the old weights and staging copies freed: their pages back to the kernel
+        return changed
 
     def discard(self, update_id: str | None = None) -> bool:
         """Drop a staged, uncommitted update (any if None); True if there was one."""

@@ -8,7 +8,8 @@ Modules::
     lifecycle.py  dying with the parent (PR_SET_PDEATHSIG), SIGTERM handled as Ctrl-C, signals that
                   cancel the RL loop's task, exit codes
     env.py        the environment every child gets (NVLink multicast off)
-    usage.py      a process tree and its peak memory (memory/peak_rss_gb), read from /proc
+    usage.py      a process tree and its peak memory (memory/peak_rss_gb), read from /proc; the C
+                  heap's free pages handed back (release_free_memory)
 
 A bottom layer: it imports nothing of Noria but ``noria.errors``. Nothing outside this package
 calls ``subprocess.Popen``, ``subprocess.run``, ``asyncio.create_subprocess_*`` or a

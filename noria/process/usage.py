@@ -75,3 +75,30 @@ def memory_metrics() -> dict[str, float]:
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         row["memory/gpu_peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
     return row
+
+
+_LIBC: object | None = None
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the kernel (glibc ``malloc_trim(0)``); a no-op elsewhere.
+
+    glibc keeps memory freed by a thread in that thread's arena (64 MiB heaps), and raises its mmap
+    threshold after large frees, so the buffers a process allocates and frees at every step (weight
+    staging, logit chunks, HTTP bodies) leave free pages that still count as resident. Long runs saw
+    that as slow RSS growth spread over the trainer and engines (docs/guarantees.md, "Long runs").
+    ``malloc_trim(0)`` walks every arena and releases whole free pages (``madvise``), without moving
+    live data. Called after a weight commit in the engine and after each training step.
+    """
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC = lib if hasattr(lib, "malloc_trim") else False
+        except OSError:  # not glibc (musl, macOS): nothing to trim
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)  # type: ignore[attr-defined]

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from noria.config import TrainConfig
+from noria.process.usage import release_free_memory
 from noria.types import Group, Sample, Status, TrainBatch
 
 
@@ -51,7 +52,9 @@ def rl_step(
     (``rollout.routing_replay``); ``opd``: the ``opd`` section when distilling
     (``train.loss.opd_coef`` > 0, ``noria.train.opd``). Returns the step's metrics (see the module docstring)."""
     with on_device(backend.device):
-        return _rl_step(backend, groups, cfg, weight_version, critic, replay_routes, opd)
+        metrics = _rl_step(backend, groups, cfg, weight_version, critic, replay_routes, opd)
+    release_free_memory()  # the step's freed activations and logit chunks leave the C heap's arenas
+    return metrics
 
 
 def _rl_step(
