@@ -41,13 +41,15 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     sigterm_as_interrupt()  # SIGTERM stops the run as Ctrl-C does: step ends, logs flushed, children stopped
     os.umask(0o077)  # the run folder's files (trajectories, checkpoints, the model) are its owner's only
+    from noria.run_folder import restart_folder, saved_config
+
+    run_dir, resume = args.run_dir, args.resume
+    restart = restart_folder(resume, run_dir) if args.restart else None
     config_file = args.config
     if config_file is None:  # `noria train --resume RUN`: the run's own resolved config
-        if args.resume is None:
+        if resume is None and restart is None:
             raise NoriaError("noria train needs a CONFIG file, or --resume RUN_DIR to continue a run with its own config")
-        from noria.run_folder import saved_config
-
-        config_file = saved_config(args.resume)
+        config_file = saved_config(restart or resume)
     config = load_config(config_file, overrides)
     say(f"noria train: {config.name} ({config.train.algorithm}, model {config.model.path}); checking what the config names ...")
     # registry names, import paths, data files: before any folder or model. It imports the registries
@@ -55,18 +57,24 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     with phase("checking what the config names", start_line=False, end_line=False):
         check_references(config)
     progress = False if args.no_progress else None
+    if restart is not None:  # a fresh run in the same folder, the old records moved aside first
+        from noria.run_folder import move_aside
+
+        moved = move_aside(restart)
+        say(f"noria train: --restart: {restart} starts again from step 0" + (f"; its records were moved to {moved}" if moved else ""))
+        run_dir, resume = str(restart), None
     if config.diffusion is not None:  # an image model (noria.diffusion): the same loop, its own parts
         from noria.diffusion.job import train_diffusion
 
-        train_diffusion(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
+        train_diffusion(config, run_dir=run_dir, resume=resume, progress=progress)
     elif config.train.algorithm == "rl":
         from noria.launch.rl import run_rl
 
-        run_rl(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
+        run_rl(config, run_dir=run_dir, resume=resume, progress=progress)
     else:
         from noria.launch.sft import run_sft
 
-        run_sft(config, run_dir=args.run_dir, resume=args.resume, progress=progress)
+        run_sft(config, run_dir=run_dir, resume=resume, progress=progress)
     return 0
 
 
@@ -294,8 +302,9 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
         "process, or disaggregated as a `noria serve` process: rollout.placement), rewards, trainer "
         "steps and weight sync, with evaluation every eval.every steps on the rollout engine. "
         "SFT (train.algorithm sft): multi-turn chat JSONL, loss on assistant tokens only. "
-        "Both write the resolved config, metrics.jsonl, checkpoints every train.save_every steps "
-        "(continue with --resume RUN_DIR) and the final HF model (RUN_DIR/final) into the run folder. "
+        "Both write the resolved config, metrics.jsonl, events.jsonl, checkpoints every train.save_every steps and "
+        "at the end (train.save_final_state; continue or extend with --resume RUN_DIR) and the final HF model "
+        "(RUN_DIR/final) into the run folder; no later run on the folder deletes what it recorded. "
         "train.backend fsdp2 with train.world_size N spawns N local ranks, or runs as one rank "
         "under `torchrun --nproc-per-node N -m noria.cli train ...`.",
         epilog=CONFIG_HELP,
@@ -308,8 +317,16 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", help="run folder (default runs/<name>-<time>); must not hold a run already")
     p.add_argument(
         "--resume", metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its last committed checkpoint; without CONFIG, with RUN_DIR/config.yaml "
-        "(overrides such as --train.max_steps still apply); with CONFIG, every difference from the run's config is named",
+        help="continue the run in RUN_DIR from its last committed checkpoint (a finished run's too: a larger "
+        "--train.max_steps extends it); without CONFIG, with RUN_DIR/config.yaml (overrides such as --train.max_steps "
+        "still apply); with CONFIG, every difference from the run's config is named. Refused, with nothing written, "
+        "when RUN_DIR has no checkpoint but records steps; what was recorded after the checkpoint moves to RUN_DIR/superseded/",
+    )
+    p.add_argument(
+        "--restart", action="store_true",
+        help="start the run in RUN_DIR (--resume RUN_DIR or --run-dir RUN_DIR) again from step 0: everything it "
+        "recorded (config, metrics, checkpoints, final/, ...) is moved, never deleted, into RUN_DIR/previous-<time>/; "
+        "without CONFIG, RUN_DIR/config.yaml is used (overrides apply)",
     )
     p.add_argument("--no-progress", action="store_true", help="plain log lines even on a terminal")
     p.set_defaults(handler=_train, takes_overrides=True)

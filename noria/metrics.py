@@ -3,8 +3,9 @@
 Files in the run folder::
 
     metrics.jsonl            one JSON object per rollout step (every name is in ``METRICS`` below)
-    events.jsonl             one per start of ``noria train`` on this folder: ``started`` or
-                             ``resumed`` with ``at_step`` and ``time`` (``noria report`` marks resumes)
+    events.jsonl             one per start of ``noria train`` on this folder (``record_event``):
+                             ``started``, ``resumed`` or ``restarted``, with ``at_step``, ``time`` and
+                             what the start did (``noria report`` and ``noria inspect`` show the segments)
     eval.jsonl               one per evaluation: step, version, accuracy, n_prompts, n_answers, seconds
                              (or ``skipped`` with the reason when it failed)
     eval/step-000010.jsonl   the evaluation's answers (prompt ids left out): reward, status, text
@@ -322,10 +323,33 @@ BAR_COLUMNS = 40
 """Columns the bar's own part takes (description, counts, bar, times) at most."""
 
 
+def record_event(folder: Path, event: str, at_step: int, **detail: Any) -> None:
+    """One line of ``RUN_DIR/events.jsonl``: a start of ``noria train`` on the folder (``started``,
+    ``resumed``, ``restarted``) at ``at_step``, with what it did (``detail``: JSON-able)."""
+    with (Path(folder) / "events.jsonl").open("a") as events:
+        events.write(json.dumps({"event": event, "at_step": at_step, "time": time.time(), **detail}) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The whole JSON lines of one of the run's JSONL files ([] if missing); a line cut short (a live
+    run's last one, or a crash's) is skipped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 class RunLog:
     """Writes the run's metric files, feeds the sinks and shows progress; see the module docstring."""
 
-    def __init__(self, folder: Path, total_steps: int, start_step: int, progress: bool | None, config: Any = None) -> None:
+    def __init__(
+        self, folder: Path, total_steps: int, start_step: int, progress: bool | None, config: Any = None, event: dict | None = None
+    ) -> None:
         self.folder = folder
         self.total = total_steps
         self.start_step = start_step
@@ -345,9 +369,7 @@ class RunLog:
                             bar_format=BAR_FORMAT, dynamic_ncols=True)  # fmt: skip
         self.last_row: dict[str, Any] | None = None
         # metrics.jsonl keeps one row per step (what pandas and plots read); run starts go beside it.
-        with (folder / "events.jsonl").open("a") as events:
-            event = "resumed" if start_step > 0 else "started"
-            events.write(json.dumps({"event": event, "at_step": start_step, "time": time.time()}) + "\n")
+        record_event(folder, "resumed" if start_step > 0 else "started", start_step, **(event or {}))
 
     def write_step(self, row: dict[str, Any]) -> None:
         self.append(self.metrics, row)

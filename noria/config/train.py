@@ -179,7 +179,17 @@ class TrainConfig:
         None, "RL: optimizer steps taken on each rollout step's samples (split into global_batch slices); null derives it (default 1)."
     )
     max_steps: int | None = option(None, "Stop after this many optimizer steps; null runs until data.epochs passes are done.")
-    save_every: int = option(0, "Optimizer steps between checkpoints in RUN_DIR/checkpoints (what --resume restarts from); 0 saves none.")
+    save_every: int = option(
+        0, "Steps between checkpoints in RUN_DIR/checkpoints (what --resume restarts from); 0 saves none during the run "
+        "(the end of the run still saves one: save_final_state)."
+    )
+    save_final_state: bool = option(
+        True, "At the end of a run, save a checkpoint of its last step in RUN_DIR/checkpoints beside final/ (weights, "
+        "optimizer state, RNG, data cursor, buffer, weight version), even with save_every 0, so that --resume RUN_DIR "
+        "--train.max_steps N extends the finished run. Costs about 12 bytes per trained parameter on disk (fp32 weights "
+        "and the two AdamW moments: ~1.6 GB for a 135M model, ~6x final/ in bf16); false saves none, and such a run "
+        "can only be restarted (--restart) or started anew from final/."
+    )
     max_seq_tokens: int | None = option(
         2048, "SFT: chats longer than this many tokens are cut on the right (their tail is not trained on); null keeps them whole."
     )

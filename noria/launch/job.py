@@ -42,12 +42,13 @@ the run (``check_served_versions``). A run that can train nothing stops with an 
 Order of checks: the config is validated when loaded; prompts, reward and run folder are checked
 here before any model loads, so a bad input costs seconds, not a model load.
 
-Resume (``--resume RUN_DIR``): the last committed checkpoint restores weights, AdamW, RNG, the data
-cursor, the groups that were generating (continued from their recorded tokens, or their prompts put back
-first: ``rollout.resume_in_flight``), the buffer's waiting groups, the step, the group counter, the count of
-trained groups and the weight version; the engine, started from
-the base model, receives the checkpoint's weights under that version before the first rollout, and
-metrics lines after the checkpoint are dropped so the resumed run repeats exactly the same steps.
+Resume (``--resume RUN_DIR``, ``noria.launch.continuation.restore_rl``): the last committed checkpoint (a
+finished run leaves one: ``train.save_final_state``) restores weights, AdamW, RNG, the data cursor, the groups
+that were generating (continued from their recorded tokens, or their prompts put back first:
+``rollout.resume_in_flight``), the buffer's waiting groups, the step, the group counter, the count of trained
+groups and the weight version; the engine, started from the base model, receives the checkpoint's weights
+under that version before the first rollout, and what was recorded after the checkpoint is moved to
+``superseded/`` so the resumed run repeats exactly the same steps.
 
 Not guaranteed: a colocated engine shares this process's CPU threads with the
 trainer (they never run at the same time in synchronous RL).
@@ -153,6 +154,7 @@ class LocalJob:
         self.timer: dict[str, float] = {}
         self.in_flight_record: dict[str, Any] | None = None  # the resumed checkpoint's (noria.rollout.in_flight)
         self.resume_metrics: dict[str, float] = {}  # resume/... figures for the first step's line after a resume
+        self.start_event: dict[str, Any] = {}  # what a resume did, for events.jsonl (noria.launch.continuation)
 
     def load_data(self) -> None:
         from noria.data import PromptSource, drop_long, load_prompts, render_prompts
@@ -241,7 +243,7 @@ class LocalJob:
         cfg = self.config
         cfg.run_dir = str(self.folder)
         save_config(cfg, self.folder / "config.yaml")
-        self.log = RunLog(self.folder, self.total_steps, self.step, self.progress, config=cfg)
+        self.log = RunLog(self.folder, self.total_steps, self.step, self.progress, config=cfg, event=self.start_event)
 
     def start_engine(self, path: Path) -> tuple[Any, Any]:
         """(the client rollout uses, the target weight sync pushes to)."""
@@ -326,7 +328,7 @@ class LocalJob:
 
         ckpt = latest_checkpoint(self.folder)
         if ckpt is None:
-            return f"no checkpoint was committed in {self.folder}"
+            return f"no checkpoint was committed in {self.folder}: start it again there with noria train --resume {self.folder} --restart"
         return f"continue from {ckpt.name} with: noria train CONFIG --resume {self.folder}"
 
     def begin_step(self) -> None:
@@ -492,11 +494,11 @@ class LocalJob:
         await self.evals.evaluate(when)
 
     async def save(self, when: str) -> None:
-        every = self.config.train.save_every
-        if when == "end":
-            with phase(f"exporting the final model to {self.folder / 'final'}"):
-                self.backend.export_hf(self.folder / "final")
-        if every and (self.step % every == 0 or when == "end") and self.step > 0:
+        """A checkpoint when due (``noria.launch.continuation.checkpoint_due``: at the end too, so the run can
+        be extended), first; at the end, then the final model."""
+        from noria.launch.continuation import checkpoint_due
+
+        if checkpoint_due(self.config.train, self.step, when):
             from noria.train import checkpoint_dir
 
             target = checkpoint_dir(self.folder, self.step)
@@ -506,6 +508,9 @@ class LocalJob:
                         if self.critic is not None:  # first: the policy's checkpoint commits the step
                             self.critic.save(critic_checkpoint(target))
                         self.backend.save(target, extra=self.checkpoint_extra(in_flight))
+        if when == "end":
+            with phase(f"exporting the final model to {self.folder / 'final'}"):
+                self.backend.export_hf(self.folder / "final")
 
     def checkpoint_extra(self, in_flight: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The run's position, read in one event-loop turn. ``in_flight``: the groups in flight, recorded
@@ -527,26 +532,10 @@ class LocalJob:
         }
 
     def restore(self) -> None:
-        from noria.run_folder import keep_metrics_through
-        from noria.train import latest_checkpoint
+        """``--resume``: the run where its last committed checkpoint left it (``noria.launch.continuation``)."""
+        from noria.launch.continuation import restore_rl
 
-        ckpt = latest_checkpoint(self.folder)
-        if ckpt is not None:
-            extra = self.backend.load(ckpt)
-            if self.critic is not None:
-                self.critic.load(critic_checkpoint(ckpt))
-            self.step = int(extra["rl_step"])
-            self.next_group_id = int(extra["next_group_id"])
-            self.trained_groups = int(extra.get("trained_groups", self.step * self.config.rollout.prompts_per_step))
-            # "version": the key of checkpoints written before the weight version had one owner.
-            self.weight_version = int(extra["weight_version"] if "weight_version" in extra else extra["version"])
-            self.source.load_state_dict(extra["data"])
-            self.buffer.load_state_dict(extra["buffer"])
-            self.in_flight_record = extra.get("in_flight")  # continued or retracted when the rollout starts
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            keep_metrics_through(self.folder / name, self.step)
-        self.evals.last_step = self.step if self.step > 0 else None
-        print(f"noria train: resuming {self.folder} at step {self.step} ({ckpt or 'no checkpoint yet'})", file=sys.stderr)
+        restore_rl(self)
 
     def engine_metrics(self) -> dict[str, float]:
         """The rollout engine's figures of the step's line: its share of KV blocks in use, and (in this

@@ -15,13 +15,16 @@ Run folder (``noria.run_folder``)::
 
     RUN_DIR/config.yaml                  the resolved config
     RUN_DIR/metrics.jsonl                one line per optimizer step (rank 0 writes)
-    RUN_DIR/checkpoints/step-000010/     DCP checkpoint; ``extra["data"]`` is the data cursor
+    RUN_DIR/events.jsonl                 one line per start (started, resumed, restarted) with its step
+    RUN_DIR/checkpoints/step-000010/     DCP checkpoint; ``extra["data"]`` is the data cursor; the last
+                                         step's one is saved at the end too (``train.save_final_state``)
     RUN_DIR/final/                       config.json + safetensors + tokenizer files
 
 Resuming (``--resume RUN_DIR``) restores the last committed checkpoint (weights, AdamW, RNG, step)
-and the data cursor, and drops metrics lines written after that checkpoint, so the resumed run
-repeats exactly the steps an uninterrupted run would take. The config must match the saved one
-except ``train.max_steps`` (a run may be extended) and ``run_dir``.
+and the data cursor, and moves the metrics lines written after that checkpoint to ``superseded/``
+(``noria.run_folder.set_aside_after``), so the resumed run repeats exactly the steps an
+uninterrupted run would take. A finished run resumed with a larger ``train.max_steps`` goes on from
+its last step. The config must match the saved one except ``train.max_steps`` and ``run_dir``.
 
 Distributed (``train.backend: fsdp2``, ``train.world_size`` > 1): under torchrun (``RANK`` set)
 every rank runs the loop; otherwise ``run_sft`` spawns ``world_size`` local ranks itself on a free
@@ -47,7 +50,9 @@ from noria.data import PromptSource
 from noria.data.chat import resolve_chat_template
 from noria.errors import NoriaError
 from noria.net import free_port
-from noria.run_folder import check_run_folder, discard_unstarted, keep_metrics_through, make_run_folder, resolve_run_dir
+from noria.launch.continuation import checkpoint_due, resume_note, start_event
+from noria.metrics import record_event
+from noria.run_folder import check_run_folder, discard_unstarted, make_run_folder, resolve_run_dir, set_aside_after
 from noria.train.checkpoint import checkpoint_dir, latest_checkpoint
 from noria.train.sft import SFTDataError, chat_sample, read_chat_jsonl
 from noria.types import Prompt, Sample
@@ -144,22 +149,24 @@ def sft_loop(config: RunConfig, data: SFTData, run_dir: str | None, resume: str 
     with phase(f"loading the model {config.model.path} for training ({config.train.param_dtype}, {config.train.device})"):
         backend = build_backend(config.train, loss_fn=sft_loss, model_impl=config.model.impl, seed=config.seed)
         backend.init(model_path(config.model.path), total_steps=steps)
-    if resume is not None:
-        restore(backend, source, folder)
+    event = restore(backend, source, folder, steps) if resume is not None else {}
     barrier()  # every rank has checked the saved config before rank 0 rewrites it
     if rank == 0:
         config.run_dir = str(folder)
         make_run_folder(folder)
         save_config(config, folder / "config.yaml")
+        start = backend.optimizer_steps
+        record_event(folder, "resumed" if start > 0 else "started", start, **event)
     log = StepLog(folder / "metrics.jsonl", rank == 0, steps, backend.optimizer_steps, progress)
     while backend.optimizer_steps < steps and not source.exhausted:
         rows = source.next_batch(config.train.global_batch)
         metrics = backend.train_step(pack_samples([data.samples[r.index] for r in rows]))
         log.write(step_row(metrics, source.epoch))
-        if config.train.save_every and backend.optimizer_steps % config.train.save_every == 0:
-            with phase(f"saving checkpoint {checkpoint_dir(folder, backend.optimizer_steps)}"):
-                backend.save(checkpoint_dir(folder, backend.optimizer_steps), extra={"data": source.state_dict()})
+        if checkpoint_due(config.train, backend.optimizer_steps, "step"):
+            save_checkpoint(backend, source, folder)
     log.close()
+    if checkpoint_due(config.train, backend.optimizer_steps, "end") and not checkpoint_dir(folder, backend.optimizer_steps).exists():
+        save_checkpoint(backend, source, folder)  # what --resume needs to extend the finished run
     with phase(f"exporting the final model to {folder / 'final'}"):
         backend.export_hf(folder / "final")
     if rank == 0:
@@ -180,15 +187,28 @@ def agree_run_dir(config: RunConfig, run_dir: str | None, resume: str | None) ->
     return Path(folder[0])
 
 
-def restore(backend: Any, source: PromptSource, folder: Path) -> None:
-    """Continue the run in ``folder`` from its last committed checkpoint (or from step 0 if none)."""
+def save_checkpoint(backend: Any, source: PromptSource, folder: Path) -> None:
+    """The checkpoint of the current step, with the data cursor (collective on every rank)."""
+    target = checkpoint_dir(folder, backend.optimizer_steps)
+    with phase(f"saving checkpoint {target}"):
+        backend.save(target, extra={"data": source.state_dict()})
+
+
+def restore(backend: Any, source: PromptSource, folder: Path, total: int | None = None) -> dict[str, Any]:
+    """Continue the run in ``folder`` from its last committed checkpoint (or from step 0 if it records
+    nothing yet: ``noria.run_folder.check_continuable``); rank 0 moves what was recorded after that
+    step aside and says so. Returns what the resume did, for events.jsonl."""
     ckpt = latest_checkpoint(folder)
     if ckpt is not None:
         extra = backend.load(ckpt)
         source.load_state_dict(extra["data"])
-    if backend.rank == 0:
-        keep_metrics_through(folder / "metrics.jsonl", backend.optimizer_steps)
-        print(f"noria train: resuming {folder} at step {backend.optimizer_steps} ({ckpt or 'no checkpoint yet'})", file=sys.stderr)
+    step = backend.optimizer_steps
+    if backend.rank != 0:
+        return {}
+    moved, where = set_aside_after(folder, step)
+    total = step + 1 if total is None else total
+    print(f"noria train: {resume_note(folder, step, total, ckpt, moved, where)}", file=sys.stderr)
+    return start_event(folder, total, ckpt, moved, where)
 
 
 # ---------------------------------------------------------------------------------- metrics

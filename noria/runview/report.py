@@ -13,8 +13,11 @@ included); buffer size and staleness; weight-sync time. An SFT run (``train.algo
 its own page (``SFT_FIGURES``: loss, gradient norm and learning rate, tokens/s). A plot whose
 metrics the run did not record says so inside its frame instead of disappearing, so the page
 always has the same plots. A curve whose values are all zero within float rounding is drawn flat
-at 0 with a note, not as a trend of noise. A resumed run's restart step is a dashed line on every
-plot over steps. Matplotlib renders (Agg backend, no display needed).
+at 0 with a note, not as a trend of noise. A resumed run is one curve: every step it resumed from is a
+dashed line on every plot over steps, and the summary lists each segment of the run (each start of
+``noria train`` on the folder: where it started, the steps it recorded, what a resume moved to
+``superseded/``) and the earlier runs a ``--restart`` moved into ``previous-<time>/``
+(``noria.runview.segments``). Matplotlib renders (Agg backend, no display needed).
 
 Not shown: per-token data (``noria inspect``).
 """
@@ -24,16 +27,16 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from noria.errors import NoriaError
-from noria.metrics import metric_doc
+from noria.metrics import metric_doc, read_jsonl
+from noria.runview.segments import run_segments, summary_lines
 
 
 @dataclass
@@ -50,7 +53,9 @@ class RunData:
     lengths: dict[int, tuple[float, int]]
     """step -> (mean, max) response length in tokens of the step's sampled trajectories."""
     resumed_at: list[int]
-    """Steps a resumed run picked up from (``noria.metrics.RunLog`` writes ``resumed`` events to ``events.jsonl``)."""
+    """Steps a resumed run picked up from (``resumed`` events of ``events.jsonl``: ``noria.runview.segments``)."""
+    segments: list[str] = field(default_factory=list)
+    """One line per segment of the run, then per earlier run moved aside (``noria.runview.segments.summary_lines``)."""
 
     @property
     def sft(self) -> bool:
@@ -87,24 +92,11 @@ def load_run(folder: str | Path) -> RunData:
     config = (yaml.safe_load(config_text) or {}) if config_text else {}
     rows = read_jsonl(folder / "metrics.jsonl")
     steps = [r for r in rows if "step" in r]
-    events = read_jsonl(folder / "events.jsonl")
-    resumed = sorted({int(r["at_step"]) for r in events if r.get("event") == "resumed" and _finite(r.get("at_step"))})
+    numbers = [int(r["step"]) for r in steps if _finite(r.get("step"))]
+    resumed = sorted({s.at_step for s in run_segments(folder, numbers) if s.event == "resumed"})
     evals = measured_evals(read_jsonl(folder / "eval.jsonl"))
     nll, lengths = rollout_stats(folder)
-    return RunData(folder, config_text, config, steps, evals, nll, lengths, resumed)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of ``path`` ([] if missing); a torn last line of a live run is skipped."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return RunData(folder, config_text, config, steps, evals, nll, lengths, resumed, summary_lines(folder, numbers))
 
 
 def rollout_stats(folder: Path) -> tuple[dict[int, float], dict[int, tuple[float, int]]]:
@@ -489,6 +481,9 @@ def summary_table(run: RunData) -> str:
         rows.append(("loss (first / last steps)", f"{sum(losses[:k]) / k:.4f} -> {sum(losses[-k:]) / k:.4f} (mean of {k})"))
     if run.resumed_at:
         rows.append(("resumed", ", ".join(f"after step {s}" for s in run.resumed_at)))
+    for line in run.segments if len(run.segments) > 1 else []:  # one segment: the steps row says it all
+        label, _, text = line.partition(": ")
+        rows.append((label, text))
     if run.evals:
         first, last = run.evals[0], run.evals[-1]
         rows.append(("held-out accuracy", f"{first['accuracy']:.1%} at step {first['step']} -> {last['accuracy']:.1%} at step {last['step']}"))

@@ -7,6 +7,10 @@ reason), length, mean logprob and response; then, unless ``--no-tokens``, one li
 token: position, the token's text, loss mask (1 = sampled by the policy, trained on), the rollout
 logprob with the token's probability as a bar, and the weight version that produced it.
 
+Below the step's header, the run's segments (``noria.runview.segments``): each start of ``noria
+train`` on the folder (started, resumed from a checkpoint) with the steps it recorded, the one this
+step belongs to marked, and the earlier runs a ``--restart`` moved aside.
+
 Colour is used only on a terminal (tokens outside the loss mask are dimmed); piped output is plain
 text. Nothing here changes the run folder.
 """
@@ -21,6 +25,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from noria.errors import NoriaError
+from noria.metrics import read_jsonl
+from noria.runview.segments import run_segments, segment_of, summary_lines
 
 BAR = 10  # characters of the probability bar
 
@@ -68,6 +74,7 @@ def inspect_step(folder: str | Path, step: int | None = None, group: int | None 
     shown = records if limit <= 0 else records[:limit]
     style = Style(color)
     out.write(header(path, records, len(shown)) + "\n")
+    out.write(segments_block(Path(folder), records[0]["step"] if records else None))
     last_group = None
     for rec in shown:
         if rec["group_id"] != last_group:
@@ -93,6 +100,18 @@ def header(path: Path, records: list[dict[str, Any]], shown: int) -> str:
     step = records[0]["step"] if records else "?"
     return (f"step {step}: {len(records)} samples in {groups} groups ({path}); reward mean {mean_reward}; "
             f"{status_text}; showing {shown}")  # fmt: skip
+
+
+def segments_block(folder: Path, step: int | None) -> str:
+    """``run: N steps in K segments`` and one line per segment (``<-`` marks the one of ``step``),
+    then the earlier runs moved aside; nothing for a run of one segment, never resumed or restarted."""
+    steps = sorted({r["step"] for r in read_jsonl(folder / "metrics.jsonl") if isinstance(r.get("step"), int)})
+    lines = summary_lines(folder, steps)
+    if len(lines) <= 1:
+        return ""
+    mine = segment_of(run_segments(folder, steps), step) if step is not None else None
+    marked = [f"  {line}{'  <- this step' if i == mine else ''}" for i, line in enumerate(lines)]
+    return f"run: {len(steps)} steps in {len(run_segments(folder, steps))} segments\n" + "\n".join(marked) + "\n"
 
 
 def prompt_text(prompt: Any) -> str:

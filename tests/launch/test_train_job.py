@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,32 +22,7 @@ from noria.config import load_config
 from noria.errors import NoriaError
 from noria.launch.sft import run_sft as train
 from repo_util import ROOT
-
-CHATS = [
-    [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": f"The answer is {a + b}."}]
-    + ([{"role": "user", "content": f"Compute {a} * {b}."}, {"role": "assistant", "content": f"{a} * {b} = {a * b}."}] if a % 2 else [])
-    for a, b in [(3, 4), (5, 6), (7, 1), (2, 9), (8, 8), (1, 1), (9, 3), (4, 7), (6, 2), (5, 5)]
-]
-
-
-def write_chats(path: Path, rows=CHATS) -> Path:
-    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    return path
-
-
-def args_for(model_dir, data: Path, **overrides) -> list[str]:
-    """CLI overrides of a small SFT run: 10 rows, 4 per step, 2 epochs -> 5 steps."""
-    fields = {"model.path": model_dir, "data.path": data, "train.algorithm": "sft", "train.param_dtype": "bfloat16",
-              "train.global_batch": 4, "train.micro_batch_tokens": 64, "train.save_every": 2, "data.epochs": 2,
-              "train.optim.lr": 0.01, "train.logprob_chunk_tokens": 16}
-    fields.update(overrides)
-    return [a for k, v in fields.items() for a in (f"--{k}", str(v))]
-
-
-def losses(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows]
-
+from sft_util import CHATS, args_for, losses, write_chats
 
 def test_sft_run_folder(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
@@ -59,7 +33,8 @@ def test_sft_run_folder(tmp_path, tiny_model_dir):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert {"step", "loss", "grad_norm", "lr", "tokens", "seconds"} <= set(rows[0])
     assert rows[-1]["loss"] < rows[0]["loss"]  # it learns (the same rows come back in epoch 2)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    # every save_every steps, and the last step's (train.save_final_state): what --resume extends it from
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004", "step-000005"]
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["train"]["global_batch"] == 4 and saved["run_dir"] == str(run)
     model = AutoModelForCausalLM.from_pretrained(run / "final")
@@ -79,10 +54,13 @@ def test_stopped_run_resumes_with_the_same_losses(tmp_path, tiny_model_dir):
     data = write_chats(tmp_path / "chats.jsonl")
     whole = train(load_config(None, args_for(tiny_model_dir, data)), run_dir=str(tmp_path / "whole"), progress=False)
     part = tmp_path / "part"
-    train(load_config(None, args_for(tiny_model_dir, data, **{"train.max_steps": 3})), run_dir=str(part), progress=False)
+    stopped = {"train.max_steps": 3, "train.save_final_state": False}  # as a run killed after step 3 leaves it
+    train(load_config(None, args_for(tiny_model_dir, data, **stopped)), run_dir=str(part), progress=False)
     # Step 3 ran after the last checkpoint (step 2): resuming repeats it from the restored cursor.
     train(load_config(None, args_for(tiny_model_dir, data)), resume=str(part), progress=False)
     assert losses(part) == losses(whole)
+    (side,) = (part / "superseded").glob("after-step-2-*/metrics.jsonl")  # the first step 3's row, kept
+    assert [json.loads(line)["step"] for line in side.read_text().splitlines()] == [3]
     for name in ("model.safetensors", "config.json"):
         assert (part / "final" / name).read_bytes() == (whole / "final" / name).read_bytes()
 
