@@ -11,14 +11,22 @@ exactly ``new_tokens`` tokens, so every case sees prompts of the same lengths.
 What is measured, per request: TTFT = wall time from ``Engine.submit(..., stream=True)`` to the
 streamed callback carrying the first generated token (taken on the engine thread, in the callback).
 It includes queueing behind other sessions' steps, the (chunked) prefill and the first sample.
+Decode tokens/s = (generated tokens - 1) / (time of the last token - time of the first), averaged
+over requests (each request's decode rate while it shares steps with the other sessions).
 Hit rate = sum of ``cached_tokens`` / sum of prompt tokens over the case's requests: the same
 count the engine's ``metrics()["prefix_hit_rate"]`` keeps (cached tokens at first admission), but
-without the warm-up requests in it.
+without the warm-up requests in it; ``hit_rate_turn2plus`` counts turns 2 and later only (what a
+multi-turn cache can serve: turn 1 shares only the chat template's opening).
 
 Cases, each on fresh engines built in process from the same checkpoint:
 
-- ``engines=1``: ``noria`` has the prefix cache on; ``no_cache`` runs the same workload with
-  ``EngineConfig(prefix_cache=False)``.
+- ``engines=1``: ``noria`` has the prefix cache on (defaults: ``engine.block_size`` 16, matches at
+  token granularity, copy-on-write of a partly matched block); ``block_match`` matches whole blocks
+  only (``RadixCache.token_match = False``: the behaviour before token granularity, so a turn
+  recomputes the previous turn's last partial block); ``share_partial`` shares the partly matched
+  block in place instead of copying it (``Scheduler.partial_reuse = "share"``); ``block_size_1``
+  runs with ``engine.block_size`` 1 (every match is whole blocks and token-granular at once);
+  ``no_cache`` runs the same workload with ``EngineConfig(prefix_cache=False)``.
 - ``engines=2``: two engines in this process, each with half the torch threads. ``noria`` routes
   with ``LocalRouter.pick`` (a session's key keeps it on the engine its first turn went to);
   ``no_cache`` routes the same way with the cache off; ``load_routing`` ignores the session and
@@ -50,7 +58,7 @@ import torch
 from noria.bench import print_table, write_json
 from noria.errors import NoriaError
 
-PEERS = ("no_cache", "load_routing")
+PEERS = ("block_match", "share_partial", "block_size_1", "no_cache", "load_routing")
 _PLACEHOLDER = "NORIA_BENCH_ANSWER"
 
 
@@ -79,6 +87,11 @@ class Case:
     routing: str
     """``single``, ``sticky`` or ``random``."""
     prefix_cache: bool
+    block_size: int = 16
+    token_match: bool = True
+    """False: whole-block matches only (the cache before token granularity)."""
+    partial_reuse: str = "copy"
+    """``copy`` or ``share`` (``Scheduler.partial_reuse``)."""
 
 
 @dataclass
@@ -86,19 +99,33 @@ class Figures:
     """What one case measured."""
 
     ttft_ms: list[float] = field(default_factory=list)
+    decode_tokens_per_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    later_prompt_tokens: int = 0
+    """Prompt tokens of turns 2 and later."""
+    later_cached_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate_turn2plus(self) -> float:
+        return self.later_cached_tokens / self.later_prompt_tokens if self.later_prompt_tokens else 0.0
 
     def percentile(self, q: float) -> float:
         return float(np.percentile(self.ttft_ms, q))
 
 
 CASES = {
-    1: [Case("noria", 1, "single", True), Case("no_cache", 1, "single", False)],
+    1: [
+        Case("noria", 1, "single", True),
+        Case("block_match", 1, "single", True, token_match=False),
+        Case("share_partial", 1, "single", True, partial_reuse="share"),
+        Case("block_size_1", 1, "single", True, block_size=1),
+        Case("no_cache", 1, "single", False),
+    ],
     2: [
         Case("noria", 2, "sticky", True),
         Case("no_cache", 2, "sticky", False),
@@ -117,11 +144,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--turns", type=int, default=6, help="turns per session")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per turn")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
+    parser.add_argument("--engines", default="1,2", help="comma-separated engine counts to run (1: the cache's cases, 2: routing)")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
 def main(args) -> int:
-    run(args.model, args.sessions, args.turns, args.new_tokens, args.json, args.dtype)
+    counts = tuple(int(x) for x in args.engines.split(",") if x.strip())
+    if not counts or any(n not in CASES for n in counts):
+        raise NoriaError(f"--engines must list counts among {sorted(CASES)}, got {args.engines!r}")
+    run(args.model, args.sessions, args.turns, args.new_tokens, args.json, args.dtype, engine_counts=counts)
     return 0
 
 
@@ -226,6 +257,9 @@ def measure(folder: Path, conversations: list[Conversation], case: Case, new_tok
     """Run the workload once on fresh engines configured for ``case``."""
     longest = max(longest_prompt(c, new_tokens) for c in conversations) + new_tokens
     engines = [_engine(folder, case, len(conversations), longest, dtype) for _ in range(case.engines)]
+    for engine in engines:
+        engine.radix.token_match = case.token_match  # set before any request reaches the engine thread
+        engine.scheduler.partial_reuse = case.partial_reuse
     try:
         for engine in engines:
             if longest > engine.max_context:
@@ -249,6 +283,7 @@ def _engine(folder: Path, case: Case, sessions: int, longest: int, dtype: str):
         max_running_requests=sessions,
         kv_cache_tokens=2 * sessions * (longest + 32) + 1024,
         prefix_cache=case.prefix_cache,
+        block_size=case.block_size,
     )
     return Engine.from_path(folder, config, dtype=dtype)
 
@@ -307,10 +342,13 @@ def _drive(engines: list[Any], conversations: list[Conversation], router: _Route
         start = time.perf_counter()
 
         def callback(out) -> None:  # engine thread: record the time, hand the rest to the driver
+            now = time.perf_counter()
             if out.output_ids and not first_token:
-                first_token.append(time.perf_counter())
+                first_token.append(now)
             if out.finished:
-                events.put((s, turn, index, out, (first_token or [start])[0] - start))
+                first = (first_token or [start])[0]
+                rate = (len(out.output_ids) - 1) / (now - first) if len(out.output_ids) > 1 and now > first else None
+                events.put((s, turn, index, out, first - start, rate))
 
         engines[index].submit(_request(prompts[s], new_tokens, conversations[s].key), callback, stream=True)
 
@@ -318,9 +356,9 @@ def _drive(engines: list[Any], conversations: list[Conversation], router: _Route
         submit(s, 0)
     pending = len(conversations)
     while pending:
-        s, turn, index, out, ttft = events.get(timeout=600)
+        s, turn, index, out, ttft, rate = events.get(timeout=600)
         router.done(index)
-        _record(figures, out, ttft)
+        _record(figures, out, ttft, rate, turn)
         if turn + 1 < conversations[s].turns:
             prompts[s] = next_prompt(conversations[s], prompts[s], out.output_ids, turn + 1)
             submit(s, turn + 1)
@@ -329,12 +367,17 @@ def _drive(engines: list[Any], conversations: list[Conversation], router: _Route
     return figures
 
 
-def _record(figures: Figures, out: Any, ttft_s: float) -> None:
+def _record(figures: Figures, out: Any, ttft_s: float, decode_rate: float | None, turn: int) -> None:
     if out.finish_reason.get("type") == "abort" or not out.output_ids:
         raise RuntimeError(f"request {out.rid} ended without output: {out.finish_reason}")
     figures.ttft_ms.append(ttft_s * 1000.0)
+    if decode_rate is not None:
+        figures.decode_tokens_per_s.append(decode_rate)
     figures.prompt_tokens += out.prompt_tokens
     figures.cached_tokens += out.cached_tokens
+    if turn > 0:
+        figures.later_prompt_tokens += out.prompt_tokens
+        figures.later_cached_tokens += out.cached_tokens
 
 
 @contextlib.contextmanager
@@ -362,6 +405,8 @@ def _results(
             ("ttft_p50_ms", lambda f: f.percentile(50), 1),
             ("ttft_p90_ms", lambda f: f.percentile(90), 1),
             ("hit_rate", lambda f: f.hit_rate, 4),
+            ("hit_rate_turn2plus", lambda f: f.hit_rate_turn2plus, 4),
+            ("decode_tokens_per_s", lambda f: float(np.mean(f.decode_tokens_per_s)) if f.decode_tokens_per_s else 0.0, 1),
         ]
         for metric, value, digits in metrics:
             rows.append({
@@ -383,9 +428,10 @@ def _print(results: list[dict]) -> None:
     rows = []
     for r in results:
         peers = [r["peers"].get(p) for p in PEERS]
-        timed = r["metric"] != "hit_rate" and r["noria"]
+        timed = r["metric"].endswith("_ms") and r["noria"]
         ratios = [v / r["noria"] if timed and v is not None else None for v in peers]
         rows.append([r["case"], r["metric"], r["noria"], *peers, *ratios])
-    print_table("time to first token (ms, lower is better) and prefix-cache hit rate (higher is better)", header, rows)
+    print_table("time to first token (ms, lower is better), prefix-cache hit rate and decode tokens/s (higher is better)",
+                header, rows)
     print("peer/noria: how many times longer the peer's TTFT is. engines=2 rows: two engines share this "
           "process (GIL, half the torch threads each); compare them with each other, not with engines=1.")

@@ -283,7 +283,10 @@ class Engine:
 
     def metrics(self) -> dict[str, Any]:
         """The load, throughput and cache counters, the weight version, and ``packing_weights``: True
-        while the CPU fast path re-packs its weights after an update (the model's modules serve)."""
+        while the CPU fast path re-packs its weights after an update (the model's modules serve).
+        ``prefix_hit_rate`` is cumulative since start; ``prefix_prompt_tokens`` and
+        ``prefix_cached_tokens`` are its running totals (first admissions), whose differences
+        between two reads give the hit rate of the interval (a training step's)."""
         return {
             **self.get_load(),
             "tokens_per_s": self._stats.tokens_per_s(),
@@ -291,6 +294,8 @@ class Engine:
             "steps": self._stats.steps,
             "overlapped_steps": self._stats.overlapped,
             "prefix_hit_rate": self.radix.hit_rate,
+            "prefix_prompt_tokens": self.radix.prompt_tokens,
+            "prefix_cached_tokens": self.radix.hit_tokens,
             "cached_blocks": self.radix.num_cached_blocks,
             "evictions": self.radix.evictions,
             "retractions": self.scheduler.retractions,

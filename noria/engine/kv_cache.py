@@ -3,7 +3,8 @@
 Layout. Each layer owns a K pool and a V pool, tensors ``[num_slots, Hkv, D]`` in the model dtype on
 the engine's device, with ``num_slots = num_blocks * block_size``. A token's K/V live at one slot,
 ``slot = block_id * block_size + offset``; a sequence's tokens are found through its block table
-(the list of its block ids, in order). Blocks are the unit of allocation and of sharing.
+(the list of its block ids, in order). Blocks are the unit of allocation and of sharing; a prefix
+match that ends inside a block copies that block's matched slots into a fresh one (``copy_prefix``).
 
 Ownership. :class:`BlockAllocator` counts references per block: every holder (a running request's
 block table, a node of the prefix cache) holds one reference, and a block returns to the free list
@@ -116,6 +117,14 @@ class KVCache:
                 f"(raise engine.kv_cache_tokens or engine.kv_memory_fraction)"
             )
         return cls(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, dtype, device)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy the K/V of the first ``n`` slots of block ``src`` into block ``dst``, every layer
+        (copy-on-write of a prefix match that ends inside a block, ``noria.engine.radix``). Queued
+        on the device in stream order, so a step launched after it reads the copy."""
+        a, b = src * self.block_size, dst * self.block_size
+        for pool in (*self.k_pools, *self.v_pools):
+            pool[b : b + n].copy_(pool[a : a + n])
 
     @property
     def capacity_tokens(self) -> int:

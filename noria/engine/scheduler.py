@@ -7,7 +7,10 @@ this request", in this order:
 1. decode: every running request whose prompt is fully computed gets its next token (n = 1);
 2. prefill: running requests still prefilling get their next chunk (``chunked_prefill_size``);
 3. admission: waiting requests join at the front of the queue first, each with a prefix-cache
-   match and a first chunk, while ``max_running_requests`` and ``max_batch_tokens`` allow.
+   match and a first chunk, while ``max_running_requests`` and ``max_batch_tokens`` allow. A
+   match is token-granular (``noria.engine.radix``): when it ends inside a block, the matched
+   slots of that block are copied into the request's first new block before its first chunk runs
+   (``KVCache.copy_prefix``, on the engine thread, queued before the step's forward).
 
 With ``engine.overlap`` the engine asks ``follow`` for the next decode step before the current
 one's tokens are known; ``follow`` returns exactly what ``schedule`` would (or None), its chunks
@@ -22,8 +25,11 @@ Admission never retracts anyone. The oldest running request can always make prog
 no request larger than the whole cache is accepted (the engine checks at submit).
 
 Deterministic mode aligns prefill chunks to multiples of ``chunked_prefill_size`` from position 0
-(a chunk waits rather than shrink to the step's leftover budget) and cuts prefix matches to that
-grid, so a request's chunks have the same shapes whatever else runs.
+(a chunk waits rather than shrink to the step's leftover budget), so a request's chunks have the
+same shapes whatever else runs. Prefix matches are not cut to that grid: the exact numerics give a
+token the same bits however its prompt is chunked, and copied K/V are the cached bits, so a
+request served from a (partly) cached prefix gets the logprobs of one computed from scratch
+(tests/engine/test_prefix_tokens.py).
 
 Blocking: none; everything here runs on the engine's step thread. There is no device code here:
 the runner turns chunks into a forward. Not guaranteed: FIFO order among waiting requests once
@@ -34,7 +40,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -215,8 +220,12 @@ class Scheduler:
         self.paused: str | None = None
         self.retractions = 0
         self._order = itertools.count()
-        block = config.block_size
-        self._match_grid = math.lcm(config.chunked_prefill_size, block) if config.deterministic else block
+        self.partial_reuse = "copy"
+        """How a match ending inside a block is served: ``copy`` (copy-on-write into a fresh block)
+        or ``share`` (append in place to the cached partial block when nothing is written past the
+        match there yet; else copy). Measured the same (docs/engines.md); ``noria bench prefix`` sets it."""
+        self._appending: set[int] = set()
+        """``share``: cached partial blocks a running request appends to in place."""
 
     # ------------------------------------------------------------------------------ queue
 
@@ -298,22 +307,41 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             match = self.radix.match_prefix(req.all_ids, self._match_limit(req))
-            req.block_table, req.num_computed = match.blocks, match.tokens
+            req.block_table, req.num_computed = list(match.blocks), match.tokens
+            shared = self._share_partial(req, match)
             n = self._chunk_len(req, budget)
             if n == 0 or not self._allocate_into(req, self._blocks_needed(req, n)):
-                self._release(req)
+                self._appending.discard(shared)
+                self.radix.unlock(match)
+                req.block_table, req.num_computed = [], 0
                 break
+            if match.partial_block is not None and shared is None:  # copy-on-write
+                self.kv.copy_prefix(match.partial_block, req.block_table[len(match.blocks)], match.partial_tokens)
+                self.kv.allocator.decref([match.partial_block])
             self.waiting.popleft()
             self._start(req, match.tokens)
             chunks.append(Chunk(req, req.num_computed, n))
             budget -= n
         return chunks
 
+    def _share_partial(self, req: Req, match) -> int | None:
+        """``share``: put the match's partial block itself in ``req``'s table (the match's reference
+        becomes the request's) when the match covers every token written there and no other
+        request appends to it; returns that block, else None (the caller copies)."""
+        block = match.partial_block
+        if self.partial_reuse != "share" or block is None or block in self._appending:
+            return None
+        if match.partial_fill != match.partial_tokens:
+            return None
+        self._appending.add(block)
+        req.block_table.append(block)
+        return block
+
     def _match_limit(self, req: Req) -> int:
         limit = len(req.all_ids) - 1
         if req.scoring_from is not None:  # positions still to score are computed, not matched
             limit = min(limit, req.scoring_from)
-        return limit // self._match_grid * self._match_grid
+        return limit
 
     def _start(self, req: Req, cached: int) -> None:
         if req.admissions == 0:
@@ -369,6 +397,8 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Offer the computed KV to the prefix cache, then drop the request's block references."""
         self.radix.insert(req.all_ids[: req.num_computed], req.block_table, req.epoch)
+        if self._appending:
+            self._appending.difference_update(req.block_table)
         self.kv.allocator.decref(req.block_table)
         req.block_table, req.num_computed = [], 0
 

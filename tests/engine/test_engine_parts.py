@@ -36,13 +36,14 @@ def test_radix_match_insert_and_last_token_recomputed():
     cache = _cache()
     tokens = [1, 2, 3, 4, 5]
     blocks = cache.allocator.allocate(3)
-    cache.insert(tokens, blocks, cache.epoch)  # two full blocks cached, the partial third is not
+    cache.insert(tokens, blocks, cache.epoch)  # two full blocks and the partial third cached
     cache.allocator.decref(blocks)
-    assert cache.num_cached_blocks == 2 and cache.allocator.num_free_blocks == 6
+    assert cache.num_cached_blocks == 3 and cache.allocator.num_free_blocks == 5
     match = cache.match_prefix([1, 2, 3, 4, 9])
-    assert match.blocks == blocks[:2] and match.tokens == 4
-    assert cache.match_prefix([1, 2, 3, 4]).tokens == 2  # never the whole sequence
-    assert cache.match_prefix([1, 9, 3, 4, 5]).tokens == 0
+    assert match.blocks == blocks[:2] and match.tokens == 4 and match.partial_block is None
+    assert cache.match_prefix([1, 2, 3, 4]).tokens == 3  # never the whole sequence; token by token
+    assert cache.match_prefix([1, 9, 3, 4, 5]).tokens == 1
+    assert cache.match_prefix([2, 9, 3, 4, 5]).tokens == 0
 
 
 def test_radix_evicts_lru_unreferenced_leaves_only():

@@ -87,6 +87,28 @@ def test_deterministic_engine_is_batch_invariant_on_cuda(tiny_model_dir):
         engine.shutdown(1.0)
 
 
+def test_deterministic_partial_block_reuse_is_bitwise_from_scratch_on_cuda(tiny_model_dir):
+    # As tests/engine/test_prefix_tokens.py on CPU: a turn served from a partly reused block.
+    from noria.config import EngineConfig
+    from noria.engine import Engine, GenerateRequest, SamplingParams
+    from noria.models import load_model
+
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16, device="cuda")
+    settings = dict(kv_cache_tokens=4096, block_size=16, chunked_prefill_size=8, max_batch_tokens=24, deterministic=True)
+    cached, scratch = (Engine(model, None, EngineConfig(**settings, prefix_cache=on)) for on in (True, False))
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=5)
+        first = GenerateRequest(input_ids=[3 + (11 * i) % 300 for i in range(21)], sampling=params)
+        out = cached.generate_batch([first])[0]
+        second = GenerateRequest(input_ids=first.input_ids + out.output_ids + [17, 29, 31], sampling=params)
+        warm, cold = cached.generate_batch([second])[0], scratch.generate_batch([second])[0]
+        assert warm.cached_tokens == 30 and warm.cached_tokens % 16 != 0
+        assert warm.output_ids == cold.output_ids and warm.logprobs == cold.logprobs
+    finally:
+        cached.shutdown(1.0)
+        scratch.shutdown(1.0)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_deterministic_engine_and_trainer_agree_bitwise_on_cuda(tmp_path, family):
     from exact_util import assert_exact_at_step_0, tiny_folder
