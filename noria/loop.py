@@ -89,8 +89,8 @@ class Job(Protocol):
         ...
 
     async def save(self, when: Literal["step", "end"]) -> None:
-        """A checkpoint if due (``train.save_every``; at the end too, so a finished run can be extended,
-        unless ``train.save_final_state`` is off); at the end, the final model too. Asynchronous: the
+        """A checkpoint if due (every ``train.save_every`` steps; at the end too, so a finished run can
+        be extended, unless ``train.save_final_state`` is off); at the end, the final model too. Asynchronous: the
         requests in flight may be stopped with their tokens for it and recorded
         (``rollout.resume_in_flight``), then continued."""
         ...

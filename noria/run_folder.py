@@ -111,8 +111,8 @@ def check_continuable(folder: Path) -> None:
     ways.append(f"start this run again from step 0 in {folder}, its records moved (never deleted) to "
                 f"{folder / PREVIOUS}<time>/: noria train --resume {folder} --restart (with your overrides)")  # fmt: skip
     raise NoriaError(
-        f"--resume {folder}: nothing to continue from: no committed checkpoint in {folder / 'checkpoints'} (the run saved "
-        "none: train.save_every 0 with train.save_final_state false, or it stopped before its first checkpoint); a run "
+        f"--resume {folder}: nothing to continue from: no committed checkpoint in {folder / 'checkpoints'} (it saved none: "
+        "it ran with train.save_final_state false, or before that key existed, or stopped before its first checkpoint); a run "
         f"from step 0 would replace {', '.join(records)}. Nothing was written. Instead, {'; or '.join(ways)}"
     )
 

@@ -30,12 +30,14 @@ from noria.config.train import TrainConfig
 
 
 def checkpoint_due(train: TrainConfig, step: int, when: str) -> bool:
-    """Whether a checkpoint is written after ``step`` at ``when`` (``step`` or ``end``)."""
+    """Whether a checkpoint is written after ``step`` at ``when`` (``step`` or ``end``): every
+    ``save_every`` steps, and at the end with ``save_final_state`` (without it, only where the last
+    step is a multiple of ``save_every``)."""
     if step <= 0:
         return False
-    if when == "end":
-        return bool(train.save_every or train.save_final_state)
-    return bool(train.save_every) and step % train.save_every == 0
+    if train.save_every and step % train.save_every == 0:
+        return True
+    return when == "end" and train.save_final_state
 
 
 def restore_rl(job: Any) -> None:
