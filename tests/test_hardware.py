@@ -151,7 +151,7 @@ def test_a_killed_build_is_rebuilt_not_loaded():
     assert "building the C++ CPU kernels" in killed.stderr.readline()
     import time
 
-    time.sleep(8)
+    time.sleep(4)  # the compilers are running: each source takes 5 s or more
     # Every process of its session, as closing its terminal does: ninja puts each compiler in a
     # process group of its own, and compilers left running would race the rebuild for the same
     # objects (and for the 2 cores: the rebuild took twice as long beside them).

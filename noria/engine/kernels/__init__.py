@@ -1,7 +1,8 @@
 """C++ kernels of the engine on CPU: paged decode attention, the fused sampler, and the fused
 elementwise steps of a layer.
 
-One extension (``paged_attention.cpp`` + ``sampling.cpp`` + ``fused.cpp``) holds them;
+One extension (``paged_attention.cpp`` + ``sampling.cpp`` + ``fused.cpp``, bound to Python by
+``bind.cpp``: only it includes torch's pybind11 glue, see there) holds them;
 ``sample_rows`` is used by ``noria.engine.sampling`` (see there), ``add_rmsnorm`` / ``rope`` /
 ``silu_mul`` by ``noria.engine.inference``; all are off, like the attention kernel, under
 ``NORIA_NO_CPU_KERNEL=1``.
@@ -11,7 +12,7 @@ K/V, which live in a shared pool and are found through a block table (see ``kv_c
 implementations with one signature:
 
 - ``cpu``: a C++ kernel (``paged_attention.cpp``) compiled at first use with torch's extension
-  loader (ninja + the system C++ compiler, 1-6 minutes once on 2 cores; cached under
+  loader (ninja + the system C++ compiler, about 20 s once on 2 cores; cached under
   ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; ``scripts/setup.sh`` builds it
   ahead). It reads K/V in place (no gather copy) and is batch-invariant.
 
@@ -45,7 +46,7 @@ from noria.console import phase
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp", "fused.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp", "fused.cpp", "bind.cpp")]
 _lock = threading.Lock()
 _module = None
 _failure: str | None = None
@@ -114,7 +115,7 @@ def _build():
         fresh = not built.exists() or any(p.stat().st_mtime > built.stat().st_mtime for p in _SOURCES)
         building = contextlib.nullcontext()
         if fresh:  # minutes on 2 cores: a line every few seconds says how far the compiler is
-            what = f"building the C++ CPU kernels for {isa} in {folder} (once per CPU kind and torch version; 1-6 min on 2 cores)"
+            what = f"building the C++ CPU kernels for {isa} in {folder} (once per CPU kind and torch version; about 20 s on 2 cores)"
             since = time.time()
             building = phase(what, detail=lambda: f"{_compiled_since(folder, since)}/{len(_SOURCES)} sources compiled")
         with building:

@@ -16,7 +16,9 @@
 // another order than torch's reduction, so a norm can differ from the module in the last bit.
 // Every row depends only on its own inputs (batch-invariant).
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -217,7 +219,7 @@ void silu_mul_rows<BF>(const BF* gu, BF* out, int64_t rows, int64_t I) {
 }  // namespace
 
 // out = norm(residual += x) or norm(x); x, residual [rows, H] contiguous, weight [H].
-torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+at::Tensor add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "add_rmsnorm: contiguous inputs");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "add_rmsnorm: weight dtype must match x");
   const int64_t H = x.size(-1), rows = x.numel() / H;
@@ -226,7 +228,7 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> residual
     TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
                     residual->scalar_type() == x.scalar_type(), "add_rmsnorm: residual must match x");
   }
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   switch (x.scalar_type()) {
     case at::kBFloat16:
       add_rmsnorm_rows(x.data_ptr<at::BFloat16>(), residual ? residual->data_ptr<at::BFloat16>() : nullptr,
@@ -244,14 +246,14 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> residual
 
 // x [T, H_all, D] with contiguous rows (a view of the fused qkv output is fine: stride(1) == D,
 // stride(0) == H_all * D); rotates heads [0, heads) -> [T, heads, D].
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.stride(0) == x.size(1) * x.size(2),
               "rope: x must be [T, H, D] with dense rows");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
                   sin.scalar_type() == x.scalar_type(), "rope: cos/sin contiguous, in x's dtype");
   const int64_t T = x.size(0), H_all = x.size(1), D = x.size(2);
   TORCH_CHECK(heads <= H_all && D % 2 == 0 && cos.numel() == T * D && sin.numel() == T * D, "rope: shapes");
-  auto out = torch::empty({T, heads, D}, x.options());
+  auto out = at::empty({T, heads, D}, x.options());
   switch (x.scalar_type()) {
     case at::kBFloat16:
       rope_rows(x.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(),
@@ -268,12 +270,12 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
 }
 
 // gu [rows, 2 I] = [gate | up] -> silu(gate) * up [rows, I].
-torch::Tensor silu_mul(torch::Tensor gu) {
+at::Tensor silu_mul(at::Tensor gu) {
   TORCH_CHECK(gu.is_contiguous() && gu.size(-1) % 2 == 0, "silu_mul: contiguous [.., 2 I]");
   const int64_t I = gu.size(-1) / 2, rows = gu.numel() / (2 * I);
   auto sizes = gu.sizes().vec();
   sizes.back() = I;
-  auto out = torch::empty(sizes, gu.options());
+  auto out = at::empty(sizes, gu.options());
   switch (gu.scalar_type()) {
     case at::kBFloat16:
       silu_mul_rows(gu.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, I);

@@ -11,7 +11,9 @@
 // logits, T and u: results are independent of the batch. No truncation here (top-k/top-p/min-p
 // rows are redone by the caller).
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -128,14 +130,14 @@ void sample_all(const T* logits, int64_t S, int64_t V, const float* temps, const
 
 }  // namespace
 
-std::vector<torch::Tensor> sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor uniforms) {
+std::vector<at::Tensor> sample_rows(at::Tensor logits, at::Tensor temps, at::Tensor uniforms) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous [S, V]");
   TORCH_CHECK(temps.scalar_type() == at::kFloat && uniforms.scalar_type() == at::kFloat, "temps/uniforms fp32");
   const int64_t S = logits.size(0), V = logits.size(1);
   TORCH_CHECK(temps.numel() == S && uniforms.numel() == S && V > 0, "one temperature and one uniform per row");
   auto t = temps.contiguous(), u = uniforms.contiguous();
-  auto tokens = torch::empty({S}, logits.options().dtype(at::kLong));
-  auto logprobs = torch::empty({S}, logits.options().dtype(at::kFloat));
+  auto tokens = at::empty({S}, logits.options().dtype(at::kLong));
+  auto logprobs = at::empty({S}, logits.options().dtype(at::kFloat));
   switch (logits.scalar_type()) {
     case at::kFloat:
       sample_all(logits.data_ptr<float>(), S, V, t.data_ptr<float>(), u.data_ptr<float>(),

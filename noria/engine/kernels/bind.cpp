@@ -1,0 +1,29 @@
+// The Python module of the engine's CPU kernels (built with the sources beside it by
+// noria/engine/kernels/__init__.py).
+//
+// The kernels include only ATen's tensor, parallel and vector headers; this file alone includes
+// torch's pybind11 glue. torch/extension.h (all of libtorch's C++ API) took 21 s of the compiler's
+// time per source on a 2-core AMD EPYC Zen 4, nearly the whole build; the light headers take 2-4 s,
+// and the four sources compile two at a time.
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+#include <vector>
+
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
+                                  at::Tensor context_lens, int64_t block_size, double scale);
+std::vector<at::Tensor> sample_rows(at::Tensor logits, at::Tensor temps, at::Tensor uniforms);
+at::Tensor add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads);
+at::Tensor silu_mul(at::Tensor gu);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("sample_rows", &sample_rows, "fused per-row sampling and logprob (CPU)");
+  m.def("add_rmsnorm", &add_rmsnorm, "residual add + RMSNorm (CPU)", py::arg("x"), py::arg("residual"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("rope", &rope, "RoPE over the first heads of [T, H, D] (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] (CPU)");
+}
