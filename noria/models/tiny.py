@@ -20,15 +20,17 @@ Nothing is downloaded. The builder (:func:`build_tiny_llama`, the catalog entry 
    the sum it already computes. The box holds a copy of a number already written, so learning it
    does not disturb the arithmetic.
 
-Single-threaded (``torch.set_num_threads(1)`` while it trains): a model this small gains nothing
-from a second thread and loses much when the cores are shared. Seeded: the same torch build on
-the same CPU gives the same folder; CPUs whose matmuls sum in another order (AVX2 and AVX-512) give
-slightly different weights. Not guaranteed: the exact accuracy of the warm start (a tiny model
+Two threads while it trains (:data:`WARM_THREADS`; one on a one-core machine): 0.084 s a step
+against 0.137 s on one thread of a 2-core AMD EPYC Zen 4, so the import takes about 70 s instead of
+115 s; more threads gain little on matrices this small and lose much when the cores are shared.
+Seeded: the same torch build on the same CPU with the same thread count gives the same folder; CPUs
+whose matmuls sum in another order (AVX2 and AVX-512) give slightly different weights. Not guaranteed: the exact accuracy of the warm start (a tiny model
 trained for a minute); the figures above are what this recipe gave on one machine.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -44,14 +46,16 @@ CHAT_TEMPLATE = (
 """ChatML, as SmolLM2-Instruct's template renders it (without its default system message)."""
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 """Raised whenever the built folder changes (the catalog rebuilds cached folders of other versions).
-1: bare answers, 800 steps; 2: answers restate the sum, then box it in BOXED_SHARE of the chats."""
+1: bare answers, 800 steps; 2: answers restate the sum, then box it in BOXED_SHARE of the chats; 3: two threads."""
 WARM_STEPS = 800
 """Supervised steps of the warm start (batch 32): about a minute on one free core. 400 were not enough
 (held-out sums 64% as AVX2, 80% on AVX-512, and almost no boxed answers left for GRPO to find)."""
 WARM_LR = 3e-3
 """Peak learning rate of the warm start (linear warmup over 50 steps, then linear decay to 0)."""
+WARM_THREADS = 2
+"""Threads of the warm start (at most the machine's cores)."""
 BOXED_SHARE = 0.3
 """Share of the warm start's answers that box the sum (``a + b = n, so \\boxed{n}``; the others: ``a + b = n``)."""
 
@@ -65,7 +69,7 @@ def build_tiny_llama(entry, out: Path) -> None:
     tokenizer = _tokenizer(chats)
     model = _model(tokenizer)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(min(WARM_THREADS, os.cpu_count() or 1))
     try:
         _warm_start(model, tokenizer, chats, steps=WARM_STEPS)
     finally:
