@@ -186,9 +186,9 @@ class TrainConfig:
     save_final_state: bool = option(
         True, "At the end of a run, save a checkpoint of its last step in RUN_DIR/checkpoints beside final/ (weights, "
         "optimizer state, RNG, data cursor, buffer, weight version), even with save_every 0, so that --resume RUN_DIR "
-        "--train.max_steps N extends the finished run. Costs about 12 bytes per trained parameter on disk (fp32 weights "
-        "and the two AdamW moments: ~1.6 GB for a 135M model, ~6x final/ in bf16); false saves none, and such a run "
-        "can only be restarted (--restart) or started anew from final/."
+        "--train.max_steps N extends the finished run. Costs about 13 bytes per trained parameter on disk (fp32 weights "
+        "and the two AdamW moments: 1.73 GB for SmolLM2-135M, 6.3x its final/ in bf16); false saves none at the end, "
+        "and such a run can only be restarted (--restart) or started anew from final/."
     )
     max_seq_tokens: int | None = option(
         2048, "SFT: chats longer than this many tokens are cut on the right (their tail is not trained on); null keeps them whole."
