@@ -118,6 +118,10 @@ class RolloutConfig:
     engine: Literal["noria", "sglang", "vllm"] = option(
         "noria", "disaggregated: the engine server's API: noria (`noria serve`, started by the run or at engine_url), sglang (an "
         "SGLang server at engine_url), vllm (a vLLM server at engine_url, or started by the run); see docs/engines.md.")
+    engine_args: list[str] = option(
+        factory=list, help="rollout.engine vllm, started by the run: extra arguments of its command line (`vllm serve` "
+        "flags, e.g. ['--enforce-eager'] to skip its compilation at start-up); Noria's own flags win where both set one."
+    )
     engine_device: str | None = option(
         None,
         "disaggregated: torch device of the `noria serve` engine the run starts (its --device), e.g. cuda:0 while "
@@ -227,6 +231,9 @@ class RolloutConfig:
         if self.engine != "noria" and (self.placement != "disaggregated" or self.engines > 1 or (self.engine == "sglang" and not self.engine_url)):
             raise ConfigError(f"rollout.engine {self.engine} is one engine server: it needs rollout.placement: disaggregated, rollout.engines: 1"
                               + (" and rollout.engine_url (Noria does not start SGLang)" if self.engine == "sglang" else ""))
+        if self.engine_args and (self.engine != "vllm" or self.engine_url is not None):
+            raise ConfigError("rollout.engine_args are the command line of a vLLM server the run starts: they need "
+                              "rollout.engine: vllm and no rollout.engine_url (the built-in engine takes engine.* keys)")
         if self.engine_url is not None and self.placement != "disaggregated":
             raise ConfigError("rollout.engine_url names an external engine: it needs rollout.placement: disaggregated")
         if self.engine_device is not None:

@@ -86,7 +86,8 @@ def launch_vllm(path: Path, config: Any, folder: Path) -> tuple[Child, str, str,
     folder.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(config.model.dtype, "cpu")
     # generation_config vllm: no sampling defaults from the model's generation_config.json (Noria sends its own)
-    args = ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--seed", str(config.seed)]
+    # the user's rollout.engine_args first: argparse keeps the last value of a flag given twice, Noria's
+    args = [*config.rollout.engine_args, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--seed", str(config.seed)]
     limit = context_limit(config)
     if limit:
         args += ["--max-model-len", str(limit)]

@@ -209,3 +209,13 @@ def test_config_include_cycles_and_missing_files_are_refused(tmp_path):
     (tmp_path / "c.yaml").write_text("extends: nope.yaml\n")
     with pytest.raises(ConfigError, match=r"c\.yaml: extends names nope\.yaml, not found"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_engine_args_are_for_a_vllm_server_the_run_starts():
+    config = load_config(None, ["--model.path", "m", "--data.task", "arithmetic", "--rollout.placement", "disaggregated", "--rollout.engine", "vllm",
+                                "--rollout.engine_args", "['--enforce-eager', '--max-num-seqs', '64']"])  # fmt: skip
+    assert config.rollout.engine_args == ["--enforce-eager", "--max-num-seqs", "64"]
+    for extra in (["--rollout.engine", "noria"], ["--rollout.engine_url", "http://127.0.0.1:30000"]):
+        with pytest.raises(ConfigError, match="rollout.engine_args"):
+            load_config(None, ["--model.path", "m", "--data.task", "arithmetic", "--rollout.placement", "disaggregated", "--rollout.engine", "vllm",
+                               "--rollout.engine_args", "['--enforce-eager']", *extra])  # fmt: skip
