@@ -13,15 +13,15 @@ folder and loaded by every side; ``--shape``):
 
 Figures:
 
-- sampling (``images_per_s``), ``--batch`` images of ``--steps`` denoising steps, every side on
-  the same device and dtype:
+- sampling (``images_per_s``), for each of ``--batch`` (a comma list: 8 and 64 on a CPU, where
+  the engine's per-step overhead shows most at 8), B images of ``--steps`` denoising steps, every
+  side on the same device and dtype:
 
   - ``noria`` ``ode``: ``DiffusionEngine.generate_batch`` of B requests with noise level 0 (one
-    seed and generator per image, step-level continuous batching, each step's latent kept). The
-    requests are submitted one by one, as a rollout submits them, so the engine may start its first
-    step with part of the batch and finish the rest one step later: that costs it a step;
+    seed and generator per image, step-level continuous batching, each step's latent kept; the B
+    requests join the batch at the same step);
   - ``noria`` ``sde``: the same with Flow-GRPO's SDE (``diffusion.noise_level``): what an RL rollout
-    costs, per-step log-probabilities included;
+    costs, per-step noise from each image's generator and log-probabilities included;
   - peer ``diffusers_pipeline``: ``DiTPipeline.__call__``'s denoising loop with guidance 1 (no
     CFG) and diffusers' ``FlowMatchEulerDiscreteScheduler`` (the ODE), one batch of B, one
     generator. The pipeline itself cannot run here: it needs a VAE and a scheduler with
@@ -41,8 +41,9 @@ Figures:
     ``--train-images`` images, every one of the ``--steps`` transitions trained (no peer: no
     library trains this objective).
 
-Blocking: everything runs in this process, one side after the other; ``--repeats`` timed runs per
-side after one warm-up, the best kept. Imports only torch, diffusers and noria (no scikit-learn),
+Blocking: everything runs in this process, one side after the other; after one warm-up of each
+side, ``--repeats`` rounds in which every side runs once (interleaved, so a machine that slows down
+for a while slows every side), the best of each side kept. Imports only torch, diffusers and noria (no scikit-learn),
 so a GPU machine needs diffusers' wheel and nothing else.
 
 Not measured: the VAE (pixel latents here), CFG, HTTP serving, several processes.
@@ -87,7 +88,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), help="DiT shape (default: digits on cpu, sd3-medium on cuda)")
     parser.add_argument("--tiny", action="store_true", help="--shape tiny and small counts: a smoke test of this code")
     parser.add_argument("--dtype", default="auto", help="auto (noria.hardware: bf16 on CUDA and bf16-native CPUs), bfloat16, float32")
-    parser.add_argument("--batch", type=int, default=None, help="images sampled together (default 64 cpu, 32 cuda)")
+    parser.add_argument("--batch", default=None, help="images sampled together, a comma list (default 8,64 cpu, 32 cuda)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps per image (default 10 cpu, 20 cuda)")
     parser.add_argument("--noise-level", type=float, default=0.7, help="the SDE's noise level a")
     parser.add_argument("--train-images", type=int, default=None, help="images per training step (default 64 cpu, 8 cuda)")
@@ -103,7 +104,7 @@ def main(args) -> int:
     small = 4 if args.tiny else None
     micro = args.micro_batch or (8 if cuda else None)  # a 1024-token image: 8 per micro-batch fit activations
     opts = {
-        "batch": args.batch or small or (32 if cuda else 64),
+        "batches": _batches(args.batch) if args.batch else [small] if small else [32] if cuda else [8, 64],
         "steps": args.steps or (3 if args.tiny else 20 if cuda else 10),
         "train_images": args.train_images or small or (8 if cuda else 64),
         "micro_batch": micro,
@@ -116,6 +117,16 @@ def main(args) -> int:
         raise SystemExit(f"--parts: unknown part(s) {', '.join(sorted(unknown))}; use sample, train")
     run(shape, args.device, args.dtype, parts, args.json, **opts)
     return 0
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        batches = [int(b) for b in text.split(",") if b]
+    except ValueError:
+        raise SystemExit(f"--batch: expected a comma list of integers, got {text!r}") from None
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"--batch: every batch must be >= 1, got {text!r}")
+    return batches
 
 
 def run(shape: str, device: str, dtype: str, parts: list[str], json_path: str | None = None, **opts: Any) -> list[dict]:
@@ -160,33 +171,44 @@ def write_random_dit(folder: Path, shape: str, dtype: str) -> Path:
 # ----------------------------------------------------------------------------------------- sampling
 
 
-def sample_cases(folder: Path, name: str, device: str, dtype: str, trajectories: list, *, batch: int, steps: int,
+def sample_cases(folder: Path, name: str, device: str, dtype: str, trajectories: list, *, batches: list[int], steps: int,
                  repeats: int, noise_level: float, **_: Any) -> list[dict]:
-    """The ode and sde cases (see the module docstring); ``trajectories`` receives the SDE outputs."""
+    """The ode and sde cases of each batch (see the module docstring); ``trajectories`` receives the
+    SDE outputs of the largest batch."""
+    from noria.diffusion.model import load_dit
+
+    model = load_dit(folder, getattr(torch, dtype), device)
+    bound = _sampling_bound(model, steps) if device.startswith("cuda") else None
+    out = []
+    for batch in batches:
+        seconds = _sample_batch(folder, model, device, dtype, batch, steps, repeats, noise_level,
+                                trajectories if batch == max(batches) else [])  # fmt: skip
+        for mode in ("ode", f"sde a={noise_level} logprobs"):
+            case = {"case": f"{name} sample {mode} batch={batch} steps={steps}", "metric": "images_per_s",
+                    "noria": batch / seconds[mode.split()[0]], "peers": {"diffusers_pipeline": batch / seconds["pipeline"]}}  # fmt: skip
+            if bound is not None:
+                case["bound"] = bound
+            out.append(case)
+    del model
+    _free(device)
+    return out
+
+
+def _sample_batch(folder: Path, model: Any, device: str, dtype: str, batch: int, steps: int, repeats: int,
+                  noise_level: float, trajectories: list) -> dict[str, float]:
+    """Seconds of the engine's ODE and SDE runs and of the diffusers loop at one batch size."""
     from noria.config import EngineConfig
     from noria.diffusion.engine import DiffusionEngine
-    from noria.diffusion.model import load_dit
 
     engine = DiffusionEngine.from_path(folder, EngineConfig(max_running_requests=batch), dtype, device)
     try:
-        ode = _best(lambda: _engine_images(engine, batch, steps, 0.0), repeats)
-        sde = _best(lambda: trajectories.__setitem__(slice(None), _engine_images(engine, batch, steps, noise_level)), repeats)
+        return _best({
+            "ode": lambda: _engine_images(engine, batch, steps, 0.0),
+            "sde": lambda: trajectories.__setitem__(slice(None), _engine_images(engine, batch, steps, noise_level)),
+            "pipeline": lambda: pipeline_images(model, batch, steps, device),
+        }, repeats)  # fmt: skip
     finally:
         engine.shutdown()
-        del engine
-    model = load_dit(folder, getattr(torch, dtype), device)
-    pipeline = _best(lambda: pipeline_images(model, batch, steps, device), repeats)
-    bound = _sampling_bound(model, steps) if device.startswith("cuda") else None
-    del model
-    _free(device)
-    out = []
-    for mode, seconds in (("ode", ode), (f"sde a={noise_level} logprobs", sde)):
-        case = {"case": f"{name} sample {mode} batch={batch} steps={steps}", "metric": "images_per_s",
-                "noria": batch / seconds, "peers": {"diffusers_pipeline": batch / pipeline}}  # fmt: skip
-        if bound is not None:
-            case["bound"] = bound
-        out.append(case)
-    return out
 
 
 def _engine_images(engine: Any, batch: int, steps: int, noise_level: float) -> list:
@@ -253,16 +275,16 @@ def train_cases(folder: Path, name: str, device: str, dtype: str, trajectories: 
     dcfg = DiffusionConfig(steps=steps, noise_level=noise_level)
     trainer = _trainer(folder, "sft", device, dtype, dcfg, micro_batch or train_images)
     x, labels = _clean_latents(trainer.model, train_images)
-    sft = _best(lambda: trainer.sft_step(x, labels), repeats)
-    del trainer
+    sft = _best({"sft": lambda: trainer.sft_step(x, labels)}, repeats)["sft"]
+    trainer = None  # freed before the next side loads its model
     _free(device)
-    loop = _best(_diffusers_train_loop(folder, device, dtype, x, labels, micro_batch or train_images), repeats)
+    loop = _best({"loop": _diffusers_train_loop(folder, device, dtype, x, labels, micro_batch or train_images)}, repeats)["loop"]
     _free(device)
     samples = _rl_samples(folder, device, dtype, trajectories, train_images, steps, noise_level)
     trainer = _trainer(folder, "rl", device, dtype, dcfg, micro_batch or train_images * steps)
     advantages = [(-1.0) ** i for i in range(len(samples))]
-    rl = _best(lambda: trainer.rl_steps(samples, advantages, 1), repeats)
-    del trainer
+    rl = _best({"rl": lambda: trainer.rl_steps(samples, advantages, 1)}, repeats)["rl"]
+    trainer = None
     _free(device)
     n = len(samples)
     return [
@@ -357,15 +379,18 @@ def _sample(out: Any, i: int, steps: int, noise_level: float) -> Any:
 # ----------------------------------------------------------------------------------------- timing
 
 
-def _best(fn: Any, repeats: int) -> float:
-    """Seconds of the fastest of ``repeats`` calls of ``fn`` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
+def _best(sides: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Seconds of the fastest call of each side: one warm-up call each, then ``repeats`` rounds of
+    one call of every side in turn."""
+    for fn in sides.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(max(1, repeats)):
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(t) for name, t in times.items()}
 
 
 def _free(device: str) -> None:

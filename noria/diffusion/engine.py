@@ -34,7 +34,9 @@ no KV cache); bitwise trajectories across devices or dtypes; classifier-free gui
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -44,10 +46,10 @@ from typing import Any
 
 import torch
 
-from noria.diffusion import sde
+from noria.diffusion import openmp, sde
 from noria.diffusion.model import cast, latent_shape, load_dit, num_classes, set_exact_numerics, velocity
 from noria.diffusion.protocol import ImageOutput, ImageRequest
-from noria.engine.thread import EngineThread, check_pause_mode, generate, generate_batch
+from noria.engine.thread import EngineThread, check_pause_mode, generate
 from noria.engine.weight_updates import WeightUpdates
 
 
@@ -60,12 +62,67 @@ class _Image:
     generator: torch.Generator
     sigmas: torch.Tensor
     latents: list[torch.Tensor] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    """[C, H, W] per noise level so far (rows of the batch's latents, on the engine's device)."""
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    """0-d float32 per step (on the device: read back once, when the image is done)."""
     versions: list[int] = field(default_factory=list)
 
     @property
     def step(self) -> int:
         return len(self.logprobs)
+
+
+@dataclass
+class _Batch:
+    """The running images' per-step inputs, stacked once when an image joins or leaves the batch and
+    carried from step to step while the batch stays the same (a full batch then costs a plain loop's
+    tensor work: no per-image stacking or indexing)."""
+
+    images: list[_Image]
+    x: torch.Tensor
+    """[B, C, H, W] float32: each image's latest latent."""
+    labels: torch.Tensor
+    """[B] class labels."""
+    level: torch.Tensor
+    """[B] SDE noise levels (0: the ODE)."""
+    schedule: torch.Tensor
+    """[B, L] each image's noise levels (``L`` = the longest schedule; shorter rows padded with 0)."""
+    sigma_max: torch.Tensor
+    """[B] each schedule's second level (the SDE's stand-in for s = 1)."""
+    position: torch.Tensor
+    """[B] (long) each image's step."""
+    rows: torch.Tensor
+    """[B] (long) 0 .. B-1."""
+    noise_buffer: torch.Tensor | None
+    """[B, C, H, W]: each step's noise, drawn in place (zero in ODE rows); None when all rows are ODE."""
+    draws: list[tuple[torch.Tensor, torch.Generator]]
+    """(row of ``noise_buffer``, its image's generator) for every row that samples the SDE."""
+
+    @classmethod
+    def of(cls, images: list[_Image], device: torch.device) -> _Batch:
+        longest = max(len(i.sigmas) for i in images)
+        schedule = torch.zeros(len(images), longest, device=device)
+        for row, image in enumerate(images):
+            schedule[row, : len(image.sigmas)] = image.sigmas
+        levels = [float(i.req.noise_level) for i in images]
+        x = torch.stack([i.latents[-1] for i in images])
+        stochastic = [row for row, level in enumerate(levels) if level > 0]
+        buffer = torch.zeros_like(x) if stochastic else None
+        return cls(
+            images=images, x=x,
+            labels=torch.tensor([i.req.label for i in images], device=device), level=torch.tensor(levels, device=device),
+            schedule=schedule, sigma_max=schedule[:, 1].clone(),
+            position=torch.tensor([i.step for i in images], device=device), rows=torch.arange(len(images), device=device),
+            noise_buffer=buffer, draws=[(buffer[row], images[row].generator) for row in stochastic],
+        )  # fmt: skip
+
+    def noise(self) -> torch.Tensor | None:
+        """This step's noise [B, C, H, W] from each SDE image's own generator, in its order (zeros
+        for ODE rows, whose step ignores it); None when every image samples the ODE. The buffer is
+        overwritten by the next step's draws: the step consumes it before."""
+        for row, generator in self.draws:
+            row.normal_(generator=generator)  # what torch.randn(shape, generator=generator) draws, in place
+        return self.noise_buffer
 
 
 class DiffusionEngine:
@@ -85,6 +142,10 @@ class DiffusionEngine:
         staged on the caller's thread, committed between two denoising steps."""
         self._waiting: list[_Image] = []
         self._running: list[_Image] = []
+        self._batch: _Batch | None = None
+        self._loop_thread: int | None = None
+        """The engine thread's id (set when it starts)."""
+        """The running images' stacked inputs; None when an image joined or left since the last step."""
         self._paused = False
         self._stats = {"images": 0, "steps": 0, "image_steps": 0, "seconds": 0.0}
         self._thread.start()
@@ -108,22 +169,36 @@ class DiffusionEngine:
 
     def submit(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> str:
         """Queue a request; ``callback`` (on the engine thread) gets its output. Returns the request id."""
+        image = self._image(req, callback)
+        self._thread.post(lambda: self._waiting.append(image))
+        return image.req.rid
+
+    def submit_many(self, requests: list[ImageRequest], callbacks: list[Callable[[ImageOutput], None]]) -> list[str]:
+        """``submit`` of several requests in one command: they join the batch at the same step (one
+        by one, the engine may start a step with the first few and run the rest one step behind)."""
+        images = [self._image(req, callback) for req, callback in zip(requests, callbacks, strict=True)]
+        self._thread.post(lambda: self._waiting.extend(images))
+        return [image.req.rid for image in images]
+
+    def _image(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> _Image:
         self._thread.check_accepting()
+        if self.device.type == "cpu" and threading.get_ident() != self._loop_thread:
+            openmp.release_workers()  # this thread waits for the image: its OpenMP team would throttle ours
         req.validate(self.num_classes)
         if not req.rid:
             req = replace(req, rid=uuid.uuid4().hex)
         gen = torch.Generator(self.device).manual_seed(req.seed % (1 << 64))
-        image = _Image(req, callback, gen, _sigmas(req.steps, req.shift).to(self.device))
-        self._thread.post(lambda: self._waiting.append(image))
-        return req.rid
+        return _Image(req, callback, gen, _sigmas(req.steps, req.shift).to(self.device))
 
     async def generate(self, req: ImageRequest) -> ImageOutput:
         """Generate to completion; cancelling the await aborts the request."""
         return await generate(self.submit, self.abort, req)
 
     def generate_batch(self, requests: list[ImageRequest], timeout_s: float | None = None) -> list[ImageOutput]:
-        """Blocking convenience for scripts, tests and benchmarks: submit all, wait for all, in order."""
-        return generate_batch(self.submit, requests, timeout_s)
+        """Blocking convenience for scripts, tests and benchmarks: submit all at once, wait for all, in order."""
+        futures = [concurrent.futures.Future() for _ in requests]
+        self.submit_many(requests, [lambda out, f=f: f.set_result(out) for f in futures])
+        return [f.result(timeout=timeout_s) for f in futures]
 
     def abort(self, rid: str, message: str = "aborted by request") -> None:
         """Abort a waiting or running request (its callback gets reason abort); unknown ids are ignored."""
@@ -132,6 +207,7 @@ class DiffusionEngine:
     def _abort(self, images: list[_Image], message: str) -> None:
         for image in images:
             (self._waiting if image in self._waiting else self._running).remove(image)
+            self._batch = None
             image.callback(ImageOutput(image.req.rid, None, [], [], {"type": "abort", "message": message}))
 
     def _busy(self) -> bool:
@@ -180,47 +256,68 @@ class DiffusionEngine:
     # ------------------------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
+        self._loop_thread = threading.get_ident()
         try:
+            stepped = False
             while not self._thread.stopping:
-                self._thread.drain(block=self._paused or not (self._waiting or self._running), timeout=0.1)
+                idle = self._paused or not (self._waiting or self._running)
+                if idle and stepped and self.device.type == "cpu":
+                    openmp.release_workers()  # idle: our OpenMP team would throttle the other threads' torch work
+                    stepped = False
+                self._thread.drain(block=idle, timeout=0.1)
                 if not self._paused and (self._waiting or self._running):
                     self._step()
+                    stepped = True
         except BaseException as e:  # noqa: BLE001 -- every waiting caller learns why, then the thread ends
             self._die(e)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _step(self) -> None:
         """Admit waiting images up to the batch limit, then one denoising step for the batch."""
         start = time.perf_counter()
+        self._admit()
+        batch = self._batch
+        sigma = batch.schedule[batch.rows, batch.position]
+        nxt = batch.schedule[batch.rows, batch.position + 1]
+        v = velocity(self.model, batch.x, sigma, batch.labels)
+        noise = batch.noise()
+        if noise is None:  # all ODE: the SDE step with noise level 0 is this, and its log-probabilities are 0
+            x_next, logprobs = sde.ode_step(batch.x, v, sigma, nxt), torch.zeros_like(sigma)
+        else:
+            x_next, logprobs = sde.sde_step(batch.x, v, sigma, nxt, batch.sigma_max, batch.level, noise)
+        batch.x = x_next
+        batch.position += 1
+        self._record(batch.images, x_next, logprobs)
+        self._stats["steps"] += 1
+        self._stats["image_steps"] += len(batch.images)
+        self._stats["seconds"] += time.perf_counter() - start
+
+    def _admit(self) -> None:
+        """Move waiting images into the batch (each draws its initial noise); restack the batch's
+        inputs when its images changed."""
         while self._waiting and len(self._running) < self.max_batch:
             image = self._waiting.pop(0)
             image.latents.append(torch.randn(self.shape, generator=image.generator, device=self.device))
             self._running.append(image)
-        batch = self._running[: self.max_batch]
-        x = torch.stack([i.latents[-1] for i in batch])
-        sigma = torch.stack([i.sigmas[i.step] for i in batch])
-        nxt = torch.stack([i.sigmas[i.step + 1] for i in batch])
-        smax = torch.stack([i.sigmas[1] for i in batch])
-        level = torch.tensor([float(i.req.noise_level) for i in batch], device=self.device)
-        labels = torch.tensor([i.req.label for i in batch], device=self.device)
-        noise = torch.stack([torch.randn(self.shape, generator=i.generator, device=self.device) for i in batch])
-        v = velocity(self.model, x, sigma, labels)
-        x_next, logprobs = sde.sde_step(x, v, sigma, nxt, smax, level, noise)
-        self._record(batch, x_next, logprobs.tolist())
-        self._stats["steps"] += 1
-        self._stats["image_steps"] += len(batch)
-        self._stats["seconds"] += time.perf_counter() - start
+            self._batch = None
+        if self._batch is None:
+            self._batch = _Batch.of(list(self._running), self.device)
 
-    def _record(self, batch: list[_Image], x_next: torch.Tensor, logprobs: list[float]) -> None:
+    def _record(self, batch: list[_Image], x_next: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Append the step to each image's trajectory (row views, no copies); hand finished images back."""
+        version = self.weight_version
         for image, x, lp in zip(batch, x_next, logprobs):
             image.latents.append(x)
             image.logprobs.append(lp)
-            image.versions.append(self.weight_version)
+            image.versions.append(version)
             if image.step == image.req.steps:
                 self._running.remove(image)
+                self._batch = None
                 self._stats["images"] += 1
-                latents = torch.stack(image.latents).float().cpu()
-                image.callback(ImageOutput(image.req.rid, latents, image.logprobs, image.versions))
+                with torch.inference_mode(False):  # an ordinary tensor for the caller (the step's are inference tensors)
+                    latents = torch.stack(image.latents).float().cpu()
+                steps = torch.stack(image.logprobs).tolist()  # the image's one read-back of its log-probabilities
+                image.callback(ImageOutput(image.req.rid, latents, steps, image.versions))
 
     def _die(self, error: BaseException) -> None:
         self._thread.fail(error)  # queued submits join the waiting images first, so they are aborted too

@@ -158,3 +158,23 @@ def test_bad_requests_are_refused_naming_the_field(dit):
             ImageRequest.from_dict({"label": 1, "seed": 0, "stepz": 3})
     finally:
         engine.shutdown()
+
+
+def test_a_batch_submitted_together_runs_in_its_step_count_and_mixes_ode_with_sde(dit):
+    """generate_batch admits every request at the same step: a full batch of T-step images costs T
+    steps, not T plus the steps a straggler joins late. ODE images share the batch with SDE ones
+    and are the images they are alone (they draw no step noise; their log-probabilities are 0)."""
+    from noria.diffusion.protocol import ImageRequest
+
+    engine = engine_for(dit)
+    try:
+        requests = [ImageRequest(label=c, seed=c, steps=5, noise_level=0.0 if c % 3 == 0 else 0.7) for c in range(10)]
+        before = engine.metrics()["steps"]
+        crowd = engine.generate_batch(requests)
+        assert engine.metrics()["steps"] - before == 5
+        alone = [engine.generate_batch([r])[0] for r in requests]
+    finally:
+        engine.shutdown()
+    for req, a, b in zip(requests, alone, crowd):
+        assert torch.equal(a.latents, b.latents) and a.logprobs == b.logprobs
+        assert (a.logprobs == [0.0] * 5) == (req.noise_level == 0.0)
