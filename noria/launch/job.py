@@ -328,7 +328,8 @@ class LocalJob:
 
         ckpt = latest_checkpoint(self.folder)
         if ckpt is None:
-            return f"no checkpoint was committed in {self.folder}: start it again there with noria train --resume {self.folder} --restart"
+            return f"no checkpoint was committed in {self.folder}: start it again there with noria train --resume {self.folder} " \
+                "--restart (its records are moved aside, not deleted)"
         return f"continue from {ckpt.name} with: noria train CONFIG --resume {self.folder}"
 
     def begin_step(self) -> None:

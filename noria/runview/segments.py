@@ -54,7 +54,8 @@ class Segment:
 
 def run_segments(folder: str | Path, steps: list[int]) -> list[Segment]:
     """The segments of the run in ``folder`` whose metrics.jsonl has ``steps``, in order."""
-    starts = [e for e in read_jsonl(Path(folder) / "events.jsonl") if e.get("event") in ("started", "resumed") and isinstance(e.get("at_step"), int)]
+    events = read_jsonl(Path(folder) / "events.jsonl")
+    starts = [e for e in events if e.get("event") in ("started", "resumed") and isinstance(e.get("at_step"), int)]
     if not starts:
         return [Segment("started", 0, tuple(sorted(steps)))] if steps else []
     out = []

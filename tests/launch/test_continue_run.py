@@ -166,11 +166,14 @@ def test_a_finished_sft_run_is_extended_from_its_last_step(tiny_model_dir, tmp_p
     from noria.launch.sft import run_sft
 
     data = write_chats(tmp_path / "chats.jsonl")
-    whole = run_sft(load_config(None, args_for(tiny_model_dir, data, **{"train.save_every": 0})), run_dir=str(tmp_path / "whole"), progress=False)
+    def config(**extra):
+        return load_config(None, args_for(tiny_model_dir, data, **{"train.save_every": 0, **extra}))
+
+    whole = run_sft(config(), run_dir=str(tmp_path / "whole"), progress=False)
     part = tmp_path / "part"
-    run_sft(load_config(None, args_for(tiny_model_dir, data, **{"train.save_every": 0, "train.max_steps": 3})), run_dir=str(part), progress=False)
+    run_sft(config(**{"train.max_steps": 3}), run_dir=str(part), progress=False)
     assert (part / "checkpoints" / "step-000003" / "COMMITTED").is_file()
-    run_sft(load_config(None, args_for(tiny_model_dir, data, **{"train.save_every": 0})), resume=str(part), progress=False)
+    run_sft(config(), resume=str(part), progress=False)
     assert losses(part) == losses(whole)
     assert (part / "final" / "model.safetensors").read_bytes() == (whole / "final" / "model.safetensors").read_bytes()
     assert events(part) == [("started", 0), ("resumed", 3)] and not (part / "superseded").exists()
@@ -189,7 +192,8 @@ def test_set_aside_and_restart_move_records_byte_for_byte(tmp_path):
         (run / "rollouts" / f"step-{s:06d}.jsonl").write_text(f"rollouts of {s}\n")
     moved, side = set_aside_after(run, 2)
     assert moved == {"metrics.jsonl": 2, "eval.jsonl": 1, "rollouts/": 1}
-    assert (run / "metrics.jsonl").read_text() == "".join(rows[:2]) and (side / "metrics.jsonl").read_text() == rows[2] + '{"step": 4, "lo\n'
+    assert (run / "metrics.jsonl").read_text() == "".join(rows[:2])
+    assert (side / "metrics.jsonl").read_text() == rows[2] + '{"step": 4, "lo\n'
     assert [json.loads(x)["step"] for x in (run / "eval.jsonl").read_text().splitlines()] == [0]
     assert (side / "rollouts" / "step-000003.jsonl").read_text() == "rollouts of 3\n"
     assert set_aside_after(run, 2) == ({}, None)  # nothing after step 2 any more: nothing moved, no folder made
