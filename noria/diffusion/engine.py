@@ -53,7 +53,7 @@ from noria.engine.thread import EngineThread, check_pause_mode, generate
 from noria.engine.weight_updates import WeightUpdates
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (the engine's lists hold each image once)
 class _Image:
     """One request in flight."""
 
@@ -62,14 +62,12 @@ class _Image:
     generator: torch.Generator
     sigmas: torch.Tensor
     latents: list[torch.Tensor] = field(default_factory=list)
-    """[C, H, W] per noise level so far (rows of the batch's latents, on the engine's device)."""
-    logprobs: list[torch.Tensor] = field(default_factory=list)
-    """0-d float32 per step (on the device: read back once, when the image is done)."""
+    """Chunks [k, C, H, W] of its latents so far, on the engine's device: the initial noise, then the
+    steps of each batch it ran in (written when that batch ends)."""
+    logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-
-    @property
-    def step(self) -> int:
-        return len(self.logprobs)
+    step: int = 0
+    """Steps done (and recorded above)."""
 
 
 @dataclass
@@ -97,6 +95,10 @@ class _Batch:
     """[B, C, H, W]: each step's noise, drawn in place (zero in ODE rows); None when all rows are ODE."""
     draws: list[tuple[torch.Tensor, torch.Generator]]
     """(row of ``noise_buffer``, its image's generator) for every row that samples the SDE."""
+    until: int
+    """Steps after which the first of its images is done (the batch then ends)."""
+    steps: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    """Per step run: (latents [B, C, H, W], log-probabilities [B], weight version)."""
 
     @classmethod
     def of(cls, images: list[_Image], device: torch.device) -> _Batch:
@@ -105,7 +107,7 @@ class _Batch:
         for row, image in enumerate(images):
             schedule[row, : len(image.sigmas)] = image.sigmas
         levels = [float(i.req.noise_level) for i in images]
-        x = torch.stack([i.latents[-1] for i in images])
+        x = torch.stack([i.latents[-1][-1] for i in images])
         stochastic = [row for row, level in enumerate(levels) if level > 0]
         buffer = torch.zeros_like(x) if stochastic else None
         return cls(
@@ -114,6 +116,7 @@ class _Batch:
             schedule=schedule, sigma_max=schedule[:, 1].clone(),
             position=torch.tensor([i.step for i in images], device=device), rows=torch.arange(len(images), device=device),
             noise_buffer=buffer, draws=[(buffer[row], images[row].generator) for row in stochastic],
+            until=min(i.req.steps - i.step for i in images),
         )  # fmt: skip
 
     def noise(self) -> torch.Tensor | None:
@@ -204,11 +207,15 @@ class DiffusionEngine:
         """Abort a waiting or running request (its callback gets reason abort); unknown ids are ignored."""
         self._thread.post(lambda: self._abort([i for i in self._waiting + self._running if i.req.rid == rid], message))
 
-    def _abort(self, images: list[_Image], message: str) -> None:
+    def _abort(self, images: list[_Image], message: str, keep_batch: bool = True) -> None:
+        """Abort ``images``; with ``keep_batch``, the steps of the batch's other images are kept first."""
+        if keep_batch and self._batch is not None and any(i in self._running for i in images):
+            self._end_batch()  # may finish some of them: those are done, not aborted
         for image in images:
-            (self._waiting if image in self._waiting else self._running).remove(image)
-            self._batch = None
-            image.callback(ImageOutput(image.req.rid, None, [], [], {"type": "abort", "message": message}))
+            if image in self._waiting or image in self._running:
+                (self._waiting if image in self._waiting else self._running).remove(image)
+                self._batch = None
+                image.callback(ImageOutput(image.req.rid, None, [], [], {"type": "abort", "message": message}))
 
     def _busy(self) -> bool:
         return bool(self._waiting or self._running)
@@ -287,41 +294,51 @@ class DiffusionEngine:
             x_next, logprobs = sde.sde_step(batch.x, v, sigma, nxt, batch.sigma_max, batch.level, noise)
         batch.x = x_next
         batch.position += 1
-        self._record(batch.images, x_next, logprobs)
+        batch.steps.append((x_next, logprobs, self.weight_version))
+        if len(batch.steps) == batch.until:
+            self._end_batch()
         self._stats["steps"] += 1
         self._stats["image_steps"] += len(batch.images)
         self._stats["seconds"] += time.perf_counter() - start
 
     def _admit(self) -> None:
-        """Move waiting images into the batch (each draws its initial noise); restack the batch's
-        inputs when its images changed."""
+        """Move waiting images into the batch (each draws its initial noise); a batch whose images
+        changed ends and the next one is stacked."""
         while self._waiting and len(self._running) < self.max_batch:
+            self._end_batch()
             image = self._waiting.pop(0)
-            image.latents.append(torch.randn(self.shape, generator=image.generator, device=self.device))
+            image.latents.append(torch.randn((1, *self.shape), generator=image.generator, device=self.device))
             self._running.append(image)
-            self._batch = None
         if self._batch is None:
             self._batch = _Batch.of(list(self._running), self.device)
 
-    def _record(self, batch: list[_Image], x_next: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Append the step to each image's trajectory (row views, no copies); hand finished images back."""
-        version = self.weight_version
-        for image, x, lp in zip(batch, x_next, logprobs):
-            image.latents.append(x)
-            image.logprobs.append(lp)
-            image.versions.append(version)
+    def _end_batch(self) -> None:
+        """Write the batch's steps into its images' trajectories (one stack, one read-back of the
+        log-probabilities) and hand the finished images back; the next step stacks a new batch."""
+        batch, self._batch = self._batch, None
+        if batch is None or not batch.steps:
+            return
+        latents = torch.stack([x for x, _, _ in batch.steps], dim=1)  # [B, S, C, H, W]
+        logprobs = torch.stack([lp for _, lp, _ in batch.steps], dim=1).tolist()
+        versions = [version for _, _, version in batch.steps]
+        for row, image in enumerate(batch.images):
+            image.latents.append(latents[row])
+            image.logprobs += logprobs[row]
+            image.versions += versions
+            image.step += len(versions)
             if image.step == image.req.steps:
-                self._running.remove(image)
-                self._batch = None
-                self._stats["images"] += 1
-                with torch.inference_mode(False):  # an ordinary tensor for the caller (the step's are inference tensors)
-                    latents = torch.stack(image.latents).float().cpu()
-                steps = torch.stack(image.logprobs).tolist()  # the image's one read-back of its log-probabilities
-                image.callback(ImageOutput(image.req.rid, latents, steps, image.versions))
+                self._finish(image)
+
+    def _finish(self, image: _Image) -> None:
+        self._running.remove(image)
+        self._stats["images"] += 1
+        with torch.inference_mode(False):  # an ordinary tensor for the caller (the steps' are inference tensors)
+            latents = torch.cat(image.latents).float().cpu()
+        image.callback(ImageOutput(image.req.rid, latents, image.logprobs, image.versions))
 
     def _die(self, error: BaseException) -> None:
         self._thread.fail(error)  # queued submits join the waiting images first, so they are aborted too
-        self._abort(self._waiting + self._running, f"the diffusion engine died: {type(error).__name__}: {error}")
+        self._abort(self._waiting + self._running, f"the diffusion engine died: {type(error).__name__}: {error}", keep_batch=False)
 
 
 def _nothing() -> None:
