@@ -124,10 +124,12 @@ def test_second_turn_reuses_the_first_turns_tail_and_matches_the_reference(model
     assert alloc.num_free_blocks + engine.radix.num_cached_blocks == engine.kv.num_blocks  # no leak
 
 
-def test_multi_turn_sessions_under_a_tiny_cache_evict_correctly(model):
+@pytest.mark.parametrize("reuse", ["copy", "share"])
+def test_multi_turn_sessions_under_a_tiny_cache_evict_correctly(model, reuse):
     # Four sessions of three turns at once in room for ~3 conversations: eviction and retraction
-    # run while requests read copied and cached blocks; outputs stay the reference's.
+    # run while requests read copied, shared and cached blocks; outputs stay the reference's.
     engine = _engine(model, kv_cache_tokens=96, max_running_requests=4)
+    engine.scheduler.partial_reuse = reuse
     reqs = [GenerateRequest(input_ids=prompt(9 + s, s), sampling=greedy(5)) for s in range(4)]
     for turn in range(3):
         outs = engine.generate_batch(reqs, timeout_s=120)
@@ -139,6 +141,7 @@ def test_multi_turn_sessions_under_a_tiny_cache_evict_correctly(model):
     m = engine.metrics()
     assert m["evictions"] > 0 and m["prefix_cached_tokens"] > 0
     assert engine.kv.allocator.num_free_blocks + engine.radix.num_cached_blocks == engine.kv.num_blocks
+    assert not engine.scheduler._appending  # no block is left claimed by a finished request
     engine.shutdown(1)
 
 
