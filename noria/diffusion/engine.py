@@ -14,9 +14,21 @@ timestep per sample), a new request joins the batch at the next step, a finished
 Each step of each image records its latent, the log-probability of its Gaussian transition
 (``noria.diffusion.sde``) and the weight version that computed it; a weight update commits between
 two steps, so a trajectory may hold several versions, like a text response across a weight update.
+``generate_batch`` (``submit_many``) puts all its requests into the batch at one step.
+
+Per-step cost (a full batch must run as tightly as diffusers' own loop, ``noria bench diffusion``):
+the batch's inputs (latents, labels, schedules, noise buffer) are stacked once when an image joins
+or leaves and carried from step to step; each step appends its batch tensors, which are written
+into the images' trajectories once, when the batch ends (one stack, one read-back of the
+log-probabilities); steps run in inference mode. On a CPU the engine thread would share the cores
+with the waiting caller's OpenMP team, which libgomp then throttles along with its own (every
+parallel op waking a sleeping worker: the DiT ran ~40% slower on the engine thread), so the caller
+gives its team back when it submits, and the engine gives its own back when idle
+(``noria.diffusion.openmp``).
 
 Seeds: every request has its own ``torch.Generator`` seeded with ``ImageRequest.seed``; it draws the
-initial noise and then each step's noise, in order. So the noise of an image does not depend on
+initial noise and then, for an SDE image (noise level > 0), each step's noise, in order (an ODE
+image draws none: its step would multiply it by 0). So the noise of an image does not depend on
 what else is batched or when it arrived. With ``deterministic`` (``engine.deterministic``) the DiT
 runs batch-invariant kernels (``noria.diffusion.model.set_exact_numerics``), so the whole trajectory
 is bit for bit the same whatever the batch, and equals the trainer's recomputation.
