@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 
-def _socket_inodes(pid: int) -> set[str]:
+def socket_inodes(pid: int) -> set[str]:
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -30,15 +30,21 @@ def _address(hex_addr: str) -> str:
 
 def listening_addresses(pid: int) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket of ``pid`` in LISTEN state, IPv4 and IPv6."""
-    inodes = _socket_inodes(pid)
+    inodes = socket_inodes(pid)
+    return [(address, port) for address, port, inode in listening_sockets() if inode in inodes]
+
+
+def listening_sockets() -> list[tuple[str, int, str]]:
+    """(address, port, socket inode) of every TCP socket in LISTEN state on this machine. The inode
+    names one socket: a port that another process binds later has the same number, not the same inode."""
     out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             cols = line.split()
             local, state, inode = cols[1], cols[3], cols[9]
-            if state == "0A" and inode in inodes:  # 0A: TCP_LISTEN
+            if state == "0A":  # TCP_LISTEN
                 host, port = local.split(":")
-                out.append((_address(host), int(port, 16)))
+                out.append((_address(host), int(port, 16), inode))
     return out
 
 

@@ -8,8 +8,9 @@ with its start time, so a reused pid is not mistaken for it):
 - processes: the descendants of ``noria train`` (walked under /proc), and every process whose
   environment carries this test's mark (a child that was reparented or made its own session
   carries it too, since children inherit the environment);
-- listening sockets: the TCP ports those processes listen on (/proc/net/tcp and tcp6); after the
-  end none of them may be in LISTEN state, whoever would own it;
+- listening sockets: the TCP sockets those processes listen on (/proc/net/tcp and tcp6, by socket
+  inode); after the end none of them may be in LISTEN state, whoever would hold it (a port number
+  that another program on the machine binds afterwards is another socket, and not counted);
 - /dev/shm: entries made since the test began that are named with one of the run's pids, or were
   mapped or held open by one of its processes;
 - lock files: files with "lock" in their name made since the run began, in its run folder and in
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from proc_util import alive, descendants, listening_addresses
+from proc_util import alive, descendants, listening_sockets, socket_inodes
 from repo_util import TESTS
 from rl_util import async_args
 
@@ -92,7 +93,7 @@ class Seen:
     def __init__(self) -> None:
         self.pids: dict[int, str] = {}  # pid -> its start time
         self.names: dict[int, str] = {}
-        self.ports: set[int] = set()
+        self.ports: dict[str, int] = {}  # socket inode -> port, of every socket the run listened on
         self.shm: set[str] = set()
         self.locks: set[str] = set()
         self.kernel_locked: set[str] = set()
@@ -108,7 +109,8 @@ class Seen:
             self.pids.setdefault(pid, start)
             self.names.setdefault(pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:160].decode(errors="replace"))
             try:
-                self.ports |= {port for _, port in listening_addresses(pid)}
+                inodes = socket_inodes(pid)
+                self.ports.update({inode: port for _, port, inode in listening_sockets() if inode in inodes})
                 self.shm |= shm_of(pid)
                 self.locks |= open_locks(pid)
             except OSError:  # gone meanwhile
@@ -194,15 +196,11 @@ def held_locks(pids: set[int]) -> set[str]:
     return out
 
 
-def listening_ports() -> set[int]:
-    """Every TCP port in LISTEN state on this machine (IPv4 and IPv6)."""
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A":
-                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
+def still_listening(seen: Seen) -> list[int]:
+    """Ports of the sockets the run listened on that still listen, whichever process holds them now
+    (matched by socket inode: a port that another program on the machine binds afterwards is not the run's)."""
+    live = {inode for _, _, inode in listening_sockets()}
+    return sorted(port for inode, port in seen.ports.items() if inode in live)
 
 
 def left_behind(run: Run, wait_s: float = GONE_WITHIN_S) -> dict[str, list]:
@@ -214,7 +212,7 @@ def left_behind(run: Run, wait_s: float = GONE_WITHIN_S) -> dict[str, list]:
         time.sleep(0.1)
     return {
         "processes": [f"{p} {seen.names.get(p, '')}" for p in procs],
-        "listening": sorted(seen.ports & listening_ports()),
+        "listening": still_listening(seen),
         "shm": sorted(n for n in seen.shm if (SHM / n).exists()),
         "locks": lock_files(run) - seen.kernel_locked,
         "files": sorted(str(p) for p in run.tmp.rglob("*")),
