@@ -184,11 +184,22 @@ def _decode(lm, prompts, new_tokens: int, routes: bool) -> float:
     engine = bench_engine(lm, len(prompts), len(prompts[0]) + new_tokens)
     try:
         _timed(engine, prompts, 8, routes)  # warm-up: Triton compiles, graphs are captured
-        t1 = _timed(engine, prompts, 1, routes)
-        tn = _timed(engine, prompts, new_tokens, routes)
+        seconds = _decode_seconds(engine, prompts, new_tokens, routes)
     finally:
         engine.shutdown(drain_timeout_s=1.0)
-    return len(prompts) * (new_tokens - 1) / (tn - t1)
+    return len(prompts) * (new_tokens - 1) / seconds
+
+
+def _decode_seconds(engine, prompts, new_tokens: int, routes: bool, tries: int = 3) -> float:
+    """Seconds of ``new_tokens - 1`` decode steps: the best of ``tries`` runs of ``new_tokens`` tokens
+    less the best of ``tries`` runs of 1 (its prefill). Best of each, so that a burst of other work
+    during one short run cannot make the difference meaningless (or negative, as a single pair did
+    with 6 tokens on a loaded 2-core CPU)."""
+    t1 = min(_timed(engine, prompts, 1, routes) for _ in range(tries))
+    tn = min(_timed(engine, prompts, new_tokens, routes) for _ in range(tries))
+    if tn <= t1:
+        raise RuntimeError(f"decoding {new_tokens} tokens took no longer than 1 ({tn:.4f} s vs {t1:.4f} s): too few tokens to time")
+    return tn - t1
 
 
 def _timed(engine, prompts, n: int, routes: bool) -> float:
@@ -216,7 +227,7 @@ def _capture(lm, prompts, new_tokens: int, repeats: int) -> dict:
             _timed(engine, prompts, 8, routes)
         for _ in range(repeats):
             for routes in (False, True):
-                times[routes].append(_timed(engine, prompts, new_tokens, routes) - _timed(engine, prompts, 1, routes))
+                times[routes].append(_decode_seconds(engine, prompts, new_tokens, routes))
     finally:
         engine.shutdown(drain_timeout_s=1.0)
     plain, captured = sorted(times[False])[len(times[False]) // 2], sorted(times[True])[len(times[True]) // 2]
