@@ -103,3 +103,15 @@ def bf16_matmul_rate(n: int = 8192) -> float:
 
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def decode_seconds(timed, new_tokens: int, tries: int = 3) -> float:
+    """Seconds of ``new_tokens - 1`` decode steps from ``timed(n)`` (seconds to generate n tokens):
+    the best of ``tries`` runs of ``new_tokens`` less the best of ``tries`` runs of 1 (the prefill).
+    Best of each, so that a burst of other work during one short run cannot make the difference
+    meaningless (or negative, as a single pair did with 6 tokens on a loaded 2-core CPU)."""
+    t1 = min(timed(1) for _ in range(tries))
+    tn = min(timed(new_tokens) for _ in range(tries))
+    if tn <= t1:
+        raise RuntimeError(f"{new_tokens} tokens took no longer than 1 ({tn:.4f} s vs {t1:.4f} s): too few tokens to time")
+    return tn - t1

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from noria.bench import print_table, write_json
-from noria.bench.gpu_common import bf16_matmul_rate, copy_bandwidth, device_name, random_model
+from noria.bench.gpu_common import bf16_matmul_rate, copy_bandwidth, decode_seconds, device_name, random_model
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -171,11 +171,11 @@ def _hf_decode(lm, prompts, new_tokens: int) -> float:
         return time.perf_counter() - start
 
     gen(2)
-    t1, tn = gen(1), gen(new_tokens)
+    seconds = decode_seconds(gen, new_tokens)
     del hf
     gc.collect()
     _empty_cache()
-    return len(prompts) * (new_tokens - 1) / (tn - t1)
+    return len(prompts) * (new_tokens - 1) / seconds
 
 
 def _decode(lm, prompts, new_tokens: int, routes: bool) -> float:
@@ -190,16 +190,8 @@ def _decode(lm, prompts, new_tokens: int, routes: bool) -> float:
     return len(prompts) * (new_tokens - 1) / seconds
 
 
-def _decode_seconds(engine, prompts, new_tokens: int, routes: bool, tries: int = 3) -> float:
-    """Seconds of ``new_tokens - 1`` decode steps: the best of ``tries`` runs of ``new_tokens`` tokens
-    less the best of ``tries`` runs of 1 (its prefill). Best of each, so that a burst of other work
-    during one short run cannot make the difference meaningless (or negative, as a single pair did
-    with 6 tokens on a loaded 2-core CPU)."""
-    t1 = min(_timed(engine, prompts, 1, routes) for _ in range(tries))
-    tn = min(_timed(engine, prompts, new_tokens, routes) for _ in range(tries))
-    if tn <= t1:
-        raise RuntimeError(f"decoding {new_tokens} tokens took no longer than 1 ({tn:.4f} s vs {t1:.4f} s): too few tokens to time")
-    return tn - t1
+def _decode_seconds(engine, prompts, new_tokens: int, routes: bool) -> float:
+    return decode_seconds(lambda n: _timed(engine, prompts, n, routes), new_tokens)
 
 
 def _timed(engine, prompts, n: int, routes: bool) -> float:
