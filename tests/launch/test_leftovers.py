@@ -139,7 +139,25 @@ def start_time(pid: int) -> str | None:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return None if fields[0] == "Z" else fields[19]
+    if fields[0] == "Z" and not _threads_alive(pid):
+        return None  # exited: its files, listening sockets included, are closed; only the parent's reap is left
+    return fields[19]
+
+
+def _threads_alive(pid: int) -> bool:
+    """Whether a thread of ``pid`` is still running or exiting. A killed multi-threaded process shows
+    its leader as a zombie while its other threads still exit and its files are still open."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def digit_runs(name: str) -> list[str]:
