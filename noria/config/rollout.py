@@ -132,8 +132,10 @@ class RolloutConfig:
         "sit behind the real sglang-router (load-based for single turns, session-key affinity for sessions)."
     )
     engine_restarts: int = option(
-        2, "Times one engine is restarted after it died (its in-flight groups are regenerated, it is re-synced to the "
-        "current weights); past that, or with no engine left alive, the run stops naming the engine."
+        2, "An engine fleet (rollout.engines > 1, rollout.elastic or train.world_size > 1): times one engine is "
+        "restarted after it died (its in-flight groups are regenerated, it is re-synced to the current weights); past "
+        "that, or with no engine left alive, the run stops naming the engine. The run's one engine without a fleet is "
+        "never restarted: its death stops the run (docs/guarantees.md)."
     )
     elastic: bool = option(
         False, "disaggregated noria engines: run the engine fleet (sglang-router once a second engine serves) even with "
