@@ -23,7 +23,12 @@ class ModelConfig:
     """The policy model. Owner: ``noria.models`` (``load_model``, the catalog); the engine and the trainer
     load it with these settings."""
 
-    path: str = option("", "A catalog name (see `noria models list`) or an HF model folder (config.json + safetensors).")
+    path: str = option(
+        "",
+        "A catalog name (see `noria models list`) or an HF model folder (config.json + safetensors), or a Hugging Face "
+        "Hub id Org/Name, pinned as Org/Name@revision (branch, tag or commit), fetched with huggingface_hub into its "
+        "cache (HF_HOME; HF_HUB_OFFLINE=1 uses the cache only).",
+    )
     dtype: Literal["auto", "bfloat16", "float32"] = option(
         "auto",
         "Compute dtype of the model weights. auto: bfloat16 on CUDA and on CPUs that compute bf16 natively "

