@@ -14,7 +14,10 @@ class DataConfig:
     """Where prompts come from: a file (JSONL, Parquet, HF datasets folder) or a built-in task.
     Owner: ``noria.data`` (``load_prompts``, ``PromptSource``)."""
 
-    task: str | None = option(None, "Built-in synthetic task (arithmetic, countdown); exclusive with `path`.")
+    task: str | None = option(
+        None, "Built-in synthetic task: arithmetic, countdown (text prompts), or digits (class labels for an image "
+        "model: a run with the diffusion section); exclusive with `path`."
+    )
     task_args: dict[str, Any] = option(
         factory=dict, help="Task-specific arguments (e.g. n_train, n_test, seed); each task rejects unknown ones."
     )

@@ -81,7 +81,10 @@ def metrics_reference() -> str:
 
 
 def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
+    """``text`` as one table cell: pipes escaped, one line, ``<`` and ``>`` as entities outside code
+    spans only (inside backticks Markdown shows an entity as typed: `a -&gt; b`)."""
+    parts = str(text).replace("|", "\\|").replace("\n", " ").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
 
 
 PAGES = {"config.md": config_reference, "metrics.md": metrics_reference}
