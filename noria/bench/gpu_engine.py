@@ -37,9 +37,9 @@ def add_arguments(parser) -> None:
     """``noria bench gpu-engine``'s arguments."""
     parser.description = "CUDA: decode tokens/s of the engine vs HF generate and the bandwidth bound."
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b", help="random-init Qwen3 sizes: qwen3-0.6b, qwen3-1.7b")
-    parser.add_argument("--batches", default="64,256")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--batches", default="64,256", help="comma-separated decode batch sizes (requests at once)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--new-tokens", type=int, default=512, help="new tokens per request (decode timed as T(N) - T(1))")
     parser.add_argument("--hf-new-tokens", type=int, default=128, help="new tokens of the HF generate peer")
     parser.add_argument("--peers", default="hf_generate",
                         help="comma list: hf_generate, noria_no_overlap (the engine with engine.overlap off), or empty")

@@ -31,10 +31,10 @@ TIS_CAP = 2.0
 def add_arguments(parser) -> None:
     """``noria bench gpu-fp8``'s arguments."""
     parser.description = "CUDA (Hopper): FP8 vs bf16 rollout, decode speed and logprob mismatch (TIS)."
-    parser.add_argument("--model", default="qwen3-1.7b")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--model", default="qwen3-1.7b", help="random-init Qwen3 size: qwen3-0.6b, qwen3-1.7b")
+    parser.add_argument("--batch", type=int, default=256, help="requests decoded together")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per request")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 

@@ -26,9 +26,9 @@ from noria.bench.gpu_common import copy_bandwidth, cuda_median_s, device_name, r
 def add_arguments(parser) -> None:
     """``noria bench gpu-profile``'s arguments."""
     parser.description = "CUDA: decode kernel vs bandwidth (tile sweep) and one decode step's breakdown."
-    parser.add_argument("--batches", default="64,256")
-    parser.add_argument("--context", type=int, default=768)
-    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--batches", default="64,256", help="comma-separated decode batch sizes")
+    parser.add_argument("--context", type=int, default=768, help="tokens already in each request's KV cache")
+    parser.add_argument("--model", default="qwen3-0.6b", help="random-init Qwen3 size: qwen3-0.6b, qwen3-1.7b")
     parser.add_argument("--no-sweep", action="store_true", help="skip the attention kernel's tile sweep")
     parser.add_argument("--no-unfused", action="store_true", help="skip the steps without the fused decoder")
     parser.add_argument("--json", help="write the figures to this JSON file")

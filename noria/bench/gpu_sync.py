@@ -20,10 +20,12 @@ from noria.bench.gpu_common import device_name, random_model, write_model_folder
 def add_arguments(parser) -> None:
     """``noria bench gpu-sync``'s arguments."""
     parser.description = "CUDA: weight push to a colocated engine (CUDA IPC) vs a device copy."
-    parser.add_argument("--model", default="qwen3-1.7b")
-    parser.add_argument("--transports", default="ipc,ipc_shm")
-    parser.add_argument("--bucket-mb", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default="qwen3-1.7b", help="random-init Qwen3 size: qwen3-0.6b, qwen3-1.7b")
+    parser.add_argument("--transports", default="ipc,ipc_shm",
+                        help="comma-separated: ipc (an Engine in this process, device copies), ipc_shm (a noria serve "
+                        "subprocess on the same GPU, CUDA IPC handles)")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="sync.bucket_mb: MB per bucket of the push")
+    parser.add_argument("--repeats", type=int, default=3, help="timed pushes per case; the best is reported")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 

@@ -106,7 +106,9 @@ def add_arguments(parser) -> None:
                           "broadcast, safetensors write+read). Best of --repeats after a warm-up.")
     parser.add_argument("--models", default="smollm2-135m-instruct,random-llama-1b",
                         help="comma-separated catalog names, model folders, random-llama-1b (random 1.1B Llama) or random-smollm2-135m")
-    parser.add_argument("--transports", default="ipc,ipc_shm,broadcast,disk,disk_delta", help="comma-separated cases")
+    parser.add_argument("--transports", default="ipc,ipc_shm,broadcast,disk,disk_delta", help="comma-separated cases: ipc (an Engine in this process), ipc_shm (a noria serve subprocess through shared "
+                        "memory, CUDA IPC on cuda), broadcast (gloo group to a noria serve), disk (safetensors folder), disk_delta "
+                        "(disk with sync.delta: what changed since the last push)")
     parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size of the push")
     parser.add_argument("--repeats", type=int, default=3, help="timed pushes per case (after one warm-up)")
     parser.add_argument("--device", default="cpu", help="where the trainer's tensors and the engines are (cpu, cuda)")

@@ -365,6 +365,48 @@ def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     return rows
 
 
+def reference_text(cls: type, width: int = 100) -> str:
+    """``noria config --reference``: every key of ``cls``, section by section, each section opened by
+    what it is (the first paragraph of its docstring); no line wider than ``width`` (a word longer
+    than that excepted)."""
+    import inspect
+    import textwrap
+
+    rows = {key: (type_name, default, help_text) for key, type_name, default, help_text in field_docs(cls)}
+    out: list[str] = []
+
+    def wrap(text: str, indent: str) -> list[str]:
+        return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent, break_long_words=False,
+                             break_on_hyphens=False)  # fmt: skip
+
+    def section(c: type, prefix: str) -> None:
+        title = prefix.rstrip(".") or "top level"
+        doc = " ".join((inspect.getdoc(c) or "").split("\n\n")[0].split())
+        out.extend(["", f"[{title}]", *wrap(doc, "  ")])
+        hints, nested = typing.get_type_hints(c), []
+        for f in dataclasses.fields(c):
+            sub = optional_section(hints[f.name])
+            if sub is not None:
+                nested.append((sub, f"{prefix}{f.name}."))
+            key = f"{prefix}{f.name}"
+            if key in rows and (sub is None or sub is not hints[f.name]):  # a leaf, or an optional section's own row
+                type_name, default, help_text = rows[key]
+                head = wrap(f"{key:<28} {type_name:<32} default={default!r}", "")
+                out.extend([head[0], *(" " * 8 + line for line in _rewrap(head[1:], width - 8))])
+                out.extend(wrap(help_text, "    "))
+        for sub, sub_prefix in nested:
+            section(sub, sub_prefix)
+
+    section(cls, "")
+    return "\n".join(out[1:]) + "\n"
+
+
+def _rewrap(lines: list[str], width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(" ".join(lines), width, break_long_words=False, break_on_hyphens=False) if lines else []
+
+
 def optional_section(tp: Any) -> type | None:
     """The section class of a ``Section`` or ``Section | None`` annotation, else None."""
     if dataclasses.is_dataclass(tp):
