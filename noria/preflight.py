@@ -13,7 +13,8 @@ its owner, and raises on the first that is missing, naming the key:
 - ``rollout.buffer.filters`` and ``rollout.buffer.impl``, ``rollout.rollout_fn`` / ``generate_fn`` /
   ``agent_fn``, and ``eval.backend`` (``eval.mode: checkpoint``): built-in names or import paths
   through the one plug-in loader (``noria.plugins``);
-- ``data.task`` registered; ``data.path``, ``data.test_path`` and a ``data.chat_template`` file present here.
+- ``data.task`` registered; ``data.path``, ``data.test_path`` (unless a hub id ``Org/Name``) and a
+  ``data.chat_template`` file present here.
 
 It imports the registries (and so torch): about a second, spent only by the commands that run or
 show a config, never by ``load_config``, which stays free of anything outside the config (tests and
@@ -79,7 +80,9 @@ def _check_data(config: RunConfig) -> None:
         from noria.data.chat import resolve_chat_template
 
         resolve_chat_template(config.data.chat_template)
+    from noria.data.hub import is_hub_dataset
+
     for key in ("path", "test_path"):
         value = getattr(config.data, key)
-        if value is not None and not Path(value).exists():
+        if value is not None and not Path(value).exists() and not is_hub_dataset(value):  # a hub id: read at run start
             raise NoriaError(f"data.{key}: {value} not found (relative paths start at {Path.cwd()})")

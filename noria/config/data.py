@@ -21,8 +21,15 @@ class DataConfig:
     task_args: dict[str, Any] = option(
         factory=dict, help="Task-specific arguments (e.g. n_train, n_test, seed); each task rejects unknown ones."
     )
-    path: str | None = option(None, "Training data file or folder (.jsonl, .parquet, or a saved HF dataset).")
+    path: str | None = option(
+        None,
+        "Training data file or folder (.jsonl, .parquet, or a saved HF dataset), or a Hugging Face Hub dataset id "
+        "Org/Name (pinned as Org/Name@revision) read with the datasets library.",
+    )
     test_path: str | None = option(None, "Held-out data for evaluation, same format as `path`.")
+    split: str = option("train", "Split of `path` to train on, when it holds several (a hub dataset, a saved DatasetDict).")
+    test_split: str = option("test", "Split of `test_path` to evaluate on, when it holds several.")
+    subset: str | None = option(None, "Configuration (subset) of a hub dataset with several, e.g. main; null: its only one.")
     format: Literal["auto", "jsonl", "parquet", "hf"] = option("auto", "File format; auto picks it from the extension.")
     prompt_key: str = option("prompt", "Field holding the prompt: a string, or a list of chat messages.")
     label_key: str | None = option("label", "Field holding the reference answer; null if the data has none.")

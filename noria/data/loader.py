@@ -42,7 +42,8 @@ def load_prompts(data_cfg: DataConfig, split: str) -> list[Prompt]:
             raise DataError(f"data.task / data.task_args: {e}") from e
     path = _split_path(data_cfg, split)
     fields = FieldMap(data_cfg.prompt_key, data_cfg.label_key, tuple(data_cfg.metadata_keys))
-    dataset = read_prompt_file(path, fields, data_cfg.format, data_cfg.skip_bad_rows)
+    split_name, key = (data_cfg.split, "data.path") if split == "train" else (data_cfg.test_split, "data.test_path")
+    dataset = read_prompt_file(path, fields, data_cfg.format, data_cfg.skip_bad_rows, split_name, data_cfg.subset, key)
     if dataset.n_skipped:
         log.warning("%s: skipped %d bad rows; first reasons: %s", path, dataset.n_skipped, dataset.skip_reasons)
     if not dataset.prompts:

@@ -1,4 +1,5 @@
-"""Reading prompt rows from files: JSONL, Parquet, and saved Hugging Face ``datasets`` folders.
+"""Reading prompt rows from files: JSONL, Parquet, saved Hugging Face ``datasets`` folders, and hub
+dataset ids ``Org/Name`` (``noria.data.hub``).
 
 What this module owns: turning a file into validated ``noria.types.Prompt`` records, before any
 model is loaded. Data moves file -> raw rows (plain dicts) -> one check per row -> ``Prompt``.
@@ -83,14 +84,25 @@ def read_prompt_file(
     fields: FieldMap = FieldMap(),
     fmt: str = "auto",
     skip_bad_rows: bool = False,
+    split: str | None = None,
+    subset: str | None = None,
+    key: str = "data.path",
 ) -> PromptDataset:
-    """Read and validate every row of ``path``; raise ``DataError`` on the first bad row unless skipping."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file not found: {path}")
-    fmt = resolve_format(path, fmt)
+    """Read and validate every row of ``path``; raise ``DataError`` on the first bad row unless skipping.
+    ``path`` may be a hub dataset id ``Org/Name[@revision]`` (``noria.data.hub``); ``split`` picks one
+    split of a hub dataset (default train) or of a saved ``DatasetDict``; ``subset`` a hub dataset's config."""
+    from noria.data.hub import hub_rows, is_hub_dataset
+
+    if not Path(path).exists() and is_hub_dataset(str(path)):
+        rows = hub_rows(str(path), split or "train", subset, key)
+        raw: Iterator[tuple[str, Any]] = ((f"row {i + 1}", row) for i, row in enumerate(rows))
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise DataError(f"data file not found: {path} (nor a hub dataset id Org/Name)")
+        raw = _raw_rows(path, resolve_format(path, fmt), split)
     dataset = PromptDataset(prompts=[], path=str(path))
-    for index, (where, row) in enumerate(_raw_rows(path, fmt)):
+    for index, (where, row) in enumerate(raw):
         try:
             if isinstance(row, BadRow):
                 raise DataError(row.reason)
@@ -195,12 +207,12 @@ class BadRow:
         self.reason = reason
 
 
-def _raw_rows(path: Path, fmt: str) -> Iterator[tuple[str, Any]]:
+def _raw_rows(path: Path, fmt: str, split: str | None = None) -> Iterator[tuple[str, Any]]:
     """Yield ``(where, row)`` pairs; ``where`` is ``line N`` or ``row N`` (1-based)."""
     if fmt == "jsonl":
         yield from jsonl_rows(path)
         return
-    table = _read_parquet(path) if fmt == "parquet" else _read_hf(path)
+    table = _read_parquet(path) if fmt == "parquet" else _read_hf(path, split)
     for i, row in enumerate(table):
         yield f"row {i + 1}", row
 
@@ -248,7 +260,7 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
         raise DataError(f"{path}: cannot read as Parquet: {e}") from e
 
 
-def _read_hf(path: Path) -> list[dict[str, Any]]:
+def _read_hf(path: Path, split: str | None = None) -> list[dict[str, Any]]:
     if path.is_file():
         return _read_arrow_file(path)
     datasets = _lazy_import("datasets", "datasets", path)
@@ -256,12 +268,9 @@ def _read_hf(path: Path) -> list[dict[str, Any]]:
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError as e:
         raise DataError(f"{path}: not a dataset folder saved with datasets' save_to_disk: {e}") from e
-    if isinstance(loaded, datasets.DatasetDict):
-        raise DataError(
-            f"{path}: holds several splits ({', '.join(loaded)}); point the path at one of them, "
-            f"e.g. {path / next(iter(loaded))}"
-        )
-    return loaded.to_list()
+    from noria.data.hub import pick_split
+
+    return pick_split(loaded, split, str(path)).to_list()
 
 
 def _read_arrow_file(path: Path) -> list[dict[str, Any]]:
