@@ -87,3 +87,19 @@ def test_every_test_the_guarantees_page_names_exists():
     assert len(named) > 40
     missing = [f"{file}::{name}" for file, name in named if f"def {name}(" not in (ROOT / "tests" / file).read_text()]
     assert missing == [], missing
+
+
+def test_docs_readme_indexes_every_page():
+    """docs/README.md is the table of contents: a page it does not list is a page nobody finds."""
+    index = (DOCS / "README.md").read_text()
+    pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "README.md")
+    assert len(pages) >= 18 and [p for p in pages if f"]({p})" not in index] == []
+    assert [t for t in re.findall(r"\]\(([^)#:]+\.md)\)", index) if not (DOCS / t).is_file()] == []
+
+
+def test_the_gpu_example_loads_on_a_cpu_machine_and_names_the_gpu():
+    """examples/grpo_qwen3_gpu.yaml (docs/gpu.md) validates here; its devices are CUDA's."""
+    config = load_config(ROOT / "examples" / "grpo_qwen3_gpu.yaml")
+    assert (config.model.device, config.train.device, config.model.dtype) == ("cuda", "cuda", "bfloat16")
+    assert config.rollout.placement == "colocated" and config.train.activation_checkpointing
+    assert "examples/grpo_qwen3_gpu.yaml" in (DOCS / "gpu.md").read_text()
