@@ -256,17 +256,34 @@ def _add_fleet_commands(sub: argparse._SubParsersAction) -> None:
         "acts at its next safe point (while the trainer waits for groups) and answers; this command waits for it.",
     )
     fsub = fleet.add_subparsers(dest="fleet_command", metavar="ACTION", required=True)
-    p = fsub.add_parser("add", help="start engines, push them the current weights (checksums verified), then route to them")
+    p = fsub.add_parser(
+        "add",
+        help="start engines, push them the current weights (checksums verified), then route to them",
+        description="Ask the job running in RUN_DIR for --n more engines: each starts outside the router, gets the "
+        "run's current weights with checksums verified, and only then joins the router. The answer names each engine "
+        "and its verified version (docs/scale.md, 'Elastic fleets').",
+    )
     p.add_argument("run_dir", help="run folder of the running job")
     p.add_argument("--n", type=int, default=1, help="engines to add (default 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)")
     p.set_defaults(handler=_fleet, takes_overrides=False)
-    p = fsub.add_parser("remove", help="take an engine out of the router, let its requests finish or move, then stop it")
+    p = fsub.add_parser(
+        "remove",
+        help="take an engine out of the router, let its requests finish or move, then stop it",
+        description="Ask the job running in RUN_DIR to remove ENGINE (default: the newest one serving): it leaves the "
+        "router at once, finishes its admitted requests for at most rollout.engine_drain_s, and the groups of those "
+        "it did not finish are generated again on the other engines. The last serving engine is never removed.",
+    )
     p.add_argument("run_dir", help="run folder of the running job")
     p.add_argument("engine", type=int, nargs="?", help="engine index (noria fleet status; default the newest serving one)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)")
     p.set_defaults(handler=_fleet, takes_overrides=False)
-    p = fsub.add_parser("status", help="the fleet's engines as the job last recorded them")
+    p = fsub.add_parser(
+        "status",
+        help="the fleet's engines as the job last recorded them",
+        description="One line per engine of RUN_DIR/fleet/engines.json: index, state, weight version, URL and, for "
+        "an engine that left, why. Reads the run folder only; the job need not be running.",
+    )
     p.add_argument("run_dir", help="run folder of the job")
     p.set_defaults(handler=_fleet, takes_overrides=False)
 

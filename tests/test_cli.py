@@ -126,3 +126,74 @@ def test_only_the_inner_phase_beats_while_it_runs(capsys):
     assert lines[:2] == ["noria: outer ...", "noria: inner ..."]
     beats = [line for line in lines if re.fullmatch(r"noria: \w+: \d+ s", line)]
     assert beats and all(line.startswith("noria: inner:") for line in beats), lines
+
+
+def _parsers(parser, prefix=("noria",)):
+    """(command words, parser) of the command and of every subcommand under it, benchmarks included
+    (each benchmark builds its own parser: ``noria.bench.parse_bench_args``)."""
+    yield prefix, parser
+    for action in parser._actions:
+        if isinstance(action, __import__("argparse")._SubParsersAction):
+            for name, sub in action.choices.items():
+                if sub.get_default("parses_rest"):
+                    yield (*prefix, name), _bench_parser(name)
+                else:
+                    yield from _parsers(sub, (*prefix, name))
+
+
+def _bench_parser(name):
+    import argparse
+    import importlib
+
+    from noria.bench import BENCHMARKS, DefaultsHelp
+
+    parser = argparse.ArgumentParser(prog=f"noria bench {name}", description=BENCHMARKS[name][1], formatter_class=DefaultsHelp)
+    importlib.import_module(f"noria.bench.{BENCHMARKS[name][0]}").add_arguments(parser)
+    return parser
+
+
+def test_every_subcommand_and_option_has_a_help_text():
+    """A walk of the whole parser, the benchmarks' own parsers included: every subcommand is listed
+    with a help line and has a description, every option and argument says what it is."""
+    import argparse
+
+    missing, seen = [], 0
+    for words, parser in _parsers(build_parser()):
+        seen += 1
+        if not parser.description:
+            missing.append(f"{' '.join(words)}: no description")
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"{' '.join(words)} {c.dest}: no help line" for c in action._choices_actions if not c.help]
+            elif not action.help and action.help is not argparse.SUPPRESS:
+                missing.append(f"{' '.join(words)} {'/'.join(action.option_strings) or action.dest}: no help")
+    assert seen >= 30 and missing == [], missing
+
+
+def test_benchmark_help_shows_each_default_and_the_sync_transports(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "sync", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 3)" in out and "(default: ipc,ipc_shm,broadcast,disk,disk_delta)" in out
+    for case in ("ipc (", "ipc_shm (", "broadcast (", "disk (", "disk_delta ("):
+        assert case in out, case
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "config"])
+def test_job_helps_point_to_the_config_reference(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "noria config --reference" in " ".join(capsys.readouterr().out.split())
+
+
+def test_config_reference_opens_each_section_with_what_it_is_and_fits_160_columns(capsys):
+    from noria.config import field_docs
+
+    assert main(["config", "--reference"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert [line for line in lines if len(line) > 160] == []
+    for section in ("[top level]", "[rollout]", "[rollout.buffer]", "[train.loss]", "[log]", "[diffusion]"):
+        i = lines.index(section)
+        assert lines[i + 1].startswith("  ") and len(lines[i + 1].strip()) > 20, section  # its description
+    assert all(any(line.startswith(key + " ") for line in lines) for key, *_ in field_docs())
