@@ -19,8 +19,8 @@ K/V (always finite); readers must mask by context length.
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 from noria.config import EngineConfig
@@ -142,19 +142,31 @@ def zeroed_pools(
     """K and V pools of ``shape`` for every layer, zero-filled.
 
     Zeroed, not empty: padded readers mask slots out with a zero weight, and 0 * NaN garbage from
-    uninitialised memory would still be NaN. On the CPU the zeros come from ``numpy.zeros``
-    (calloc: fresh zero pages that the kernel maps on first touch) rather than ``torch.zeros`` (a
-    memset of every byte): a cache of several GB then costs no start-up time (``torch.zeros`` took
-    2 s per 5 GB on a 2-core AMD EPYC Zen 4) and no resident memory until its blocks are written.
-    The allocator hands out low block ids first and reuses freed ones, so what is touched follows
-    what is used.
+    uninitialised memory would still be NaN. On the CPU every pool is a view of one private
+    anonymous ``mmap`` (fresh zero pages that the kernel maps on first touch) rather than
+    ``torch.zeros`` (a memset of every byte): a cache of several GB then costs no start-up time
+    (``torch.zeros`` took 2 s per 5 GB on a 2-core AMD EPYC Zen 4) and no resident memory until its
+    blocks are written. The allocator hands out low block ids first and reuses freed ones, so what
+    is touched follows what is used. One mapping of its own, not the C heap: ``numpy.zeros`` (calloc)
+    of a pool under glibc's mmap threshold (up to 32 MiB a pool, raised by earlier large frees) came
+    from the heap and was memset, so the whole cache was resident after each
+    ``release_memory_occupation`` / resume (0.75 GB for the main job's 32768 tokens), and freeing it
+    left the pages in the heap; the mapping is returned to the kernel when the last view goes.
     """
     if torch.device(device).type != "cpu":
         pools = [[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)] for _ in "kv"]
         return pools[0], pools[1]
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    pools = [[torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape) for _ in range(num_layers)] for _ in "kv"]
-    return pools[0], pools[1]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_pool = math.prod(shape)
+    arena = lazy_zeros(2 * num_layers * per_pool * itemsize).view(dtype).view(2, num_layers, *shape)
+    return [arena[0, i] for i in range(num_layers)], [arena[1, i] for i in range(num_layers)]
+
+
+def lazy_zeros(nbytes: int) -> torch.Tensor:
+    """``nbytes`` zero bytes (uint8) in a private anonymous mapping: no page is resident until it is
+    written, and the mapping is unmapped when the last tensor viewing it is freed."""
+    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]  # the tensor keeps the mapping alive
 
 
 def bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
