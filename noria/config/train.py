@@ -24,6 +24,12 @@ class OptimConfig:
     total_steps: int | None = option(None, "Steps the decaying schedules run over; null uses the run's step count.")
     min_lr_ratio: float = option(0.0, "Floor of the decaying schedules, as a fraction of lr.")
     grad_clip: float | None = option(1.0, "Clip the global gradient norm to this; null disables.")
+    state_dtype: Literal["float32", "bfloat16", "int8"] = option(
+        "float32",
+        "How AdamW stores its two moments: float32 (8 bytes per trained parameter), bfloat16 (4) or int8 (block-wise "
+        "8-bit, about 2; noria.train.compact_adamw). The update is computed in fp32 on the fp32 weights either way. "
+        "Not with backend fsdp2 or megatron.",
+    )
 
     def validate(self) -> None:
         if self.lr < 0 or self.weight_decay < 0 or self.eps <= 0:
@@ -212,3 +218,5 @@ class TrainConfig:
             section.validate()
         if self.backend == "megatron":
             self.megatron.check_train(self)
+        if self.optim.state_dtype != "float32" and self.backend != "single":
+            raise ConfigError(f"train.optim.state_dtype {self.optim.state_dtype} needs train.backend: single")

@@ -1,5 +1,8 @@
 """AdamW on fp32 master weights and the learning-rate schedule.
 
+The moments are fp32 (``torch.optim.AdamW``) or, to save memory, bf16 or block-wise 8-bit
+(``train.optim.state_dtype``; ``noria.train.compact_adamw``).
+
 The schedule is a pure function of the number of applied optimizer steps (``lr_at``), so the only
 schedule state a checkpoint needs is that step count: no LambdaLR with closures to pickle.
 """
@@ -14,11 +17,18 @@ import torch
 from noria.config import OptimConfig
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over ``params`` (which must be fp32: their state is fp32 too)."""
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over ``params`` (which must be fp32), its moments stored as ``cfg.state_dtype`` says."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
+    if cfg.state_dtype != "float32":
+        from noria.train.compact_adamw import CompactAdamW
+
+        dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8}[cfg.state_dtype]
+        return CompactAdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, state_dtype=dtype
+        )
     # CUDA tensors (not sharded DTensors): the fused kernel, one launch for all parameters instead
     # of the foreach path's several per group.
     from torch.distributed.tensor import DTensor
