@@ -130,7 +130,7 @@ def test_only_the_inner_phase_beats_while_it_runs(capsys):
 
 def _parsers(parser, prefix=("noria",)):
     """(command words, parser) of the command and of every subcommand under it, benchmarks included
-    (each benchmark builds its own parser: ``noria.bench.parse_bench_args``)."""
+    (each benchmark builds its own parser: ``noria.bench.bench_parser``)."""
     yield prefix, parser
     for action in parser._actions:
         if isinstance(action, __import__("argparse")._SubParsersAction):
@@ -142,14 +142,9 @@ def _parsers(parser, prefix=("noria",)):
 
 
 def _bench_parser(name):
-    import argparse
-    import importlib
+    from noria.bench import bench_parser
 
-    from noria.bench import BENCHMARKS, DefaultsHelp
-
-    parser = argparse.ArgumentParser(prog=f"noria bench {name}", description=BENCHMARKS[name][1], formatter_class=DefaultsHelp)
-    importlib.import_module(f"noria.bench.{BENCHMARKS[name][0]}").add_arguments(parser)
-    return parser
+    return bench_parser(name)[1]
 
 
 def test_every_subcommand_and_option_has_a_help_text():

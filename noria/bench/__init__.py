@@ -64,10 +64,16 @@ def _runner(name: str, module: str):
 
 def parse_bench_args(name: str, argv: list[str]) -> tuple[Any, argparse.Namespace]:
     """(the module of benchmark ``name``, its arguments parsed from ``argv`` by its own parser)."""
+    module, parser = bench_parser(name)
+    return module, parser.parse_args(argv)
+
+
+def bench_parser(name: str) -> tuple[Any, argparse.ArgumentParser]:
+    """(the module of benchmark ``name``, its command line's parser: ``noria bench NAME --help``)."""
     module = importlib.import_module(f"noria.bench.{BENCHMARKS[name][0]}")
     parser = argparse.ArgumentParser(prog=f"noria bench {name}", description=BENCHMARKS[name][1], formatter_class=DefaultsHelp)
     module.add_arguments(parser)
-    return module, parser.parse_args(argv)
+    return module, parser
 
 
 class DefaultsHelp(argparse.HelpFormatter):
