@@ -86,7 +86,6 @@ def prose(text: str) -> list[tuple[int, str]]:
     return out
 
 
-
 def prose_spans(text: str) -> list[tuple[int, str]]:
     """(line, text) of every inline code span outside code blocks; a span may run over a line break
     (the break reads as a space), never over a blank line."""
@@ -106,7 +105,7 @@ def prose_spans(text: str) -> list[tuple[int, str]]:
 
 def unchecked(text: str) -> set[str]:
     """The spans a page exempts with ``<!-- unchecked: SPAN; SPAN -->``."""
-    return {s.strip() for m in re.findall(r"<!--\s*unchecked:(.*?)-->", text, flags=re.S) for s in m.split(";")}
+    return {s.strip() for m in re.findall(r"<!--\s*unchecked:(.*?)-->", text, flags=re.DOTALL) for s in m.split(";")}
 
 
 # ---------------------------------------------------------------- YAML snippets
@@ -310,7 +309,7 @@ def check_commands(path: Path | str, text: str) -> list[str]:
 
 # ---------------------------------------------------------------- config keys named in prose
 
-KEY = re.compile(r"^(?:--(?:no-)?)?((?:%s)(?:\.[a-z_][a-z0-9_]*)+)(?::?\s+(\S.*))?$" % "|".join(SECTIONS))
+KEY = re.compile(r"^(?:--(?:no-)?)?((?:" + "|".join(SECTIONS) + r")(?:\.[a-z_][a-z0-9_]*)+)(?::?\s+(\S.*))?$")
 
 
 def config_keys() -> set[str]:

@@ -101,7 +101,9 @@ def test_a_planted_contradiction_is_caught_and_named_by_file_and_line(tmp_path):
 def test_a_fragment_must_name_an_example_that_exists(tmp_path):
     page = tmp_path / "page.md"
     text = "<!-- fragment: examples/no_such.yaml -->\n```yaml\nrollout: {n_samples: 4}\n```\n"
-    assert doccheck.check_yaml(page, text) == [f"{doccheck.where(page)}:3: the fragment's example examples/no_such.yaml does not exist"]
+    assert doccheck.check_yaml(page, text) == [
+        f"{doccheck.where(page)}:3: the fragment's example examples/no_such.yaml does not exist"
+    ]
 
 
 def test_spans_marked_unchecked_and_synopses_are_left_alone(tmp_path):
