@@ -90,7 +90,7 @@ METRICS: tuple[Metric, ...] = tuple(
         ("reward/skipped", "count", "Samples not scored (aborted or failed generation)."),
         ("reward/failed", "count", "Samples whose reward call raised, timed out or returned a non-number."),
         ("reward/failed/*", "count", "Failed reward calls by kind; kinds: raised, timeout, not_a_number, non_finite."),
-        ("engine/prefix_hit_rate", "fraction", "Share of prompt tokens served from the engine's radix prefix cache (colocated engine)."),
+        ("engine/prefix_hit_rate", "fraction", "Share of the prompt tokens admitted since the previous step's line that the engine's radix prefix cache served (colocated engine)."),
         ("engine/retractions", "count", "Requests retracted for lack of KV memory (colocated engine, cumulative)."),
         ("resume/in_flight_continued", "groups", "First step after a resume: groups in flight at the checkpoint continued from their recorded tokens (rollout.resume_in_flight)."),
         ("resume/in_flight_retracted", "groups", "First step after a resume: groups in flight at the checkpoint retracted, their prompts back to the data source (the reasons are in the run's log)."),

@@ -140,6 +140,8 @@ class LocalJob:
         self.engine_process: Child | None = None
         """The rollout engine's process, when this job started one (``noria serve`` or vLLM)."""
         self.local_engine: Any = None
+        self.prefix_seen = (0, 0)
+        """The in-process engine's (prompt tokens, cached tokens) totals at the last step's line."""
         self.engine_key: str | None = None
         """The API key of the ``noria serve`` child this job started (its ``/get_load`` feeds ``engine_metrics``)."""
         self.client: Any = None
@@ -540,11 +542,18 @@ class LocalJob:
 
     def engine_metrics(self) -> dict[str, float]:
         """The rollout engine's figures of the step's line: its share of KV blocks in use, and (in this
-        process) its prefix hits and retractions."""
+        process) the step's prefix hits and the retractions so far."""
         if self.local_engine is None:
             return kv_usage([(self.client.base_url, self.engine_key)]) if self.engine_key else {}
         m = self.local_engine.metrics()  # the generic (transformers) engine has no paged KV pool: no kv_usage
-        return {f"engine/{k}": float(m[k]) for k in ("prefix_hit_rate", "retractions", "kv_usage") if k in m}
+        out = {f"engine/{k}": float(m[k]) for k in ("retractions", "kv_usage") if k in m}
+        if "prefix_prompt_tokens" in m:  # this step's share: the engine keeps running totals since its start
+            (prompt0, cached0), now = self.prefix_seen, (m["prefix_prompt_tokens"], m["prefix_cached_tokens"])
+            self.prefix_seen = now
+            out["engine/prefix_hit_rate"] = (now[1] - cached0) / (now[0] - prompt0) if now[0] > prompt0 else 0.0
+        elif "prefix_hit_rate" in m:
+            out["engine/prefix_hit_rate"] = float(m["prefix_hit_rate"])
+        return out
 
     def close(self) -> None:
         self.evals.close()  # evaluation engines stopped, evaluations in flight cancelled

@@ -7,6 +7,8 @@ tests/engine/conftest.py) against the no-cache reference decode.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -169,6 +171,25 @@ def test_metrics_count_prompt_and_cached_tokens(model):
     m = engine.metrics()
     assert (m["prefix_prompt_tokens"], m["prefix_cached_tokens"]) == (6 + 9, 7)
     assert m["prefix_hit_rate"] == pytest.approx(7 / 15)
+    engine.shutdown(1)
+
+
+def test_the_step_line_shows_each_steps_own_prefix_share(model):
+    """``engine/prefix_hit_rate`` in metrics.jsonl is the share of the tokens admitted since the last
+    line (the engine keeps running totals): a step without traffic shows 0, not the history."""
+    from types import SimpleNamespace
+
+    from noria.launch.job import LocalJob
+
+    engine = _engine(model)
+    job = SimpleNamespace(local_engine=engine, prefix_seen=(0, 0))
+    line = functools.partial(LocalJob.engine_metrics, job)
+    first = GenerateRequest(input_ids=prompt(6), sampling=greedy(2))
+    out = engine.generate_batch([first])[0]
+    assert line()["engine/prefix_hit_rate"] == 0.0  # step 1: 6 prompt tokens, none cached
+    engine.generate_batch([GenerateRequest(input_ids=_next_turn(first, out, [3]), sampling=greedy(2))])
+    assert line()["engine/prefix_hit_rate"] == pytest.approx(7 / 9)  # step 2 alone, not 7/15 since start
+    assert line()["engine/prefix_hit_rate"] == 0.0  # nothing admitted since
     engine.shutdown(1)
 
 
