@@ -77,7 +77,7 @@ def _engine(model_dir, dtype, **kw):
     from noria.engine import Engine
     from noria.models import load_model
 
-    cfg = EngineConfig(kv_cache_tokens=4096, block_size=4, max_running_requests=16, **kw)
+    cfg = EngineConfig(**{"kv_cache_tokens": 4096, "block_size": 4, "max_running_requests": 16, **kw})
     return Engine(load_model(model_dir, dtype=dtype, device="cuda"), None, cfg)
 
 
