@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from noria.config.schema import ConfigError, option
 
@@ -22,6 +22,12 @@ class EngineConfig:
         None, "KV-cache capacity in tokens; null sizes it from kv_memory_fraction of free memory."
     )
     kv_memory_fraction: float = option(0.3, "Share of free memory given to the KV cache when kv_cache_tokens is null.")
+    kv_job_tokens: int | None = option(
+        None,
+        "KV tokens the job can use at once; with kv_cache_tokens null the cache gets the smaller of this and "
+        "kv_memory_fraction's share. noria train fills it in for RL (job_kv_tokens: sequences generating together x "
+        "the longest prompt + answer); null: no bound.",
+    )
     max_context: int | None = option(None, "Longest prompt + output in tokens; null uses the model's max positions.")
     prefix_cache: bool = option(True, "Reuse KV blocks of shared prompt prefixes (radix tree, LRU eviction).")
     deterministic: bool = option(
@@ -45,6 +51,8 @@ class EngineConfig:
                 raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ConfigError(f"engine.kv_cache_tokens must be >= engine.block_size, got {self.kv_cache_tokens}")
+        if self.kv_job_tokens is not None and self.kv_job_tokens < self.block_size:
+            raise ConfigError(f"engine.kv_job_tokens must be >= engine.block_size, got {self.kv_job_tokens}")
         if not 0 < self.kv_memory_fraction <= 0.95:
             raise ConfigError(f"engine.kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if self.chunked_prefill_size > self.max_batch_tokens:
@@ -54,3 +62,22 @@ class EngineConfig:
                 "engine.quantization=fp8 cannot be combined with engine.deterministic (deterministic mode runs the "
                 "trainer's own bf16 numerics)"
             )
+
+
+def job_kv_tokens(config: Any) -> int | None:
+    """The KV tokens an RL run's engine can use at once (``engine.kv_job_tokens``), from its config:
+    the most sequences generating together (the rollout's places, ``rollout.max_in_flight`` or
+    ``prompts_per_step * n_samples``, or one evaluation batch, ``eval.batch_size * eval.n_samples``;
+    at most ``engine.max_running_requests``) times the longest of them (``data.max_prompt_tokens``
+    plus the longer of ``rollout.max_new_tokens`` and ``eval.max_new_tokens``, and one block for the
+    partly filled last one). Prompts shared by a group are counted once per sample, so this is an
+    upper bound. None where the config does not bound it: no ``data.max_prompt_tokens``, or a
+    rollout, generate or agent function (multi-turn contexts)."""
+    r, e = config.rollout, config.engine
+    if config.data.max_prompt_tokens is None or any(getattr(r, k) for k in ("rollout_fn", "generate_fn", "agent_fn")):
+        return None
+    rollout = r.max_in_flight or (r.prompts_per_step or 8) * r.n_samples
+    evaluation = config.eval.batch_size * config.eval.n_samples
+    sequences = min(max(rollout, evaluation), e.max_running_requests)
+    longest = config.data.max_prompt_tokens + max(r.max_new_tokens, config.eval.max_new_tokens) + e.block_size
+    return sequences * longest

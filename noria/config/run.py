@@ -87,13 +87,18 @@ class RunConfig:
     def resolve(self) -> None:
         """The named steps that fill in derived values, run after ``validate`` by ``load_config`` (the
         saved config holds their results): the batch (``resolve_batch`` for RL; SFT's default
-        ``train.global_batch`` of 8), then the dtypes (``resolve_dtypes``)."""
+        ``train.global_batch`` of 8), then the dtypes (``resolve_dtypes``), then for RL the KV tokens the
+        job can use (``engine.kv_job_tokens``, ``noria.config.engine.job_kv_tokens``)."""
         if self.train.algorithm == "sft":
             if self.train.global_batch is None:
                 self.train.global_batch = 8
         else:
             resolve_batch(self)
         resolve_dtypes(self)
+        if self.train.algorithm == "rl" and self.engine.kv_job_tokens is None:
+            from noria.config.engine import job_kv_tokens
+
+            self.engine.kv_job_tokens = job_kv_tokens(self)  # what the job can use bounds the KV cache
         if self.train.loss.opd_coef > 0 and self.opd.placement == "trainer":
             self.train.teacher = self.opd.teacher  # the backend's frozen teacher (compute_logprobs "teacher")
 

@@ -105,11 +105,14 @@ class KVCache:
     def for_model(
         cls, args: ModelArgs, config: EngineConfig, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
-        """Size the cache from ``config`` (explicit tokens, or a share of free memory)."""
+        """Size the cache from ``config``: explicit tokens, or a share of free memory bounded by what
+        the job can use (``engine.kv_job_tokens``; see ``noria.config.engine.job_kv_tokens``)."""
         tokens = config.kv_cache_tokens
         if tokens is None:
             budget = config.kv_memory_fraction * available_memory_bytes(device)
             tokens = int(budget // bytes_per_token(args, dtype))
+            if config.kv_job_tokens is not None:
+                tokens = min(tokens, config.kv_job_tokens)
         num_blocks = tokens // config.block_size
         if num_blocks < 1:
             raise ValueError(
