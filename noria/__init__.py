@@ -11,8 +11,12 @@ The Python API, loaded on first use so that ``import noria`` stays cheap (docs/p
     noria.Engine(model).generate(["prompt", ...]) -> ["completion", ...]
     noria.register_reward(name, fn), noria.get_reward(name), noria.REWARDS (the reward registry)
 
-Their home is ``noria.launch.api`` (and ``noria.rewards.registry`` for the registry).
+Their home is ``noria.launch.api`` (and ``noria.rewards.registry`` for the registry). ``noria.train``
+is also the trainer's package: reached as an attribute it is that package, made callable (``_Noria``).
 """
+
+import sys as _sys
+import types as _types
 
 from noria.hardware import apply_isa_override
 
@@ -22,7 +26,6 @@ apply_isa_override()
 __version__ = "0.1.0"
 
 _LAZY = {
-    "train": "noria.launch.api",
     "Engine": "noria.launch.api",
     "register_reward": "noria.rewards.registry",
     "get_reward": "noria.rewards.registry",
@@ -42,4 +45,40 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    return sorted([*globals(), *_LAZY, "train"])
+
+
+class _TrainPackage(_types.ModuleType):
+    """The class of the package ``noria.train`` (the trainer) once reached as ``noria.train``: the
+    package, whose modules import as always, and callable as the Python API's ``train``."""
+
+    def __call__(self, *args, **kwargs):
+        """``noria.launch.api.train``: train as ``noria train`` does; returns the run folder."""
+        from noria.launch.api import train
+
+        return train(*args, **kwargs)
+
+
+class _Noria(_types.ModuleType):
+    """The class of this package's module. ``noria.train`` names both the trainer package and the
+    function of the Python API: the attribute is a property that returns the package, made callable
+    (``_TrainPackage``), so that ``noria.train(...)`` and ``import noria.train.fsdp`` both work, whether
+    or not the package was imported before (the import system stores it through the setter)."""
+
+    @property
+    def train(self):
+        package = self.__dict__.get("train")
+        if package is None:
+            import importlib
+
+            package = importlib.import_module("noria.train")
+        if type(package) is _types.ModuleType:
+            package.__class__ = _TrainPackage
+        return package
+
+    @train.setter
+    def train(self, value) -> None:
+        self.__dict__["train"] = value
+
+
+_sys.modules[__name__].__class__ = _Noria

@@ -80,9 +80,9 @@ def _check_data(config: RunConfig) -> None:
         from noria.data.chat import resolve_chat_template
 
         resolve_chat_template(config.data.chat_template)
-    from noria.data.hub import is_hub_id
+    from noria.data.hub import is_hub_dataset
 
     for key in ("path", "test_path"):
         value = getattr(config.data, key)
-        if value is not None and not Path(value).exists() and not is_hub_id(value):  # a hub id: read at run start
+        if value is not None and not Path(value).exists() and not is_hub_dataset(value):  # a hub id: read at run start
             raise NoriaError(f"data.{key}: {value} not found (relative paths start at {Path.cwd()})")

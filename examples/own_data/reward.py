@@ -16,11 +16,14 @@ def _text(completion) -> str:
 
 
 def capital(completions, answer, **kwargs) -> list[float]:
-    """1.0 when the answer names the capital and says little else, 0.5 when it names it in a longer
-    answer, 0.0 when it does not name it."""
+    """0.0 when the answer does not name the capital; else 1.0 for the city's name alone, 0.1 less for
+    each word beyond it, and at least 0.2 ("The capital of Japan is Tokyo." scores 0.5)."""
     rewards = []
     for completion, city in zip(completions, answer):
         text = _text(completion).strip()
-        named = city.lower() in text.lower()
-        rewards.append(0.0 if not named else 1.0 if len(text.split()) <= len(city.split()) + 2 else 0.5)
+        if city.lower() not in text.lower():
+            rewards.append(0.0)
+            continue
+        extra_words = max(0, len(text.split()) - len(city.split()))
+        rewards.append(max(0.2, 1.0 - 0.1 * extra_words))
     return rewards

@@ -53,7 +53,7 @@ def parse_hub_id(value: str | os.PathLike) -> tuple[str, str | None] | None:
     if not isinstance(value, str) or Path(value).expanduser().exists():
         return None
     match = HUB_ID.fullmatch(value)
-    if match is None or match["repo"].endswith((".", "..")) or ".." in match["repo"]:
+    if match is None or ".." in match["repo"]:  # a relative path upwards, never a repo name
         return None
     return match["repo"], match["revision"]
 
@@ -61,6 +61,14 @@ def parse_hub_id(value: str | os.PathLike) -> tuple[str, str | None] | None:
 def is_hub_id(value: str | os.PathLike) -> bool:
     """Whether ``value`` names a hub repo (``Org/Name[@revision]``) rather than a local path."""
     return parse_hub_id(value) is not None
+
+
+def is_hub_dataset(value: str | os.PathLike) -> bool:
+    """Whether ``data.path`` / ``data.test_path`` names a hub dataset: a hub id that does not end like a
+    data file (``x/train.jsonl`` that is not here is a missing file, not a hub repo)."""
+    from noria.data.source import SUPPORTED_SUFFIXES
+
+    return is_hub_id(value) and Path(str(value)).suffix.lower() not in SUPPORTED_SUFFIXES
 
 
 def snapshot(value: str, repo_type: str = "model", key: str = "model.path") -> Path:
@@ -113,7 +121,6 @@ def _first_line(error: Exception) -> str:
 
 
 # ---------------------------------------------------------------------------------------- datasets
-
 
 
 SAVED_MARKERS = ("dataset_dict.json", "state.json")

@@ -91,9 +91,9 @@ def read_prompt_file(
     """Read and validate every row of ``path``; raise ``DataError`` on the first bad row unless skipping.
     ``path`` may be a hub dataset id ``Org/Name[@revision]`` (``noria.data.hub``); ``split`` picks one
     split of a hub dataset (default train) or of a saved ``DatasetDict``; ``subset`` a hub dataset's config."""
-    from noria.data.hub import hub_rows, is_hub_id
+    from noria.data.hub import hub_rows, is_hub_dataset
 
-    if not Path(path).exists() and is_hub_id(str(path)):
+    if not Path(path).exists() and is_hub_dataset(str(path)):
         rows = hub_rows(str(path), split or "train", subset, key)
         raw: Iterator[tuple[str, Any]] = ((f"row {i + 1}", row) for i, row in enumerate(rows))
     else:

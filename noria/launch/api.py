@@ -12,9 +12,14 @@ How the arguments become config keys:
 - ``dataset``: a file or folder path or hub id -> ``data.path``; a list of dicts or a
   ``datasets.Dataset`` -> written once as JSON Lines under ``$NORIA_HOME/datasets/<sha256>.jsonl``
   (named by content: the same rows give the same file, so the saved config can resume the run) ->
-  ``data.path``. For such in-memory rows, unless the config sets them, ``data.label_key`` is
-  ``label`` when every row has one (else null) and ``data.metadata_keys`` are the other columns, so
-  that every column reaches a reward function by name, as in TRL.
+  ``data.path``; it replaces a built-in task (``data.task``, ``data.task_args``) of the config.
+  ``eval_dataset``, in the same forms, is ``data.test_path`` (what ``eval.every`` evaluates on). For
+  in-memory rows, unless the config sets them, ``data.label_key`` is ``label`` when every row has one
+  (else null) and ``data.metadata_keys`` are the other columns, so that every column reaches a reward
+  function by name, as in TRL. With ``train.algorithm: sft`` the rows are chat rows
+  (``{"messages": [...]}``), written as they are and checked by the SFT job.
+- ``resume``: a run folder to continue; without ``config``, its own saved config is the base (as
+  ``noria train --resume RUN_DIR``).
 - ``reward_funcs``: names or import paths (strings), or functions. A function that is importable by
   its module and name (a module on ``sys.path``, not ``__main__``) is saved as that import path, so
   the saved config runs again from the CLI. Any other function (defined in a script's ``__main__``, a
@@ -22,6 +27,8 @@ How the arguments become config keys:
   rewards are scored in the process that calls ``train`` (the rollout runs there for every job kind;
   engines and trainer ranks never call rewards), so it is found there; the saved config names it,
   and resuming needs the same function passed again (``train(resume=..., reward_funcs=[fn])``).
+  They replace the config's reward, and its ``reward.kwargs`` unless the name stays the same or the
+  overrides set them.
   Several functions are summed, weighted by ``reward_weights`` (TRL's rule); each must take TRL's
   batched form ``fn(completions, **kwargs) -> list[float]``.
 - ``overrides``: dotted keys as keyword arguments (``**{"train.max_steps": 5}``), or a section as a
@@ -62,6 +69,7 @@ def train(
     reward_funcs: Any = None,
     *,
     config: str | os.PathLike | dict | None = None,
+    eval_dataset: Any = None,
     reward_weights: Sequence[float] | None = None,
     run_dir: str | os.PathLike | None = None,
     resume: str | os.PathLike | None = None,
@@ -69,7 +77,13 @@ def train(
     **overrides: Any,
 ) -> Path:
     """Train as ``noria train`` does and return the run folder (see the module docstring)."""
-    run_config = build_config(model, dataset, reward_funcs, config=config, reward_weights=reward_weights, **overrides)
+    if resume is not None and config is None:  # as `noria train --resume RUN`: the run's own resolved config
+        from noria.run_folder import saved_config
+
+        config = saved_config(str(resume))
+    run_config = build_config(
+        model, dataset, reward_funcs, config=config, eval_dataset=eval_dataset, reward_weights=reward_weights, **overrides
+    )
     from noria.preflight import check_references
 
     check_references(run_config)
@@ -81,7 +95,7 @@ def train(
 
 
 def build_config(
-    model: Any = None, dataset: Any = None, reward_funcs: Any = None, *, config: Any = None,
+    model: Any = None, dataset: Any = None, reward_funcs: Any = None, *, config: Any = None, eval_dataset: Any = None,
     reward_weights: Sequence[float] | None = None, **overrides: Any,
 ) -> Any:
     """The validated, resolved ``RunConfig`` that ``train`` runs with these arguments."""
@@ -97,9 +111,14 @@ def build_config(
     if model is not None:
         set_dotted(raw, "model.path", str(model))
     if dataset is not None:
-        _set_dataset(raw, dataset)
+        _set_dataset(raw, dataset, "path")
+    if eval_dataset is not None:
+        _set_dataset(raw, eval_dataset, "test_path")
     if reward_funcs is not None:
-        set_dotted(raw, "reward.name", reward_name(reward_funcs, reward_weights))
+        name, before = reward_name(reward_funcs, reward_weights), (raw.get("reward") or {}).get("name")
+        if name != before and not _given(overrides, "reward", "kwargs"):  # the config's kwargs were its own reward's
+            set_dotted(raw, "reward.kwargs", {})
+        set_dotted(raw, "reward.name", name)
     elif reward_weights is not None:
         raise NoriaError("reward_weights: given without reward_funcs")
     run_config = from_dict(RunConfig, raw)  # the steps of noria.config.schema.load, from a dict
@@ -135,45 +154,54 @@ def _base(config: Any, read_config_file: Callable[[Path], dict]) -> dict[str, An
 # ----------------------------------------------------------------------------------------- dataset
 
 
-def _set_dataset(raw: dict[str, Any], dataset: Any) -> None:
-    from noria.config.schema import set_dotted
+def _given(overrides: dict[str, Any], section: str, key: str) -> bool:
+    """Whether the overrides set ``section.key`` (dotted, or inside a section dict)."""
+    return f"{section}.{key}" in overrides or key in (overrides.get(section) or {})
 
+
+def _set_dataset(raw: dict[str, Any], dataset: Any, key: str) -> None:
+    """``data.<key>`` (``path`` or ``test_path``) for ``dataset``; in-memory rows also set the column keys."""
     data = raw.setdefault("data", {})
     if not isinstance(data, dict):
         raise NoriaError("config: data must be a section (a mapping)")
-    data["task"] = None  # the dataset replaces a built-in task of the config
+    if key == "path":  # the dataset replaces a built-in task of the config
+        data["task"], data["task_args"] = None, {}
     if isinstance(dataset, (str, os.PathLike)):
-        set_dotted(raw, "data.path", str(dataset))
+        data[key] = str(dataset)
         return
-    rows = dataset_rows(dataset)
+    what = "dataset" if key == "path" else "eval_dataset"
+    rows = dataset_rows(dataset, what)
+    if (raw.get("train") or {}).get("algorithm") == "sft":  # chat rows {"messages": [...]}, checked by the SFT job
+        data[key] = str(write_rows(rows, what))
+        return
     columns = _common_columns(rows)
     prompt_key = data.get("prompt_key", "prompt")
     if prompt_key not in columns:
-        raise NoriaError(f"dataset: row 0 has no {prompt_key!r} column (data.prompt_key); its columns: {sorted(rows[0])}")
+        raise NoriaError(f"{what}: row 0 has no {prompt_key!r} column (data.prompt_key); its columns: {sorted(rows[0])}")
     if "label_key" not in data:
         data["label_key"] = "label" if "label" in columns else None
     if "metadata_keys" not in data:
         data["metadata_keys"] = [c for c in columns if c not in (prompt_key, data["label_key"])]
-    data["path"] = str(write_rows(rows))
-    data["format"] = "jsonl"
+    data[key] = str(write_rows(rows, what))
+    data["format"] = "auto"  # the file's .jsonl extension; a path given for the other split keeps its own
 
 
-def dataset_rows(dataset: Any) -> list[dict[str, Any]]:
-    """The rows of a list of dicts or a ``datasets.Dataset``; ``NoriaError`` naming the first bad row."""
+def dataset_rows(dataset: Any, what: str = "dataset") -> list[dict[str, Any]]:
+    """The rows of a list of dicts or a ``datasets.Dataset``; ``NoriaError`` naming ``what`` and the first bad row."""
     kind = type(dataset).__name__
     if kind in ("DatasetDict", "IterableDatasetDict"):
-        raise NoriaError(f"dataset: a {kind} holds several splits ({', '.join(dataset)}); pass one, e.g. dataset['train']")
+        raise NoriaError(f"{what}: a {kind} holds several splits ({', '.join(dataset)}); pass one, e.g. dataset['train']")
     if hasattr(dataset, "to_list"):  # datasets.Dataset
         rows = dataset.to_list()
     elif isinstance(dataset, Iterable) and not isinstance(dataset, (str, bytes, dict)):
         rows = list(dataset)
     else:
-        raise NoriaError(f"dataset: expected a file path, a list of dicts or a datasets.Dataset, got {kind}")
+        raise NoriaError(f"{what}: expected a file path, a list of dicts or a datasets.Dataset, got {kind}")
     if not rows:
-        raise NoriaError("dataset: it has no rows")
+        raise NoriaError(f"{what}: it has no rows")
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise NoriaError(f"dataset: row {i} is a {type(row).__name__}, not a dict of columns")
+            raise NoriaError(f"{what}: row {i} is a {type(row).__name__}, not a dict of columns")
     return rows
 
 
@@ -183,7 +211,7 @@ def _common_columns(rows: list[dict[str, Any]]) -> list[str]:
     return [c for c in rows[0] if c in shared]
 
 
-def write_rows(rows: list[dict[str, Any]]) -> Path:
+def write_rows(rows: list[dict[str, Any]], what: str = "dataset") -> Path:
     """Write ``rows`` as JSON Lines named by their content under ``$NORIA_HOME/datasets``; returns the file."""
     from noria.models.catalog import noria_home
 
@@ -193,7 +221,7 @@ def write_rows(rows: list[dict[str, Any]]) -> Path:
             lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False))
         except (TypeError, ValueError) as e:
             bad = next((k for k, v in row.items() if not _json_ok(v)), "?")
-            raise NoriaError(f"dataset: row {i}, column {bad!r}: not JSON data ({e})") from e
+            raise NoriaError(f"{what}: row {i}, column {bad!r}: not JSON data ({e})") from e
     text = "\n".join(lines) + "\n"
     target = noria_home() / DATASETS_FOLDER / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.jsonl"
     if not target.is_file():

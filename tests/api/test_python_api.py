@@ -28,7 +28,13 @@ def test_import_noria_stays_cheap_and_the_api_is_lazy():
     import subprocess
     import sys
 
-    code = "import sys, noria; assert 'torch' not in sys.modules; assert 'train' in dir(noria); noria.Engine; print('ok')"
+    code = (
+        "import sys, noria; assert 'torch' not in sys.modules; assert 'train' in dir(noria); noria.Engine\n"
+        # noria.train is also the trainer's package: imported first, it stays the package and callable
+        "import noria.train.packing as packing; from noria.train import pack_groups\n"
+        "assert noria.train is sys.modules['noria.train'] and callable(noria.train) and noria.train.packing is packing\n"
+        "print('ok')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
     assert noria.get_reward("numeric") is noria.REWARDS["numeric"]
@@ -63,6 +69,22 @@ def test_rows_become_a_content_named_jsonl_whose_columns_all_reach_the_reward(ho
     assert kept.data.label_key == "answer" and kept.data.metadata_keys == ["level"]
     from_file = build_config(model="m", dataset="examples/own_data/prompts.jsonl", reward_funcs=["exact_match"])
     assert from_file.data.path == "examples/own_data/prompts.jsonl"
+    held_out = build_config(model="m", dataset=ROWS, eval_dataset=ROWS[:3], reward_funcs=["exact_match"])
+    assert held_out.data.path == path and [json.loads(line) for line in open(held_out.data.test_path)] == ROWS[:3]
+
+
+def test_a_dataset_replaces_the_task_and_reward_funcs_the_reward_and_its_kwargs(home):
+    tiny = build_config(config="examples/grpo_tiny.yaml")
+    assert tiny.data.task == "arithmetic" and tiny.reward.kwargs == {"boxed": True}
+    cfg = build_config(config="examples/grpo_tiny.yaml", dataset=ROWS, reward_funcs=["numeric"], **{"eval.every": 0})
+    assert cfg.data.task is None and cfg.data.task_args == {} and cfg.reward.name == "numeric" and cfg.reward.kwargs == {}
+    kept = build_config(config="examples/grpo_tiny.yaml", reward_funcs=["exact_match"], reward={"kwargs": {"boxed": False}})
+    assert kept.reward.kwargs == {"boxed": False} and kept.data.task == "arithmetic"
+    same = build_config(config="examples/grpo_tiny.yaml", reward_funcs=["exact_match"])  # the same reward keeps its kwargs
+    assert same.reward.kwargs == {"boxed": True}
+    chats = [{"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}]
+    sft = build_config(config="examples/sft_tiny.yaml", dataset=chats)
+    assert sft.train.algorithm == "sft" and [json.loads(line) for line in open(sft.data.path)] == chats
 
 
 @pytest.mark.parametrize(
@@ -169,3 +191,9 @@ def test_train_runs_the_tiny_model_with_an_in_process_reward(tiny_model_dir, tmp
     assert len(returned) == 4 and rows[0]["rollout/reward_mean"] == pytest.approx(sum(returned) / 4)
     for answers, levels, _ in calls:
         assert len(set(answers)) == 1 and any(r["answer"] == answers[0] and r["level"] == levels[0] for r in ROWS)
+    # resumed with its own saved config, the in-process reward passed again, and extended by a step
+    calls.clear()
+    again = noria.train(resume=run, reward_funcs=[names_the_sum], progress=False, **{"train.max_steps": 2})
+    assert again == run and len(calls) == 2
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]

@@ -95,3 +95,13 @@ for overrides in (["--data.path", "noria-test/add-one", "--data.split", "validat
     assert "DataError" in errors[2] and "has no split 'validation'" in errors[2] and "train, test" in errors[2]
     assert "HubError" in errors[3] and "repo_type='dataset'" in errors[3] and "HF_HUB_OFFLINE=1" in errors[3]
     assert "data.path: DIR" in errors[3] and "--repo-type dataset" in errors[3]
+
+
+def test_a_missing_data_file_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    from noria.data.hub import is_hub_dataset
+    from noria.data.source import DataError, read_prompt_file
+
+    monkeypatch.chdir(tmp_path)
+    assert is_hub_dataset("org/name") and is_hub_dataset("org/name@v1") and not is_hub_dataset("data/train.jsonl")
+    with pytest.raises(DataError, match="data file not found: data/train.jsonl"):
+        read_prompt_file("data/train.jsonl")
