@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from hub_util import cache_repo, run_python
 
@@ -105,3 +106,22 @@ def test_a_missing_data_file_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
     assert is_hub_dataset("org/name") and is_hub_dataset("org/name@v1") and not is_hub_dataset("data/train.jsonl")
     with pytest.raises(DataError, match="data file not found: data/train.jsonl"):
         read_prompt_file("data/train.jsonl")
+
+
+def test_a_run_trains_from_a_hub_model_and_a_hub_dataset_offline(hub_home, tiny_model_dir, tmp_path):
+    home, _, _ = hub_home
+    cache_repo(home, "noria-test/tiny-llama", tiny_model_dir, refs=("main", "v1"))
+    run = tmp_path / "run"
+    code = f"""
+import noria
+print(noria.train(model="noria-test/tiny-llama@v1", dataset="noria-test/add-one", reward_funcs=["exact_match"],
+                  run_dir={str(run)!r}, progress=False, data={{"prompt_key": "question", "label_key": "answer"}},
+                  rollout={{"n_samples": 2, "prompts_per_step": 2, "max_new_tokens": 4}},
+                  **{{"train.max_steps": 1, "engine.kv_cache_tokens": 2048}}))
+"""
+    proc = run_python(code, home)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["path"] == "noria-test/tiny-llama@v1" and saved["data"]["path"] == "noria-test/add-one"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["reward/scored"] == 4
