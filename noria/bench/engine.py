@@ -18,6 +18,11 @@ dtype for the same shapes, measured in the run: the time of every linear layer o
 at M = B rows (the faster of ``F.linear`` and prepacked oneDNN weights where oneDNN packs the dtype
 here, best of 5), as tokens/s. The JSON's ``machine`` and ``cpu`` fields name the CPU and ISA. ``noria/bound`` is the share of that rate the
 engine reaches end to end (attention, sampling and scheduling included).
+
+``--quant none,int8,int4``: the built-in engine once per ``engine.quantization`` (weight-only
+integer decoder blocks, ``noria.engine.quant``), the peers once at the model dtype. Cases of a
+quantized engine carry the mode (``... int8 batch=N ...``) and list the unquantized engine of the
+same run as the peer ``noria_none``; their bound is the same matmul rate with the integer layers.
 """
 
 from __future__ import annotations
@@ -44,14 +49,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
     parser.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu (empty for none)")
     parser.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
+    parser.add_argument("--quant", default="none", help="comma-separated engine.quantization values of the built-in engine: none, int8, int4")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
 def main(args) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     peers = [p for p in args.peers.split(",") if p]
-    run(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype)
+    quants = [q for q in args.quant.split(",") if q]
+    unknown = [q for q in quants if q not in QUANTS]
+    if unknown or not quants:
+        raise SystemExit(f"--quant: {','.join(unknown) or 'empty'} not supported; choose from {', '.join(QUANTS)}")
+    run(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype, quants)
     return 0
+
+
+QUANTS = ("none", "int8", "int4")
+"""``--quant`` values: the CPU engine's ``engine.quantization`` modes."""
 
 
 def run(
@@ -62,6 +76,7 @@ def run(
     json_path: str | None,
     vllm_python: str | None,
     dtype: str = "auto",
+    quants: list[str] = ("none",),
 ) -> list[dict]:
     from noria.hardware import cpu_info, resolve_dtype
     from noria.models.catalog import model_path
@@ -70,14 +85,14 @@ def run(
     print(f"{cpu_info().summary()}: {dtype}", file=sys.stderr)
     folder = model_path(model)
     prompts = _prompts(folder, max(batches))
-    figures: dict[str, dict[int, float]] = {"noria": _noria(folder, prompts, batches, new_tokens, dtype)}
+    figures: dict[str, dict[int, float]] = {_side(q): _noria(folder, prompts, batches, new_tokens, dtype, q) for q in quants}
     if "hf_generate" in peers:
         figures["hf_generate"] = _hf_generate(folder, prompts, batches, new_tokens, dtype)
     if "vllm_cpu" in peers:
         figures["vllm_cpu"] = _vllm(folder, prompts, batches, new_tokens, vllm_python, dtype)
-    bounds = _matmul_bound(folder, batches, dtype)
-    results = _results(model, dtype, batches, new_tokens, figures, bounds)
-    _print(results, peers)
+    bounds = {q: _matmul_bound(folder, batches, dtype, q) for q in quants}
+    results = [row for q in quants for row in _results(model, dtype, batches, new_tokens, figures, bounds[q], q)]
+    _print(results, peers, quants)
     if json_path:
         write_json(json_path, "engine", results)
     return results
@@ -92,13 +107,22 @@ def _prompts(folder: Path, n: int) -> list[list[int]]:
     return [r.ids for r in render_prompts(records[:n], tokenizer)]
 
 
-def _noria(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str) -> dict[int, float]:
+def _side(quant: str) -> str:
+    """The figures' key of the built-in engine with ``engine.quantization: quant``."""
+    return "noria" if quant == "none" else f"noria_{quant}"
+
+
+def _noria(
+    folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str, quant: str = "none"
+) -> dict[int, float]:
     from noria.config import EngineConfig
     from noria.engine import Engine
     from noria.engine.protocol import GenerateRequest, SamplingParams
 
     longest = max(len(p) for p in prompts) + new_tokens
-    config = EngineConfig(max_running_requests=max(batches), kv_cache_tokens=max(batches) * (longest + 16) + 1024)
+    config = EngineConfig(
+        max_running_requests=max(batches), kv_cache_tokens=max(batches) * (longest + 16) + 1024, quantization=quant
+    )
     engine = Engine.from_path(folder, config, dtype=dtype)
     try:
         def requests(rows, n):
@@ -162,18 +186,21 @@ def _vllm(
 
 
 @torch.inference_mode()
-def _matmul_bound(folder: Path, batches: list[int], dtype: str) -> dict[int, float]:
+def _matmul_bound(folder: Path, batches: list[int], dtype: str, quant: str = "none") -> dict[int, float]:
     """tokens/s if a decode step cost only its linear layers at this machine's measured rate.
 
     One "step" calls every linear layer once, in model order (so weights stream from memory as in
     a real step). It is timed two ways, ``F.linear`` and oneDNN with every weight packed ahead
     (what the engine runs on CPU), and the faster counts: the bound is the machine's rate, not one
     API's. Best of several repetitions, so that a busy machine lowers it as little as it can.
+    With ``quant``, the decoder blocks' linears are the engine's integer layers (one way only).
     """
     from noria.hardware import packed_linear_ok
     from noria.models import load_model
 
     model = load_model(folder, dtype=getattr(torch, dtype))
+    if quant != "none":
+        return _quant_bound(model, batches, quant)
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     out = {}
     for batch in batches:
@@ -182,6 +209,29 @@ def _matmul_bound(folder: Path, batches: list[int], dtype: str) -> dict[int, flo
         if weights[0].device.type == "cpu" and packed_linear_ok(weights[0].dtype):
             steps.append(_packed_step(weights, x, batch))
         out[batch] = batch / min(_best_seconds(step) for step in steps)
+    return out
+
+
+def _quant_bound(model, batches: list[int], quant: str) -> dict[int, float]:
+    """:func:`_matmul_bound` with the decoder blocks' linears as ``noria.engine.quant`` layers (the
+    head as the engine runs it: packed where oneDNN packs the dtype)."""
+    from noria.engine.inference import PackedLinear, PlainLinear
+    from noria.engine.quant import LAYERS
+    from noria.hardware import packed_linear_ok
+
+    head = model.lm_head.weight
+    blocks = [m.weight for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    out = {}
+    for batch in batches:
+        layers = [LAYERS[quant]([w], [None]) for w in blocks]
+        layers.append((PackedLinear if packed_linear_ok(head.dtype) else PlainLinear)([head], [None], batch))
+        x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in blocks}
+
+        def step() -> None:
+            for layer, w in zip(layers, blocks + [head]):
+                layer(x[w.shape[1]])
+
+        out[batch] = batch / _best_seconds(step)
     return out
 
 
@@ -213,24 +263,41 @@ def _best_seconds(step, reps: int = 5) -> float:
     return best
 
 
-def _results(model, dtype, batches, new_tokens, figures, bounds) -> list[dict]:
+def _results(model, dtype, batches, new_tokens, figures, bounds, quant: str = "none") -> list[dict]:
+    """One row per batch for the engine with ``quant``; the other engines of the run are its peers
+    (the built-in engine's other quantizations included, as ``noria_<mode>``, or ``noria_none``)."""
+    side = _side(quant)
+    tag = "" if quant == "none" else f" {quant}"
     rows = []
     for batch in batches:
+        peers = {("noria_none" if name == "noria" else name): round(f[batch], 1)
+                 for name, f in figures.items() if name != side and batch in f}
         rows.append({
-            "case": f"{model} {dtype} batch={batch} new={new_tokens}",
+            "case": f"{model} {dtype}{tag} batch={batch} new={new_tokens}",
             "metric": "tokens_per_s",
-            "noria": round(figures["noria"][batch], 1),
-            "peers": {name: round(f[batch], 1) for name, f in figures.items() if name != "noria" and batch in f},
+            "noria": round(figures[side][batch], 1),
+            "peers": peers,
             "bound": round(bounds[batch], 1),
         })
     return rows
 
 
-def _print(results: list[dict], peers: list[str]) -> None:
-    header = ["case", "noria", *peers, *[f"noria/{p}" for p in peers], "bound", "noria/bound"]
+def _print(results: list[dict], peers: list[str], quants: list[str] = ("none",)) -> None:
+    """One line per batch: the built-in engine of each quantization side by side, the peers, each
+    quantized engine against the unquantized one, each engine against each peer, and against its bound.
+    ``results``: :func:`_results`' rows of every quantization, in ``quants`` order."""
+    sides = [_side(q) for q in quants]
+    per_quant = len(results) // len(quants)
+    against = [(s, "noria") for s in sides if s != "noria" and "noria" in sides]
+    against += [(s, p) for s in sides for p in peers]
+    header = ["case", *sides, *peers, *[f"{a}/{b}" for a, b in against], *[f"{s}/bound" for s in sides]]
     rows = []
-    for r in results:
-        peer_values = [r["peers"].get(p) for p in peers]
-        ratios = [r["noria"] / v if v else None for v in peer_values]
-        rows.append([r["case"], r["noria"], *peer_values, *ratios, r["bound"], r["noria"] / r["bound"]])
+    for i in range(per_quant):
+        line = [results[k * per_quant + i] for k in range(len(quants))]
+        values = {**line[0]["peers"], **{s: r["noria"] for s, r in zip(sides, line)}}
+        values.setdefault("noria", values.get("noria_none"))
+        ratios = [values[a] / values[b] if values.get(b) else None for a, b in against]
+        case = line[0]["case"] if quants[0] == "none" else line[0]["case"].replace(f" {quants[0]} ", " ")
+        rows.append([case, *[values[s] for s in sides], *[values.get(p) for p in peers], *ratios,
+                     *[r["noria"] / r["bound"] for r in line]])
     print_table("decode tokens/s (higher is better)", header, rows)

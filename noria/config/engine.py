@@ -40,9 +40,11 @@ class EngineConfig:
         "auto", "Launch the next decode step before the current one's tokens reach the host (they are fed on the "
         "device), hiding the host's per-step work; auto: on where decode steps run as CUDA graphs."
     )
-    quantization: Literal["none", "fp8"] = option(
-        "none", "Rollout weights: none (the model dtype) or fp8 (e4m3 decoder-block linears, per-channel weight and "
-        "per-row activation scales; bf16 models; pair with train.loss.off_policy: tis)."
+    quantization: Literal["none", "fp8", "int8", "int4"] = option(
+        "none", "Rollout weights: none (the model dtype); fp8 (e4m3 decoder-block linears, per-channel weight and "
+        "per-row activation scales; bf16 models; CUDA for speed); int8 (CPU: weight-only, one scale per output "
+        "channel) or int4 (CPU: weight-only, a scale and offset per 32 input channels). Quantized weights are "
+        "re-made at every weight update; pair them with train.loss.off_policy: tis."
     )
 
     def validate(self) -> None:
@@ -57,11 +59,31 @@ class EngineConfig:
             raise ConfigError(f"engine.kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if self.chunked_prefill_size > self.max_batch_tokens:
             raise ConfigError("engine.chunked_prefill_size must not exceed engine.max_batch_tokens")
-        if self.quantization == "fp8" and self.deterministic:
+        if self.quantization != "none" and self.deterministic:
             raise ConfigError(
-                "engine.quantization=fp8 cannot be combined with engine.deterministic (deterministic mode runs the "
-                "trainer's own bf16 numerics)"
+                f"engine.quantization={self.quantization} cannot be combined with engine.deterministic (deterministic "
+                "mode runs the trainer's own numerics); use engine.quantization: none"
             )
+
+    def check_model(self, device: str, impl: str) -> None:
+        """The rules between this section and the model's: int8 and int4 are CPU kernels of the
+        built-in engine (``model.device`` and ``model.impl`` are the model section's keys)."""
+        if self.quantization not in CPU_QUANTIZATIONS:
+            return
+        if device != "cpu":
+            raise ConfigError(
+                f"engine.quantization={self.quantization} runs on CPU only (model.device is {device}); supported on "
+                "CUDA: none, fp8"
+            )
+        if impl == "hf":
+            raise ConfigError(
+                f"engine.quantization={self.quantization} needs the built-in engine's native model; model.impl=hf "
+                "serves with the generic transformers engine, which supports engine.quantization: none only"
+            )
+
+
+CPU_QUANTIZATIONS = ("int8", "int4")
+"""Values of ``engine.quantization`` served by CPU kernels only."""
 
 
 def job_kv_tokens(config: Any) -> int | None:

@@ -81,6 +81,11 @@ class HFEngine:
         from noria.models import load_model
         from noria.models.catalog import model_path
 
+        if config.quantization != "none":
+            raise ValueError(
+                f"engine.quantization={config.quantization}: {path} is served by the generic transformers engine "
+                "(no native model for its architecture, or model.impl=hf), which supports engine.quantization: none only"
+            )
         dtype = hardware.resolve_dtype(dtype, device)
         model = load_model(path, dtype=getattr(torch, dtype), device=device, impl="hf")
         tokenizer = try_tokenizer(path)

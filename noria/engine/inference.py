@@ -40,6 +40,12 @@ Everywhere else (CUDA, bf16 on AVX2, deterministic mode) the runner calls the mo
 packed oneDNN matmul and MKL's ``F.linear`` sum in different orders, so there the fast forward
 equals the plain one to rounding, not bitwise (measured on AVX2: 0.6x the time of ``F.linear``
 at 1 row, 0.44x at 8, 0.69x at 32 for a 576 -> 3072 layer).
+``engine.quantization: int8 | int4``: the decoder blocks' four matmuls are the integer layers of
+``noria.engine.quant`` instead of packed ones (the head stays packed, or plain where oneDNN does not
+pack the dtype). Then every step runs these layers, long prefills included, and after an update
+:meth:`FastDecoder.requantize` re-quantizes in place, synchronously, inside the commit: the model's
+own (unquantized) modules never serve, so every token comes from the quantized policy.
+
 Blocking: none beyond the forward itself. Memory: one extra copy of the linear weights.
 Not guaranteed: bitwise the same tokens on both sides of an update in fp32, where the packed and the
 plain matmuls round differently (a step right after an update may run either).
@@ -55,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from noria import hardware
-from noria.engine import kernels
+from noria.engine import kernels, quant
 from noria.models.decoder import DecoderLM, DecoderLayer, apply_rope, rope_inv_freq, rope_tables
 
 MAX_ROWS = 160
@@ -104,11 +110,31 @@ def _layer_linears(layer: DecoderLayer) -> Linears:
     return [([m.weight.detach() for m in g], [None if m.bias is None else m.bias.detach() for m in g]) for g in groups]
 
 
-class _PackedLayer:
-    """One decoder layer's four matmuls: qkv, o, gate_up, down."""
+class PlainLinear:
+    """``F.linear`` over the concatenated weights: the head where oneDNN does not pack the dtype."""
 
-    def __init__(self, linears: Linears, batch_hint: int) -> None:
-        self.qkv, self.o, self.gate_up, self.down = (PackedLinear(w, b, batch_hint) for w, b in linears)
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], batch_hint: int = 0) -> None:
+        self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.bias = biases[0] if len(biases) == 1 else None
+        self.sizes = [w.shape[0] for w in weights]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _PackedLayer:
+    """One decoder layer's four matmuls: qkv, o, gate_up, down (packed, or quantized)."""
+
+    def __init__(self, linears: Linears, batch_hint: int, quantized: type | None = None) -> None:
+        if quantized is None:
+            self.qkv, self.o, self.gate_up, self.down = (PackedLinear(w, b, batch_hint) for w, b in linears)
+        else:
+            self.qkv, self.o, self.gate_up, self.down = (quantized(w, b) for w, b in linears)
+
+    def update(self, linears: Linears) -> None:
+        """Quantized layers: re-quantize new weights into the existing buffers."""
+        for layer, (weights, biases) in zip((self.qkv, self.o, self.gate_up, self.down), linears):
+            layer.update(weights, biases)
 
 
 class Packed(NamedTuple):
@@ -121,10 +147,13 @@ class Packed(NamedTuple):
 class FastDecoder:
     """The runner's forward over a :class:`DecoderLM` with packed weights; see the module docstring."""
 
-    def __init__(self, model: DecoderLM, batch_hint: int = 64, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, model: DecoderLM, batch_hint: int = 64, max_rows: int = MAX_ROWS, quantization: str = "none") -> None:
         self.model = model
         self.batch_hint = batch_hint
         self.max_rows = max_rows
+        self.quantized: type | None = quant.LAYERS[quantization] if quantization != "none" else None
+        """The integer layer class of ``engine.quantization`` (``noria.engine.quant``), or None."""
+        self._head = PackedLinear if hardware.packed_linear_ok(next(model.parameters()).dtype) else PlainLinear
         self.packed: Packed | None = None
         """The packed weights of the current parameters; None while they are being packed."""
         self._lock = threading.Lock()
@@ -153,6 +182,24 @@ class FastDecoder:
             self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="noria-repack")
         return self._packer.submit(self._install, weights, generation)
 
+    @torch.no_grad()
+    def requantize(self) -> None:
+        """Quantized layers: re-quantize every layer from the model's current parameters into its
+        buffers (in place) and re-pack the head, now, on the calling thread (the engine thread,
+        inside the commit); the layers are spread over the pack workers."""
+        layers, head = self._weights()
+        packed = self.packed
+        with self._lock:
+            self._generation += 1
+        list(self._pool().map(lambda pair: pair[0].update(pair[1]), zip(packed.layers, layers)))
+        bias = self.model.lm_head.bias
+        self.packed = Packed(packed.layers, self._head([head], [None if bias is None else bias.detach()], self.batch_hint))
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._workers is None:
+            self._workers = concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="noria-pack")
+        return self._workers
+
     def wait_packed(self) -> None:
         """Block until the packing in progress (if any) is done."""
         if self._packer is not None:
@@ -174,10 +221,9 @@ class FastDecoder:
         little from its own threads: SmolLM2-135M on two Zen 4 cores, 0.07-0.08 s against 0.09-0.14)."""
         layers, head = weights
         bias = self.model.lm_head.bias
-        if self._workers is None:
-            self._workers = concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="noria-pack")
-        packed_head = self._workers.submit(PackedLinear, [head], [None if bias is None else bias.detach()], self.batch_hint)
-        packed_layers = list(self._workers.map(lambda linears: _PackedLayer(linears, self.batch_hint), layers))
+        workers = self._pool()
+        packed_head = workers.submit(self._head, [head], [None if bias is None else bias.detach()], self.batch_hint)
+        packed_layers = list(workers.map(lambda linears: _PackedLayer(linears, self.batch_hint, self.quantized), layers))
         return Packed(packed_layers, packed_head.result())
 
     @torch.no_grad()
@@ -188,7 +234,7 @@ class FastDecoder:
         inner = self.model.model
         h = inner.embed_tokens(input_ids)
         cos, sin = rope_tables(rope_inv_freq(inner.args, input_ids.device), positions, h.dtype)
-        if input_ids.shape[1] > self.max_rows:
+        if input_ids.shape[1] > self.max_rows and self.quantized is None:
             for layer in inner.layers:
                 h = layer(h, cos, sin, ctx)
             return inner.norm(h)

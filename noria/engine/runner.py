@@ -31,6 +31,10 @@ through SDPA per sequence.
 (``noria.engine.fp8``; re-made by ``refresh_weights``) and every path (eager, graphs, the fused
 decoder) multiplies with them; the CPU packed path is off.
 
+``engine.quantization: int8 | int4`` (CPU): the fast decoder runs the integer layers of
+``noria.engine.quant`` for every step, and ``refresh_weights`` re-quantizes them in place before
+the commit returns (``FastDecoder.requantize``), so the model's own modules never serve.
+
 Deterministic mode: the model runs its own modules in exact numerics
 (``DecoderLM.set_exact_numerics``, switched on for the engine's model here: linear layers as 2-D
 matmuls of at most ``DETERMINISTIC_ROWS`` rows), and all attention (decode and prefill) goes
@@ -49,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from noria.engine import attention_ref, fp8, inference, kernels
+from noria.engine import attention_ref, fp8, inference, kernels, quant
 from noria.engine.kv_cache import KVCache
 from noria.engine.paged_context import DecodeFn, DecodeMeta, PagedAttentionContext, PrefillMeta
 from noria.engine.scheduler import Chunk
@@ -139,12 +143,20 @@ class ModelRunner:
             if deterministic:
                 raise ValueError("engine.quantization=fp8 cannot be combined with engine.deterministic")
             fp8.quantize_model(model)
+        elif quantization in quant.MODES:
+            if deterministic:
+                raise ValueError(f"engine.quantization={quantization} cannot be combined with engine.deterministic")
+            reason = quant.supported(model, quantization)
+            if reason is not None:
+                raise ValueError(f"engine.quantization={quantization}: {reason}")
         elif quantization != "none":
-            raise ValueError(f"engine.quantization must be none or fp8, got {quantization!r}")
-        # Deterministic mode runs exactly the trainer's modules; elsewhere packed weights on CPU
-        # (not with FP8: the model's layers then carry the FP8 matmuls).
-        use_fast = not deterministic and not self.fp8 and inference.supported(model)
-        self.fast = inference.FastDecoder(model) if use_fast else None
+            raise ValueError(f"engine.quantization must be none, fp8, int8 or int4, got {quantization!r}")
+        self.quantized = quantization in quant.MODES
+        """Integer weights (``noria.engine.quant``) in the fast decoder, re-quantized by :meth:`refresh_weights`."""
+        # Deterministic mode runs exactly the trainer's modules; elsewhere packed (or integer) weights
+        # on CPU (not with FP8: the model's layers then carry the FP8 matmuls).
+        use_fast = not deterministic and not self.fp8 and (self.quantized or inference.supported(model))
+        self.fast = inference.FastDecoder(model, quantization=quantization) if use_fast else None
         self.kernel_prefill = (
             self.device.type == "cpu" and not deterministic and self.decode_fn is kernels.paged_decode_attention
             and kernels.fused_kernels_enabled() and kernels.cpu_kernel() is not None
@@ -167,7 +179,9 @@ class ModelRunner:
 
     def refresh_weights(self) -> None:
         """Rebuild the engine-only weight copies from the model (call after every weight update)."""
-        if self.fast is not None:
+        if self.fast is not None and self.quantized:
+            self.fast.requantize()  # in place, before the commit returns: never the unquantized modules
+        elif self.fast is not None:
             self.fast.refresh_later()  # the model's modules serve until the new packs are in
         if self.fp8:
             fp8.quantize_model(self.model)

@@ -1,0 +1,229 @@
+"""Weight-only integer rollout on CPU (``engine.quantization: int8 | int4``): the quantizers and the
+quantized linear layers of the engine's fast decoder.
+
+What is quantized: the four matmuls of every decoder block as the fast decoder groups them
+(q/k/v as one, o, gate/up as one, down: ``noria.engine.inference``). The embedding, the norms,
+attention, the K/V cache and the LM head stay in the model dtype (the head decides the logprobs the
+trainer compares against). Activations are never quantized: each product takes bf16 activations
+(an fp32 model's are rounded to bf16 for it, and the result widened back) against integer weights,
+dequantized inside torch's kernel, because torch's kernels are vectorized for bf16 activations only
+(fp32 and fp16 activations ran 30-90x slower, below).
+
+Recipes (the functions here are the one definition of each; a trainer that fake-quantizes must
+call them):
+
+- ``int8``: symmetric, one scale per output channel: ``scale = amax(|row|) / 127`` rounded to
+  bf16, ``q = clamp(round_half_even(w / scale), -127, 127)``, ``w ~= q * scale``;
+- ``int4``: asymmetric, one scale and one offset per group of :data:`INT4_GROUP` input channels
+  of a row (the layout of torch's int4 CPU kernel): ``scale = (max - min) / 15``, ``q = clamp(round(
+  (w - min) / scale), 0, 15)``, ``w ~= (q - 8) * scale + zero`` with ``zero = min + 8 * scale``;
+  scale and zero rounded to bf16.
+
+Kernels: torch's own, ``aten._weight_int8pack_mm`` (int8 weights [N, K], per-channel scales) and
+``aten._weight_int4pack_mm_for_cpu`` (weights packed once by ``_convert_weight_to_int4pack_for_cpu``).
+Measured on an AMD EPYC (Zen 4, AVX-512 + AVX512_BF16), 2 cores shared with other work, best of
+5 x 200 calls, the four matmuls of one SmolLM2-135M block (576 -> 960, 576 -> 576, 576 -> 3072,
+1536 -> 576), microseconds per block (``MEASURED`` below; ``NORIA_CPU_ISA=avx2`` for the AVX2 rows,
+where the engine runs fp32 because bf16 is emulated there):
+
+MEASURED
+
+Nothing here is hand-written but the quantizers (a handful of torch ops per weight, run once per
+weight update).
+
+Weight updates: the bf16/fp32 parameters stay (updates land in them); :meth:`Int8Linear.update`
+and :meth:`Int4Linear.update` re-quantize them into the layer's existing buffers, in place, on the
+engine thread inside the commit (``FastDecoder.requantize`` through ``ModelRunner.refresh_weights``),
+so no step ever runs with some layers of the old weights and some of the new, and no step runs the
+unquantized model. Memory: the integer copy on top of the parameters (int8: half the linear weights'
+bf16 bytes; int4: a quarter).
+
+Not guaranteed: the same logprobs as the unquantized model (it is another policy, close to it:
+pair with ``train.loss.off_policy: tis``); bitwise-equal results across row counts (torch's kernels
+are not batch-invariant), hence no deterministic mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("int8", "int4")
+"""The values of ``engine.quantization`` this module serves."""
+INT4_GROUP = 32
+"""Input channels per int4 scale/offset group."""
+MIN_SCALE = 1e-8
+"""Floor of every scale (an all-zero row or group would otherwise divide by zero)."""
+
+
+def supported(model: torch.nn.Module, mode: str) -> str | None:
+    """None if ``model`` can be served with ``mode`` weights here, else the reason it cannot."""
+    if mode not in MODES:
+        return f"unknown quantization {mode!r}; supported: {', '.join(MODES)}"
+    first = next(model.parameters())
+    if first.device.type != "cpu":
+        return f"{mode} weights run on CPU kernels only (the model is on {first.device}); on CUDA use fp8"
+    if first.dtype not in (torch.bfloat16, torch.float32):
+        return f"{mode} serving needs a bfloat16 or float32 model, got {first.dtype}"
+    if getattr(model.args, "moe_layers", None):
+        return f"{mode} weights cover dense decoders only (MoE experts are not quantized)"
+    op = "_weight_int8pack_mm" if mode == "int8" else "_weight_int4pack_mm_for_cpu"
+    if not hasattr(torch.ops.aten, op):
+        return f"this torch has no aten.{op}"
+    if mode == "int4":
+        for i, layer in enumerate(model.model.layers):
+            for name, module in layer.named_modules():
+                if isinstance(module, torch.nn.Linear) and (module.in_features % INT4_GROUP or module.out_features % 16):
+                    return (f"model.layers.{i}.{name} has shape [{module.out_features}, {module.in_features}]; int4 "
+                            f"needs output features a multiple of 16 and input features a multiple of {INT4_GROUP}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------- int8
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K], scales [N] in ``dtype``) with ``weight ~= q * scale[:, None]``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=MIN_SCALE).to(dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight the int8 matmul computes with."""
+    return q.float() * scale.float()[:, None]
+
+
+# ---------------------------------------------------------------------------------------- int4
+
+
+def quantize_int4(weight: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> (codes int32 [N, K] in 0..15, scales [N, K / group], zeros [N, K / group] in ``dtype``)
+    with ``weight ~= (q - 8) * scale + zero`` group by group."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group, group)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=MIN_SCALE).to(dtype)
+    zero = (lo + 8 * scale.float()).to(dtype)
+    lo_rounded = zero.float() - 8 * scale.float()  # the value code 0 stands for, after rounding scale and zero
+    q = torch.round((w - lo_rounded[..., None]) / scale.float()[..., None]).clamp_(0, 15).to(torch.int32)
+    return q.reshape(n, k), scale, zero
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight the int4 matmul computes with."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    w = (q.float().reshape(n, groups, -1) - 8) * scale.float()[..., None] + zero.float()[..., None]
+    return w.reshape(n, k)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes, scales and zeros in the layout of ``aten._weight_int4pack_mm_for_cpu``: packed codes
+    uint8 [N, K / 2] and scale/zero pairs [K / group, N, 2]."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+
+def _concat(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+    if all(b is None for b in biases):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+
+
+COMPUTE_DTYPE = torch.bfloat16
+"""The activations' dtype in the integer matmuls (and the scales' dtype), whatever the model's."""
+
+
+class _QuantLinear:
+    """``x @ cat(weights).T + cat(biases)`` with quantized weights; the fast decoder's layer
+    interface (``sizes``, called on [..., K] activations, answering in their dtype)."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
+        self.sizes = [w.shape[0] for w in weights]
+        self.dtype = COMPUTE_DTYPE
+        self.bias: torch.Tensor | None = None
+        self._install(*_concat(weights, biases))
+
+    @torch.no_grad()
+    def update(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
+        """Re-quantize new weights (same shapes) into this layer's buffers, in place."""
+        weight, bias = _concat(weights, biases)
+        self._requantize(weight)
+        if bias is not None:
+            self.bias.copy_(bias)
+
+    @torch.no_grad()
+    def _install(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _requantize(self, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE).contiguous()
+        y = self._matmul(rows).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class Int8Linear(_QuantLinear):
+    """Per-channel int8 weights through ``aten._weight_int8pack_mm``."""
+
+    def _install(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.scale = quantize_int8(weight, self.dtype)
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def _requantize(self, weight: torch.Tensor) -> None:
+        q, scale = quantize_int8(weight, self.dtype)
+        self.weight.copy_(q)
+        self.scale.copy_(scale)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int8(self.weight, self.scale)
+
+
+class Int4Linear(_QuantLinear):
+    """Group-wise int4 weights through ``aten._weight_int4pack_mm_for_cpu``."""
+
+    def _install(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.scale_zero = pack_int4(*quantize_int4(weight, self.dtype))
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def _requantize(self, weight: torch.Tensor) -> None:
+        packed, scale_zero = pack_int4(*quantize_int4(weight, self.dtype))
+        self.weight.copy_(packed)
+        self.scale_zero.copy_(scale_zero)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scale_zero)
+
+    def dequantized(self) -> torch.Tensor:
+        scale, zero = self.scale_zero.unbind(-1)
+        n = self.scale_zero.shape[1]
+        q = _unpack_codes(self.weight, n)
+        return dequantize_int4(q, scale.t(), zero.t())
+
+
+def _unpack_codes(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The int32 codes [N, K] of a packed int4 weight (through torch's own unpacking: the matmul of
+    the identity), for references and tests."""
+    k = packed.shape[1] * 2
+    eye = torch.eye(k, dtype=torch.float32)
+    ones = torch.stack([torch.ones(k // INT4_GROUP, n), torch.full((k // INT4_GROUP, n), 8.0)], dim=-1)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, INT4_GROUP, ones).t().round().to(torch.int32)
+
+
+LAYERS = {"int8": Int8Linear, "int4": Int4Linear}
+"""The quantized layer class of each mode."""
