@@ -70,8 +70,9 @@ class TrainerRank:
 
         cfg = self.config
         if self.world > 1:
+            local = str(_cuda_index(self.device)) if self.device.startswith("cuda") else os.environ.get("LOCAL_RANK", "0")
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                              WORLD_SIZE=str(self.world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))  # fmt: skip
+                              WORLD_SIZE=str(self.world), LOCAL_RANK=local)  # fmt: skip
             from noria.train.fsdp import init_distributed
 
             init_distributed(self.device)
@@ -219,6 +220,30 @@ class InProcessRanks:
         self.rank.close()
 
 
+def _cuda_index(device: str) -> int:
+    """``cuda`` -> 0, ``cuda:K`` -> K."""
+    return int(device.partition(":")[2] or 0)
+
+
+def local_rank_device(device: str, rank: int, world: int) -> str:
+    """The device of local trainer rank ``rank`` of ``world`` (processes spawned on this machine by
+    ``train.world_size``): ``train.device`` ``cuda`` or ``cuda:K`` puts rank r on cuda:K+r, one GPU
+    each (NCCL refuses two ranks on one device); a CPU device is every rank's. Raises NoriaError,
+    naming the keys, where this machine has too few GPUs."""
+    if not device.startswith("cuda"):
+        return device
+    index = _cuda_index(device) + rank
+    import torch
+
+    if index >= torch.cuda.device_count():
+        raise NoriaError(
+            f"train.world_size={world} with train.device={device!r} puts trainer rank {rank} on cuda:{index}, "
+            f"but this machine has {torch.cuda.device_count()} CUDA GPU(s): ranks take one GPU each, from "
+            f"cuda:{_cuda_index(device)} on (lower train.world_size, or use launch: ray for GPUs on several machines)"
+        )
+    return f"cuda:{index}"
+
+
 def rank_main(rank: int, connection: Any, config: RunConfig, world: int, folder: str) -> None:
     """A local rank process (run by ``rank_process``): run each ``(method, args)`` from the pipe,
     answer ``(ok, result)``, until ``close`` or the job is gone."""
@@ -226,7 +251,7 @@ def rank_main(rank: int, connection: Any, config: RunConfig, world: int, folder:
     from noria.train.fsdp import shutdown_distributed
 
     multicast_off()
-    trainer = TrainerRank(config, rank, world, folder)
+    trainer = TrainerRank(config, rank, world, folder, local_rank_device(config.train.device, rank, world))
     while True:
         try:
             method, args = connection.recv()
@@ -251,6 +276,8 @@ class ProcessRanks:
         self.poll_s = poll_s
         self.pipes, self.processes = [], []
         world = config.train.world_size
+        for rank in range(world):  # refused here, before any rank starts, where the GPUs are too few
+            local_rank_device(config.train.device, rank, world)
         for rank in range(world):
             ours, theirs = spawn_context().Pipe()
             process = start_process(rank_process, (rank, rank_main, theirs, config, world, str(folder)), name=f"noria-rank-{rank}")
