@@ -69,14 +69,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from noria.diffusion.job import train_diffusion
 
         train_diffusion(config, run_dir=run_dir, resume=resume, progress=progress)
-    elif config.train.algorithm == "rl":
-        from noria.launch.rl import run_rl
+    else:  # RL or SFT: the job the Python API's noria.train runs too
+        from noria.launch.api import run
 
-        run_rl(config, run_dir=run_dir, resume=resume, progress=progress)
-    else:
-        from noria.launch.sft import run_sft
-
-        run_sft(config, run_dir=run_dir, resume=resume, progress=progress)
+        run(config, run_dir=run_dir, resume=resume, progress=progress)
     return 0
 
 
