@@ -183,17 +183,33 @@ class FastDecoder:
         return self._packer.submit(self._install, weights, generation)
 
     @torch.no_grad()
-    def requantize(self) -> None:
+    def requantize(self) -> concurrent.futures.Future | None:
         """Quantized layers: re-quantize every layer from the model's current parameters into its
-        buffers (in place) and re-pack the head, now, on the calling thread (the engine thread,
-        inside the commit); the layers are spread over the pack workers."""
+        buffers (in place), now, on the calling thread (the engine thread, inside the commit; the
+        layers spread over the pack workers). The head, which is not quantized, runs ``F.linear``
+        on the new weight at once and its packed copy is made on a background thread (as
+        :meth:`refresh_later` does): the same weights either way, only the kernel differs."""
         layers, head = self._weights()
-        packed = self.packed
+        bias = self.model.lm_head.bias
+        head_bias = [None if bias is None else bias.detach()]
         with self._lock:
             self._generation += 1
-        list(self._pool().map(lambda pair: pair[0].update(pair[1]), zip(packed.layers, layers)))
-        bias = self.model.lm_head.bias
-        self.packed = Packed(packed.layers, self._head([head], [None if bias is None else bias.detach()], self.batch_hint))
+            generation = self._generation
+        list(self._pool().map(lambda pair: pair[0].update(pair[1]), zip(self.packed.layers, layers)))
+        self.packed = Packed(self.packed.layers, PlainLinear([head], head_bias))
+        if self._head is PlainLinear:  # oneDNN does not pack this dtype here: F.linear stays
+            return None
+        if self._packer is None:
+            self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="noria-repack")
+        return self._packer.submit(self._install_head, head, head_bias, generation)
+
+    def _install_head(self, head: torch.Tensor, bias: list[torch.Tensor | None], generation: int) -> None:
+        if generation != self._generation:
+            return
+        packed_head = PackedLinear([head], bias, self.batch_hint)
+        with self._lock:
+            if generation == self._generation:
+                self.packed = Packed(self.packed.layers, packed_head)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._workers is None:

@@ -81,11 +81,24 @@ def supported(model: torch.nn.Module, mode: str) -> str | None:
 # ---------------------------------------------------------------------------------------- int8
 
 
-def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (int8 [N, K], scales [N] in ``dtype``) with ``weight ~= q * scale[:, None]``."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=MIN_SCALE).to(dtype)
-    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+CHUNK_ROWS = 256
+"""Rows quantized at a time: the fp32 temporaries of a chunk stay in cache (and are not fresh pages)."""
+
+
+def quantize_int8(
+    weight: torch.Tensor, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K], scales [N] in ``dtype``) with ``weight ~= q * scale[:, None]``;
+    written into ``out`` (codes, scales) when given."""
+    weight = weight.detach()
+    n = weight.shape[0]
+    q, scale = out if out is not None else (torch.empty(weight.shape, dtype=torch.int8), torch.empty(n, dtype=dtype))
+    for start in range(0, n, CHUNK_ROWS):
+        rows = slice(start, start + CHUNK_ROWS)
+        w = weight[rows].to(torch.float32, copy=True)  # divided in place below: never the caller's tensor
+        s = (w.abs().amax(dim=1) / 127).clamp_(min=MIN_SCALE).to(dtype)
+        scale[rows] = s
+        q[rows] = w.div_(s.float()[:, None]).round_().clamp_(-127, 127)
     return q, scale
 
 
@@ -183,9 +196,7 @@ class Int8Linear(_QuantLinear):
         self.bias = None if bias is None else bias.detach().clone()
 
     def _requantize(self, weight: torch.Tensor) -> None:
-        q, scale = quantize_int8(weight, self.dtype)
-        self.weight.copy_(q)
-        self.scale.copy_(scale)
+        quantize_int8(weight, self.dtype, out=(self.weight, self.scale))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
