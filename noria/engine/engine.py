@@ -78,6 +78,7 @@ from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler, StopChecker
 from noria.engine.thread import EngineThread, call_in_loop, check_pause_mode, generate, generate_batch
 from noria.engine.weight_updates import WeightUpdates
 from noria.models import DecoderLM, load_model, load_tokenizer, model_path
+from noria.process.usage import release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,11 @@ class Engine:
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
         self.weights = WeightUpdates(
-            self.model, self.device, self._thread.call, self.runner.refresh_weights, self.radix.flush, weight_version
+            self.model, self.device, self._thread.call, self.runner.refresh_weights, self._after_commit, weight_version
         )
         """Staging, commit, version and checksums of the served weights (``noria.engine.weight_updates``)."""
         self._kv_shape: tuple[int, ...] | None = None  # set while the KV cache is released
+        self._packs_dropped = False  # the fast decoder's packed weights were dropped by the release
         self._paused_before_release = False
         self._stats = _Stats()
         graphs = self.runner.graphs
@@ -249,8 +251,11 @@ class Engine:
             self.kv.k_pools = [empty] * len(self.kv.k_pools)
             self.kv.v_pools = [empty] * len(self.kv.v_pools)
             self.weights.release()
+            self._packs_dropped = self._drop_packed_weights()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            else:  # the rollout's freed buffers leave the C heap before the trainer's turn
+                release_free_memory()
 
         self._thread.call(release)
 
@@ -262,6 +267,9 @@ class Engine:
                 return
             self.kv.k_pools, self.kv.v_pools = zeroed_pools(len(self.kv.k_pools), self._kv_shape, self.dtype, self.device)
             self._kv_shape = None
+            if self._packs_dropped:  # no weight update came meanwhile (it would have re-packed them)
+                self.runner.refresh_weights()
+                self._packs_dropped = False
             if not self._paused_before_release:
                 self.scheduler.resume()
 
@@ -270,6 +278,28 @@ class Engine:
     @property
     def memory_released(self) -> bool:
         return self._kv_shape is not None
+
+    def _after_commit(self) -> None:
+        """After a weight commit (between steps): the prefix cache holds the old weights' K/V; and
+        while the memory is released (a colocated trainer's turn, which syncs before resuming), the
+        retired weights are not kept as the next update's staging buffers, since the next release
+        would free them unused (0.27 GB of SmolLM2-135M through every rollout and evaluation)."""
+        self.radix.flush()
+        if self.memory_released:
+            self.weights.release()
+            self._packs_dropped = False  # the commit's refresh_weights re-packs them
+
+    def _drop_packed_weights(self) -> bool:
+        """Drop the CPU fast decoder's packed copies of the weights while the memory is released
+        (0.26 GB of SmolLM2-135M in bf16 through a trainer's turn); the model's modules would serve
+        until a re-pack. Not integer weights (``engine.quantization`` int8 / int4): the only copy.
+        True if dropped."""
+        fast = self.runner.fast
+        if fast is None or getattr(self.runner, "quantized", False):
+            return False
+        fast.wait_packed()  # a pack in flight would install them again
+        fast.packed = None
+        return True
 
     # ------------------------------------------------------------------------------ observability
 

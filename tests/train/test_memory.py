@@ -59,3 +59,38 @@ def test_the_kv_cache_is_sized_from_what_the_job_can_use():
     assert KVCache.for_model(args, EngineConfig(kv_cache_tokens=4096, kv_job_tokens=1024), torch.float32, "cpu").capacity_tokens == 4096
     free_share = KVCache.for_model(args, EngineConfig(), torch.float32, torch.device("cpu")).capacity_tokens
     assert free_share > 10 * kv.capacity_tokens  # no bound: kv_memory_fraction of free memory
+
+
+def test_a_colocated_trainer_turn_holds_neither_packed_nor_spare_engine_weights(tiny_model_dir):
+    """Released for a trainer's turn, the CPU engine drops its packed weight copies and its KV pools;
+    a weight update committed meanwhile keeps no retired weights as spare buffers and re-packs; a
+    resume without an update re-packs too; greedy output is what it was before the cycle."""
+    from noria.config import EngineConfig
+    from noria.engine import Engine
+    from noria.engine.protocol import GenerateRequest, SamplingParams
+    from noria.models import load_model
+
+    engine = Engine(load_model(tiny_model_dir, dtype=torch.bfloat16), None, EngineConfig(kv_cache_tokens=256, block_size=4))
+    try:
+        if engine.runner.fast is None:
+            import pytest
+
+            pytest.skip("no oneDNN-packed fast decoder for bf16 on this CPU")
+        request = GenerateRequest(input_ids=[5, 9, 17, 33], sampling=SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+        expected = engine.generate_batch([request])[0].output_ids
+        engine.runner.fast.wait_packed()
+        assert engine.runner.fast.packed is not None
+        for update in (False, True):
+            engine.release_memory_occupation()
+            assert engine.memory_released and engine.runner.fast.packed is None
+            if update:  # the colocated sync: the same weights, committed as version 1
+                state = {n: t.detach().float().clone() for n, t in engine.model.state_dict().items() if n != "lm_head.weight"}
+                engine.weights.stage(state, "u1")
+                engine.weights.commit("u1", 1)
+                assert engine.weights.stage_area._spare == {}  # no retired copy kept while released
+            engine.resume_memory_occupation()
+            engine.runner.fast.wait_packed()
+            assert engine.runner.fast.packed is not None, f"not re-packed (update={update})"
+            assert engine.generate_batch([request])[0].output_ids == expected
+    finally:
+        engine.shutdown(1)
