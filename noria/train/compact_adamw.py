@@ -121,6 +121,12 @@ class CompactAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.state_dtype = state_dtype
         self._tables: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        # The state is made now, not at the first step: allocated beside the activations and
+        # gradients of that step, it left the C heap 0.28 GB larger than it (SmolLM2-135M's first
+        # step peaked at 3.25 GB, the next ones at 2.8).
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].update(self._init_state(p))
 
     def _table(self, signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(the map, its ``code_table``) on ``device``."""
