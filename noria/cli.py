@@ -53,6 +53,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
             raise NoriaError("noria train needs a CONFIG file, or --resume RUN_DIR to continue a run with its own config")
         config_file = saved_config(restart or resume)
     config = load_config(config_file, overrides)
+    from noria.train.memory import bound_onednn_cache
+
+    bound_onednn_cache(config.train.onednn_cache_capacity)  # before any matmul (noria.train.memory)
     say(f"noria train: {config.name} ({config.train.algorithm}, model {config.model.path}); checking what the config names ...")
     # registry names, import paths, data files: before any folder or model. It imports the registries
     # (and so torch): a second on a quiet machine, 15 s on a busy one, so it beats like any phase.

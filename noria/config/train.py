@@ -173,6 +173,13 @@ class TrainConfig:
     megatron: MegatronConfig = option(factory=MegatronConfig, help="megatron-core parallelism (backend: megatron).")
     max_nonfinite_skips: int = option(0, "Consecutive steps with a non-finite loss or grad norm to skip before stopping.")
     logprob_chunk_tokens: int = option(1024, "Tokens per chunk when computing logprobs from hidden states (bounds [N, V] memory).")
+    onednn_cache_capacity: int | None = option(
+        None,
+        "CPU: entries of oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY, default 1024) in the noria train "
+        "process; every new matmul shape (the trainer's change with each batch) caches a compiled kernel, which grew "
+        "the main job's RSS about 60 MB a step. null: oneDNN's default; a value in the environment wins "
+        "(noria.train.memory).",
+    )
     teacher: str | None = option(
         None, "Teacher model (catalog name or HF folder) for compute_logprobs(which='teacher'), e.g. on-policy distillation; null loads none."
     )
@@ -205,6 +212,8 @@ class TrainConfig:
             raise ConfigError("train: world_size, micro_batch_tokens and logprob_chunk_tokens must be >= 1")
         if self.backend == "single" and self.world_size != 1:
             raise ConfigError("train.world_size > 1 needs train.backend: fsdp2")
+        if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 1:
+            raise ConfigError(f"train.onednn_cache_capacity must be >= 1 or null, got {self.onednn_cache_capacity}")
         if self.max_nonfinite_skips < 0:
             raise ConfigError("train.max_nonfinite_skips must be >= 0")
         if self.teacher is not None and not self.teacher.strip():
