@@ -21,15 +21,30 @@ call them):
 
 Kernels: torch's own, ``aten._weight_int8pack_mm`` (int8 weights [N, K], per-channel scales) and
 ``aten._weight_int4pack_mm_for_cpu`` (weights packed once by ``_convert_weight_to_int4pack_for_cpu``).
-Measured on an AMD EPYC (Zen 4, AVX-512 + AVX512_BF16), 2 cores shared with other work, best of
-5 x 200 calls, the four matmuls of one SmolLM2-135M block (576 -> 960, 576 -> 576, 576 -> 3072,
-1536 -> 576), microseconds per block (``MEASURED`` below; ``NORIA_CPU_ISA=avx2`` for the AVX2 rows,
-where the engine runs fp32 because bf16 is emulated there):
+Measured against the engine's unquantized path (oneDNN prepacked weights,
+``mkldnn._linear_pointwise``) on an AMD EPYC Zen 4 (AVX-512, AVX512_BF16), 2 cores shared with other
+work, best of 5 x 100 calls: the four matmuls of one SmolLM2-135M block (576 -> 960, 576 -> 576,
+576 -> 3072, 1536 -> 576), microseconds per block; AVX2: the same machine with ``NORIA_CPU_ISA=avx2``
+(oneDNN has no bf16 kernels there, so the engine's own path is fp32):
 
-MEASURED
+=========  ===========  ===========  ==========  ==========  ======================================
+rows       packed fp32  packed bf16  int8 (bf16  int4 g32    int8 / int4 with fp32 or fp16
+                                     act.)       (bf16 act.) activations
+=========  ===========  ===========  ==========  ==========  ======================================
+AVX-512 8  351          215          415         371         12 000-14 000 / 25 000-37 000
+AVX-512 32 1125         606          1534        1370        47 000-57 000 / 102 000-113 000
+AVX2 8     394          --           508         555
+AVX2 32    1183         --           1939        2132
+=========  ===========  ===========  ==========  ==========  ======================================
 
-Nothing here is hand-written but the quantizers (a handful of torch ops per weight, run once per
-weight update).
+So on this CPU torch's integer kernels are slower than the packed bf16 (AVX-512) or fp32 (AVX2)
+matmuls at every decode size measured (SmolLM2's blocks are small; the kernels dequantize in the
+inner loop and do not reach memory bandwidth), and they are vectorized for bf16 activations only.
+They are used because they are torch's, exact to a dequantized reference and cheap to re-quantize
+for; a faster kernel (int8 -> bf16 conversion shared across rows, ``vdpbf16ps``) is the next step
+and plugs in behind :class:`Int8Linear`. ``noria bench engine --quant none,int8,int4`` measures the
+whole engine. Nothing here is hand-written but the quantizers (a handful of torch ops per weight,
+run once per weight update).
 
 Weight updates: the bf16/fp32 parameters stay (updates land in them); :meth:`Int8Linear.update`
 and :meth:`Int4Linear.update` re-quantize them into the layer's existing buffers, in place, on the
