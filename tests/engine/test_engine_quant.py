@@ -63,7 +63,9 @@ def dequantized_copy(tiny_model_dir, engine: Engine):
 
 def test_int8_quantizer_is_symmetric_per_output_channel():
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 48)[:, None]
+    original = w.clone()
     q, scale = quant.quantize_int8(w, torch.float32)
+    assert torch.equal(w, original)  # the parameter it reads is left alone (fp32: no implicit copy)
     assert q.dtype == torch.int8 and scale.shape == (48,)
     assert torch.equal(scale, w.abs().amax(1) / 127)
     assert q.abs().amax(1).eq(127).all() and q.min() >= -127  # every channel's largest weight maps to +-127
