@@ -94,3 +94,16 @@ def test_a_colocated_trainer_turn_holds_neither_packed_nor_spare_engine_weights(
             assert engine.generate_batch([request])[0].output_ids == expected
     finally:
         engine.shutdown(1)
+
+
+def test_onednn_cache_bound_sets_both_caches_unless_the_environment_does(monkeypatch):
+    from noria.train.memory import ONEDNN_CACHE_ENV, bound_onednn_cache
+
+    for key in ONEDNN_CACHE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert not bound_onednn_cache(None) and not any(k in os.environ for k in ONEDNN_CACHE_ENV)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "500")  # set by the user: kept
+    assert bound_onednn_cache(64)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64" and os.environ["LRU_CACHE_CAPACITY"] == "500"
+    assert not bound_onednn_cache(8)  # both set now
+    assert load_config(MAIN_JOB).train.onednn_cache_capacity == 64
