@@ -85,7 +85,9 @@ def train(
         model, dataset, reward_funcs, config=config, eval_dataset=eval_dataset, reward_weights=reward_weights, **overrides
     )
     from noria.preflight import check_references
+    from noria.train.memory import bound_onednn_cache
 
+    bound_onednn_cache(run_config.train.onednn_cache_capacity)  # as noria train; no effect once this process ran a CPU matmul
     check_references(run_config)
     old_umask = os.umask(0o077)  # as noria train: the run folder's files are its owner's only
     try:
