@@ -15,8 +15,9 @@ class RewardConfig:
 
     name: str | None = option(
         None,
-        "A registered reward (exact_match, numeric, math, format, countdown) or a user function "
-        "`pkg.module:fn`; null uses the built-in task's own reward.",
+        "A registered reward (exact_match, numeric, math, format, countdown) or a user function: "
+        "`pkg.module:fn`, or `path/to/file.py:fn` (imported from that file, its folder on sys.path); "
+        "null uses the built-in task's own reward.",
     )
     kwargs: dict[str, Any] = option(factory=dict, help="Keyword arguments passed to the reward function.")
     timeout_s: float = option(10.0, "Seconds one reward call may take; past that the sample is marked failed.")
