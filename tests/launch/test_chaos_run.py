@@ -218,7 +218,8 @@ def test_sigkill_of_async_run_with_a_full_buffer_resumes_its_buffered_groups(tin
     ``max_staleness`` is 3, not 2: the buffer is FIFO by completion, so a group started at version 0
     that finished after a version-1 group can reach step 4 (trainer version 3), where at 2 it is
     rightly dropped as stale; this test once read that as a lost group. The checkpoint's groups are
-    all taken by step 4 (they are older than any the resumed run makes), so at 3 none is dropped."""
+    all taken by step 4 (they are older than any the resumed run makes), so at 3 none is dropped.
+    Other groups may be: a request in flight at the checkpoint continues with its version-0 tokens."""
     extra = disaggregated(**{
         "rollout.max_staleness": 3, "train.loss.off_policy": "tis", "rollout.buffer.capacity_batches": 2,
         "rollout.buffer.impl": "buffer_plugins:ReserveBuffer", "train.save_every": 1, "train.max_steps": 5,
@@ -234,6 +235,4 @@ def test_sigkill_of_async_run_with_a_full_buffer_resumes_its_buffered_groups(tin
     assert [r["step"] for r in resumed.steps()] == [1, 2, 3, 4, 5]
     ids = trained_group_ids(run.run)
     assert len(ids) == len(set(ids)), f"a group was trained twice: {ids}"
-    stale = sum(r.get("buffer/dropped/stale", 0.0) for r in resumed.steps())
-    assert stale == 0, f"{stale:.0f} groups dropped as stale: the test's staleness bound is too tight"
     assert buffered <= set(ids), f"a group buffered at the checkpoint was lost: {sorted(buffered - set(ids))} of {sorted(buffered)}"
