@@ -10,6 +10,37 @@ from noria.config.schema import ConfigError, option
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding in the built-in engine: a drafter proposes tokens, the model verifies
+    them in one forward, and exact rejection sampling keeps the model's own distribution."""
+
+    method: Literal["none", "ngram"] = option(
+        "none", "Drafter: none (plain decoding) or ngram (prompt lookup: the tokens that followed the latest earlier "
+        "occurrence of the row's last n-gram, prompt and output; no draft model)."
+    )
+    num_tokens: int = option(4, "Draft tokens proposed per verify step (k); a verify step computes k + 1 tokens.")
+    ngram_max: int = option(3, "Longest n-gram looked up (tried first).")
+    ngram_min: int = option(1, "Shortest n-gram looked up.")
+    max_batch: int = option(
+        8, "Speculation runs only while at most this many requests decode together; above it every row decodes "
+        "plainly (verify steps of many rows cost more than they save). 8: on a 2-core AMD EPYC (Zen 4) the tiny "
+        "bench model gained at batch 1 to 4 and lost from batch 16 (docs/engines.md, noria bench spec)."
+    )
+
+    def validate(self) -> None:
+        for key in ("num_tokens", "ngram_max", "ngram_min", "max_batch"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"engine.speculative.{key} must be >= 1, got {getattr(self, key)}")
+        if self.ngram_min > self.ngram_max:
+            raise ConfigError(
+                f"engine.speculative.ngram_min ({self.ngram_min}) must not exceed engine.speculative.ngram_max "
+                f"({self.ngram_max})"
+            )
+        if self.num_tokens > 32:
+            raise ConfigError(f"engine.speculative.num_tokens must be <= 32, got {self.num_tokens}")
+
+
+@dataclass
 class EngineConfig:
     """The built-in rollout engine: batching limits, KV cache, prefix cache, numerics. Owner:
     ``noria.engine.Engine`` (``noria serve`` takes it as ``--engine.*``)."""
@@ -46,6 +77,9 @@ class EngineConfig:
         "channel) or int4 (CPU: weight-only, a scale and offset per 32 input channels). Quantized weights are "
         "re-made at every weight update; pair them with train.loss.off_policy: tis."
     )
+    speculative: SpeculativeConfig = option(
+        factory=SpeculativeConfig, help="Speculative decoding (off by default; see docs/engines.md)."
+    )
 
     def validate(self) -> None:
         for key in ("max_running_requests", "max_batch_tokens", "chunked_prefill_size", "block_size"):
@@ -64,10 +98,29 @@ class EngineConfig:
                 f"engine.quantization={self.quantization} cannot be combined with engine.deterministic (deterministic "
                 "mode runs the trainer's own numerics); use engine.quantization: none"
             )
+        self.speculative.validate()
+        if self.speculative.method != "none" and self.speculative.num_tokens + 1 > self.max_batch_tokens:
+            raise ConfigError(
+                f"engine.speculative.num_tokens + 1 ({self.speculative.num_tokens + 1}) must not exceed "
+                f"engine.max_batch_tokens ({self.max_batch_tokens}): a verify step computes both"
+            )
 
-    def check_model(self, device: str, impl: str) -> None:
+    def check_model(self, device: str, impl: str, rollout_engine: str = "noria") -> None:
         """The rules between this section and the model's: int8 and int4 are CPU kernels of the
-        built-in engine (``model.device`` and ``model.impl`` are the model section's keys)."""
+        built-in engine (``model.device`` and ``model.impl`` are the model section's keys); and
+        speculative decoding needs the built-in engine's native model (``rollout.engine`` noria)."""
+        if self.speculative.method != "none" and rollout_engine != "noria":
+            raise ConfigError(
+                f"engine.speculative.method={self.speculative.method} is the built-in engine's; rollout.engine="
+                f"{rollout_engine} serves elsewhere (configure speculation on that server): use rollout.engine: noria "
+                "or engine.speculative.method: none"
+            )
+        if self.speculative.method != "none" and impl == "hf":
+            raise ConfigError(
+                f"engine.speculative.method={self.speculative.method} needs the built-in engine's native model; "
+                "model.impl=hf serves with the generic transformers engine, which has no speculative decoding: "
+                "use model.impl: native or engine.speculative.method: none"
+            )
         if self.quantization not in CPU_QUANTIZATIONS:
             return
         if device != "cpu":

@@ -75,6 +75,7 @@ from noria.engine.radix import RadixCache
 from noria.engine.runner import ModelRunner
 from noria.engine.sampling import device_sampleable, draw_uniforms, sample
 from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler, StopChecker
+from noria.engine.speculative import Speculator
 from noria.engine.thread import EngineThread, call_in_loop, check_pause_mode, generate, generate_batch
 from noria.engine.weight_updates import WeightUpdates
 from noria.models import DecoderLM, load_model, load_tokenizer, model_path
@@ -117,6 +118,9 @@ class Engine:
             max_positions=self.max_context, quantization=config.quantization,
         )
         self._generator = torch.Generator(self.device).manual_seed(seed)
+        spec = config.speculative
+        self.speculator = Speculator(spec, self.scheduler, config.max_batch_tokens) if spec.method != "none" else None
+        """Speculative decoding (``noria.engine.speculative``), or None."""
         self._thread = EngineThread(self._loop, "noria-engine")
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
@@ -331,6 +335,7 @@ class Engine:
             "retractions": self.scheduler.retractions,
             "weight_version": self.weight_version,
             "packing_weights": self.runner.fast is not None and self.runner.fast.packed is None,
+            **(self.speculator.metrics() if self.speculator is not None else {}),
         }
 
     # ------------------------------------------------------------------------------ engine thread
@@ -362,6 +367,8 @@ class Engine:
         tokens come back in :meth:`_finish`); any other step runs and samples here."""
         reqs = [c.req for c in chunks if c.sample]
         routed = any(r.routes is not None for r in reqs)
+        if self.speculator is not None and feed is None and self.speculator.propose(chunks):  # verify chunks
+            return _Step(chunks, done=self.speculator.run(self.runner, chunks, self._generator, self.config.deterministic))
         if self.runner.samples_in_graph(chunks):
             params = [r.request.sampling for r in reqs]
             if device_sampleable(params, max((r.request.top_logprobs_num for r in reqs), default=0)):
@@ -387,6 +394,8 @@ class Engine:
         requests, aborts, updates, pauses) run between steps with nothing in flight."""
         if not self._overlap or self._thread.stopping or not self._thread.idle:
             return None
+        if self.speculator is not None and self.speculator.active(step.chunks):  # the next step may verify drafts
+            return None
         follow = self.scheduler.follow(step.chunks)
         if follow is None:
             return None
@@ -409,7 +418,7 @@ class Engine:
         scoring.record(step.scored)
         dropped = sum(1 for c in step.chunks if c.pending and c.req.state is not ReqState.RUNNING)
         notify = self.scheduler.process(step.chunks, ids, logprobs, top, self.weight_version, step.routes())
-        self._stats.record(len(ids) - dropped)
+        self._stats.record(sum(len(t) if isinstance(t, list) else 1 for t in ids) - dropped)
         self._notify(notify)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]):

@@ -159,6 +159,24 @@ def log_softmax_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return _log_softmax(logits, params)
 
 
+def processed_weights(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 [S, V]: each row's sampling distribution, unnormalised where top-k/top-p/min-p zero
+    tokens out: ``softmax(logits / T)`` then truncation (``noria.engine.speculative`` accepts and
+    resamples against it; greedy rows get T = 1 and are read by argmax, not from here)."""
+    probs = torch.softmax(_scaled(logits, params), dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy and _truncates(p)]
+    if rows:
+        idx = torch.tensor(rows, device=probs.device)
+        probs = probs.index_copy(0, idx, _truncate(probs.index_select(0, idx), [params[i] for i in rows]))
+    return probs
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row: the first id whose running sum of (unnormalized) weights exceeds u * total, the
+    draw every sampled row of :func:`sample` makes."""
+    return _inverse_cdf(weights, uniforms)
+
+
 def _sample_torch(logits: torch.Tensor, temps: torch.Tensor, uniforms: torch.Tensor):
     """The kernel's recipe in torch (argmax for greedy rows, inverse CDF for the others)."""
     t = torch.where(temps > 0, temps, torch.ones_like(temps)).to(logits.device).unsqueeze(1)

@@ -157,10 +157,13 @@ class Chunk:
     n: int
     pending: bool = False
     token: int | None = None
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding (``noria.engine.speculative``): tokens proposed after the request's
+    last one, computed in this chunk (its last ``len(draft)`` tokens) and verified by its logits."""
 
     @property
     def sample(self) -> bool:
-        return self.pending or self.start + self.n == len(self.req.all_ids)
+        return self.pending or self.start + self.n - len(self.draft) == len(self.req.all_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -168,7 +171,7 @@ class Chunk:
             if self.token is None:
                 raise RuntimeError(f"pending chunk of {self.req.rid} read on the host before its token was set")
             return [self.token]
-        return self.req.all_ids[self.start : self.start + self.n]
+        return self.req.all_ids[self.start : self.start + self.n - len(self.draft)] + self.draft
 
     @property
     def block_table(self) -> list[int]:
@@ -433,7 +436,8 @@ class Scheduler:
             if chunk.pending and req.state is not ReqState.RUNNING:
                 row += 1  # the step before this one finished it (a stop token): drop this result
                 continue
-            req.num_computed += chunk.n
+            # A verify chunk's K/V count up to its last accepted draft token; the rest is overwritten later.
+            req.num_computed += chunk.n - len(chunk.draft) + (len(token_ids[row]) - 1 if chunk.draft else 0)
             if not chunk.sample:
                 continue
             if req.request.sampling.max_new_tokens == 0:  # prefill scoring only: nothing is generated
@@ -442,11 +446,15 @@ class Scheduler:
                 self.running.remove(req)
                 notify.append(self._finish(req, {"type": "length", "length": 0}))
                 continue
-            self._append(req, token_ids[row], logprobs[row], None if top is None else top[row], version)
-            if req.routes is not None:
-                req.routes.append(routes[row].clone())  # a row of its own, not a view of the step's
-            row += 1
-            reason = self.stops.check(req)
+            if chunk.draft:
+                reason = self._append_verified(req, token_ids[row], logprobs[row], version)
+                row += 1
+            else:
+                self._append(req, token_ids[row], logprobs[row], None if top is None else top[row], version)
+                if req.routes is not None:
+                    req.routes.append(routes[row].clone())  # a row of its own, not a view of the step's
+                row += 1
+                reason = self.stops.check(req)
             if reason is not None:
                 self._release(req)
                 self.running.remove(req)
@@ -454,6 +462,17 @@ class Scheduler:
             elif req.stream:
                 notify.append(req)
         return notify
+
+    def _append_verified(self, req: Req, tokens: list[int], logprobs: list[float], version: int) -> dict[str, Any] | None:
+        """A verify chunk's tokens, one by one, up to the first that finishes the request (its
+        finish reason; None when none does). Nothing past a stop is kept."""
+        for token, logprob in zip(tokens, logprobs):
+            self._append(req, token, logprob, None, version)
+            reason = self.stops.check(req)
+            if reason is not None:
+                req.num_computed = min(req.num_computed, len(req.all_ids))
+                return reason
+        return None
 
     @staticmethod
     def _append(req: Req, token: int, logprob: float, top, version: int) -> None:

@@ -1,0 +1,263 @@
+"""Speculative decoding in the built-in engine: an n-gram drafter and exact verification.
+
+Drafter (``engine.speculative.method: ngram``, prompt lookup; no draft model). For a decoding
+request, the last n tokens of prompt + output (n from ``ngram_max`` down to ``ngram_min``) are
+looked up earlier in the same sequence; the latest earlier occurrence wins and the
+``num_tokens`` tokens that followed it are the draft (where those run into the end of the
+sequence, the copy continues from the draft itself: a repeating pattern keeps repeating). Each request keeps an index of its n-grams,
+extended by the tokens added since the last lookup (:class:`NgramIndex`), so a lookup costs
+O(ngram_max) per new token, not a scan of the sequence.
+
+Verification. The decode chunk of a drafted request grows into a *verify chunk*
+(``Chunk.draft``): its last sampled token followed by the k draft tokens, computed in one forward
+like a prefill chunk (causal attention over the request's cache and the chunk). Its k + 1 logit
+rows are all read: row i is the model's distribution for the position of draft token i + 1, row k
+that of the token after the whole draft. Acceptance is exact rejection sampling for a point-mass
+draft: draft token d at row i is accepted with probability p_i(d), p_i the request's sampling
+distribution (temperature, then top-k/top-p/min-p); at the first rejection the token is drawn from
+p_i with d removed and renormalised, which makes the row's token exactly p_i-distributed
+(P(d) = p(d), P(x ≠ d) = (1 - p(d)) p(x) / (1 - p(d))). If all k are accepted, a bonus token is
+drawn from row k. Greedy rows accept d iff it is the row's argmax, and take the argmax otherwise:
+the tokens of greedy decoding. Each row draws its uniforms from the request's own generator when
+seeded (so a seeded request does not depend on the batch), else from the engine's.
+
+Logprobs are the model's: ``log_softmax(logits / T)`` of the chosen token at its row, the same op
+as ``sampling.sample(exact_logprobs=True)``, so in deterministic mode (where a token's logits have
+the same bits however it is chunked) a speculated token's logprob equals the trainer's bit for
+bit. Every token of a verify step carries the step's weight version.
+
+KV. A verify chunk writes K/V for its k + 1 positions; ``Scheduler.process`` counts as computed
+only the last sampled token and the accepted drafts, so the slots of rejected drafts are simply
+overwritten by the next step, and the prefix cache (which caches ``all_ids[:num_computed]``) never
+holds a rejected token. Stop conditions are checked token by token (``Scheduler._append_verified``):
+nothing past a stop is kept, and a draft never runs past ``max_new_tokens`` or the context.
+
+Policy. A step speculates only while at most ``max_batch`` of its chunks decode (verify chunks
+multiply the tokens of a step by up to k + 1: worth it where a decode step is bound by weight
+reads, not where it is bound by compute), within ``max_batch_tokens``, and only when no request of
+the step asks for top logprobs, routed experts or prefill scoring (those paths read one row per
+chunk). While speculation is possible the engine does not overlap steps (``engine.overlap``):
+each verify step needs the previous step's tokens on the host. On CUDA a verify step runs eagerly;
+plain decode steps keep their CUDA graphs.
+
+Not guaranteed: the same samples as without speculation for a seeded request at temperature > 0
+(the same distribution, other draws); bitwise-equal logprobs outside deterministic mode (a
+verify chunk runs the prefill path, whose rounding may differ from decode's).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from noria.config.engine import SpeculativeConfig
+from noria.engine import scoring
+from noria.engine.sampling import inverse_cdf, log_softmax_rows, processed_weights, sample
+from noria.engine.scheduler import Chunk, Req, Scheduler
+
+
+class NgramIndex:
+    """Latest earlier occurrence of every n-gram (n in [n_min, n_max]) of one token sequence."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self._follow: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self._indexed = 0
+        """Positions j < this are indexed: every n-gram ending just before j maps to j (or later)."""
+
+    def draft(self, ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching
+        suffix n-gram of ``ids``; empty when none occurs."""
+        end = len(ids)
+        for j in range(max(self._indexed, 1), end):  # index n-grams that have a following token
+            for n, table in self._follow.items():
+                if j >= n:
+                    table[tuple(ids[j - n : j])] = j
+        self._indexed = max(self._indexed, end)
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if end < n:
+                continue
+            j = self._follow[n].get(tuple(ids[end - n :]))
+            if j is not None:  # ids[end + i] is predicted as ids[j + i], past the end from the draft itself
+                draft: list[int] = []
+                for i in range(k):
+                    draft.append(ids[j + i] if j + i < end else draft[j + i - end])
+                return draft
+        return []
+
+
+class Speculator:
+    """Drafts for a step's decode chunks, and the verification of a step with verify chunks."""
+
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, max_batch_tokens: int) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"engine.speculative.method must be ngram here, got {config.method!r}")
+        self.config = config
+        self.scheduler = scheduler
+        self.max_batch_tokens = max_batch_tokens
+        self._index: weakref.WeakKeyDictionary[Req, NgramIndex] = weakref.WeakKeyDictionary()
+        self.proposed = 0
+        """Draft tokens verified so far."""
+        self.accepted = 0
+        """Draft tokens accepted so far."""
+        self.verify_rows = 0
+        """Verify chunks so far (one per drafted request per step)."""
+        self.verify_tokens = 0
+        """Tokens those verify chunks produced (accepted drafts plus the one sampled after them)."""
+        self.verify_steps = 0
+        """Forward steps with at least one verify chunk."""
+
+    @staticmethod
+    def _decoding(chunks: list[Chunk]) -> list[Chunk]:
+        return [c for c in chunks if c.n == 1 and c.sample and not c.pending]
+
+    def active(self, chunks: list[Chunk]) -> bool:
+        """Whether a step like ``chunks`` may speculate (decoding rows within ``max_batch``): then
+        the engine schedules the next step on the host rather than overlapping it."""
+        return sum(1 for c in chunks if c.sample) <= self.config.max_batch
+
+    def propose(self, chunks: list[Chunk]) -> bool:
+        """Turn the step's eligible decode chunks into verify chunks (drafts attached, blocks
+        allocated); True when at least one was."""
+        decoding = self._decoding(chunks)
+        if not decoding or len(decoding) > self.config.max_batch:
+            return False
+        if any(c.req.routes is not None or c.req.request.top_logprobs_num > 0 for c in chunks if c.sample):
+            return False
+        if scoring.score_rows(chunks):
+            return False
+        budget = self.max_batch_tokens - sum(c.n for c in chunks)
+        drafted = False
+        for c in decoding:
+            if budget <= 0:
+                break
+            draft = self._draft(c, budget)
+            if draft:
+                c.draft = draft
+                c.n = 1 + len(draft)
+                budget -= len(draft)
+                drafted = True
+        return drafted
+
+    def _draft(self, c: Chunk, budget: int) -> list[int]:
+        req = c.req
+        # The verify step emits up to len(draft) + 1 tokens: never past max_new_tokens or the context.
+        room = min(req.request.sampling.max_new_tokens - len(req.output_ids), req.max_total_tokens - len(req.all_ids))
+        k = min(self.config.num_tokens, budget, room - 1)
+        if k <= 0:
+            return []
+        index = self._index.get(req)
+        if index is None:
+            index = self._index[req] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+        draft = index.draft(req.all_ids, k)
+        if not draft:
+            return []
+        bs = self.scheduler.kv.block_size
+        need = -(-(c.start + 1 + len(draft)) // bs) - len(req.block_table)
+        if not self.scheduler._allocate_into(req, need):  # no free blocks: draft what the table holds
+            draft = draft[: len(req.block_table) * bs - c.start - 1]
+        return draft
+
+    # ------------------------------------------------------------------------------ verify
+
+    def run(self, runner, chunks: list[Chunk], generator: torch.Generator | None, deterministic: bool):
+        """Forward and sample a step with verify chunks: (ids, logprobs, top) per sampling chunk,
+        in chunk order, as ``Scheduler.process`` takes them (a list of tokens for a verify chunk)."""
+        extra, offset = [], 0
+        for c in chunks:
+            if c.draft:
+                extra.extend(range(offset, offset + len(c.draft)))  # the rows that verify the draft
+            offset += c.n
+        last, drafts = runner.forward_scoring(chunks, extra)
+        sampling = [c for c in chunks if c.sample]
+        ids: list = [None] * len(sampling)
+        logprobs: list = [None] * len(sampling)
+        top: list | None = None
+        plain = [i for i, c in enumerate(sampling) if not c.draft]
+        if plain:
+            reqs = [sampling[i].req for i in plain]
+            k = max(r.request.top_logprobs_num for r in reqs)
+            rows = torch.tensor(plain, device=last.device)
+            res = sample(last.index_select(0, rows), [r.request.sampling for r in reqs], [r.generator for r in reqs],
+                         generator, k, deterministic)
+            for i, t, lp in zip(plain, res.token_ids.tolist(), res.logprobs.tolist()):
+                ids[i], logprobs[i] = t, lp
+            if res.top_ids is not None:
+                top = [None] * len(sampling)
+                for i, t, v in zip(plain, res.top_ids.tolist(), res.top_logprobs.tolist()):
+                    top[i] = list(zip(t, v))
+        verified = [i for i, c in enumerate(sampling) if c.draft]
+        for i, (toks, lps) in zip(verified, self._verify([sampling[i] for i in verified], last, verified, drafts, generator)):
+            ids[i], logprobs[i] = toks, lps
+        self.verify_steps += 1
+        return ids, logprobs, top
+
+    def _verify(self, chunks: list[Chunk], last: torch.Tensor, last_rows: list[int], drafts: torch.Tensor,
+                generator: torch.Generator | None) -> list[tuple[list[int], list[float]]]:
+        """Accept or reject each verify chunk's draft; (tokens, logprobs) per chunk."""
+        pieces, params, offset = [], [], 0
+        for c, row in zip(chunks, last_rows):
+            k = len(c.draft)
+            pieces += [drafts[offset : offset + k], last[row : row + 1]]
+            params += [c.req.request.sampling] * (k + 1)
+            offset += k
+        logits = torch.cat(pieces).float()
+        device = logits.device
+        logp = log_softmax_rows(logits, params)
+        weights = processed_weights(logits, params)
+        argmax = logits.argmax(dim=-1)
+        targets = torch.tensor([t for c in chunks for t in c.draft + [0]], device=device)
+        p_draft = (weights.gather(1, targets.unsqueeze(1)).squeeze(1) / weights.sum(dim=-1)).tolist()
+        argmax_h = argmax.tolist()
+        uniforms = [self._uniforms(c.req, len(c.draft) + 1, generator) for c in chunks]
+        finals, final_rows, rejected, start = [], [], [], 0
+        for c, u in zip(chunks, uniforms):
+            greedy, k = c.req.request.sampling.greedy, len(c.draft)
+            a = 0
+            while a < k and (argmax_h[start + a] == c.draft[a] if greedy else u[a] < p_draft[start + a]):
+                a += 1
+            finals.append(a)
+            final_rows.append(start + a)
+            rejected.append(c.draft[a] if a < k else -1)
+            start += k + 1
+        rows = torch.tensor(final_rows, device=device)
+        w = weights.index_select(0, rows)
+        drop = [(i, d) for i, d in enumerate(rejected) if d >= 0]
+        if drop:  # the rejected draft token has no mass in its row's resample
+            w[[i for i, _ in drop], [d for _, d in drop]] = 0.0
+        drawn = inverse_cdf(w, torch.tensor([u[-1] for u in uniforms], device=device)).tolist()
+        out, start = [], 0
+        for j, (c, a) in enumerate(zip(chunks, finals)):
+            last_token = argmax_h[final_rows[j]] if c.req.request.sampling.greedy else drawn[j]
+            tokens = c.draft[:a] + [last_token]
+            chosen = torch.tensor(tokens, device=device)
+            lps = logp[start : start + a + 1].gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+            out.append((tokens, lps))
+            self.proposed += len(c.draft)
+            self.accepted += a
+            self.verify_rows += 1
+            self.verify_tokens += a + 1
+            start += len(c.draft) + 1
+        return out
+
+    @staticmethod
+    def _uniforms(req: Req, n: int, shared: torch.Generator | None) -> list[float]:
+        """n uniforms of one verify chunk (k acceptance tests, then the final draw), from the
+        request's generator when seeded, else the engine's; none drawn for a greedy request."""
+        if req.request.sampling.greedy:
+            return [0.0] * n
+        gen = req.generator if req.generator is not None else shared
+        return torch.rand(n, generator=gen, device=gen.device if gen is not None else "cpu").tolist()
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters since start; differences between two reads give an interval's rates."""
+        return {
+            "spec_proposed_tokens": self.proposed,
+            "spec_accepted_tokens": self.accepted,
+            "spec_verify_rows": self.verify_rows,
+            "spec_verify_tokens": self.verify_tokens,
+            "spec_verify_steps": self.verify_steps,
+            "spec_acceptance": self.accepted / self.proposed if self.proposed else 0.0,
+            "spec_tokens_per_verify": self.verify_tokens / self.verify_rows if self.verify_rows else 0.0,
+        }
