@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gpu-rl": ("gpu_rl", "CUDA: the main job's algorithm on a random Qwen3-shaped model, seconds per step and stage shares"),
     "gpu-multi": ("gpu_multi", "several CUDA GPUs: FSDP2 over 2 GPUs vs 1, async RL with engine and trainer on separate GPUs"),
     "rl": ("rl", "seconds per RL step and held-out accuracy: Noria's GRPO loop vs TRL's GRPOTrainer, same steps"),
+    "learn": ("learn", "time to accuracy: held-out accuracy against training minutes and tokens, the main job's recipe vs plain sync and async GRPO and TRL"),
     "async": ("async_rl", "trained tokens/s, trainer and engine idle: synchronous vs fully asynchronous RL, long-tailed responses"),
     "fleet": ("fleet", "scale-out: launch local vs ray step time, 2 engines vs 1 tokens/s and busy fraction, a weight push to N engines vs the raw broadcast"),
     "diffusion": ("diffusion", "images/s of the diffusion engine vs diffusers' DiTPipeline loop on the same DiT, and the DiT trainer's samples/s"),

@@ -275,13 +275,28 @@ def print_results(results: list[dict], peers: list[str]) -> None:
 
 def trl_main(job: dict[str, Any]) -> dict[str, Any]:
     """GRPOTrainer for ``steps`` steps on Noria's prompts; per-step seconds, rewards, final folder."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
 
     from noria.config import load_config
 
     config = load_config(job["config"])
+    timer = StepTimer(TrainerCallback)
+    trainer = trl_trainer(config, job, [timer.callback])
+    trainer.train()
+    final = Path(job["out"]) / "final"
+    trainer.save_model(str(final))
+    rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
+    return {"step_s": timer.seconds, "reward": rewards, "final": str(final),
+            "precision": f"fp32 weights, mixed_precision={trainer.accelerator.mixed_precision}"}
+
+
+def trl_trainer(config, job: dict[str, Any], callbacks: list, reward=None):
+    """TRL's GRPOTrainer set up as the table above maps Noria's settings (``job``: steps, prompts_per_step,
+    n_samples, max_new_tokens, lr, temperature, out), on Noria's prompts, with ``reward`` (default the run's)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
     folder = config.model.path
     per_step = job["prompts_per_step"] * job["n_samples"]
     args = GRPOConfig(
@@ -293,18 +308,11 @@ def trl_main(job: dict[str, Any]) -> dict[str, Any]:
         gradient_checkpointing=False, temperature=job["temperature"], top_p=1.0, top_k=0,
         max_completion_length=job["max_new_tokens"], use_vllm=False, seed=config.seed,
     )
-    timer = StepTimer(TrainerCallback)
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(folder), reward_funcs=trl_reward(config), args=args,
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(folder), reward_funcs=reward or trl_reward(config), args=args,
         processing_class=AutoTokenizer.from_pretrained(folder), train_dataset=Dataset.from_list(trl_rows(config, job)),
-        callbacks=[timer.callback],
+        callbacks=callbacks,
     )
-    trainer.train()
-    final = Path(job["out"]) / "final"
-    trainer.save_model(str(final))
-    rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
-    return {"step_s": timer.seconds, "reward": rewards, "final": str(final),
-            "precision": f"fp32 weights, mixed_precision={trainer.accelerator.mixed_precision}"}
 
 
 class StepTimer:

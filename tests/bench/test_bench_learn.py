@@ -1,0 +1,90 @@
+"""`noria bench learn` on the tiny model: the JSON shape and curves of a 2-step run (the shipped
+recipe, and TRL when it is importable), a rerun that keeps the systems already written, and the
+time-to-threshold logic as a pure function.
+
+CPU, subprocesses (noria train; the TRL worker). The reward is the tests' ``toy_rewards:digits`` so
+that a random model's groups differ and the runs really train. No timing or accuracy assertions:
+the figures of a tiny model on a shared machine mean nothing.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from noria.bench import learn
+from noria.bench import learn_systems
+from repo_util import TESTS
+
+HAS_TRL = importlib.util.find_spec("trl") is not None
+TINY = {"prompts_per_step": 2, "n_samples": 4, "max_new_tokens": 8, "lr": 1e-3, "reward": "toy_rewards:digits",
+        "task_args": {"n_train": 64, "n_test": 16, "max_operand": 30, "ops": ["+"]}}
+
+
+def point(step, seconds, tokens, accuracy):
+    return {"step": step, "train_seconds": seconds, "trained_tokens": tokens, "accuracy": accuracy}
+
+
+def test_first_reach_is_the_first_evaluation_at_or_above_the_threshold():
+    curve = [point(4, 120.0, 400, 0.55), point(0, 0.0, 0, 0.3), point(8, 240.0, 800, 0.72), point(12, 360.0, 1200, 0.65)]
+    assert learn.first_reach(curve, 0.3) == {"step": 0, "train_minutes": 0.0, "trained_tokens": 0}
+    assert learn.first_reach(curve, 0.5) == {"step": 4, "train_minutes": 2.0, "trained_tokens": 400}
+    assert learn.first_reach(curve, 0.6) == {"step": 8, "train_minutes": 4.0, "trained_tokens": 800}
+    assert learn.first_reach(curve, 0.72) == {"step": 8, "train_minutes": 4.0, "trained_tokens": 800}
+    assert learn.first_reach(curve, 0.8) is None
+    assert learn.first_reach([point(0, 0.0, 0, None)], 0.1) is None
+    assert learn.reached(curve, [0.5, 0.9]) == {"0.5": learn.first_reach(curve, 0.5), "0.9": None}
+
+
+def test_noria_curve_sums_step_seconds_and_tokens_up_to_each_evaluation():
+    steps = [{"step": i, "seconds": 2.0 * i, "rollout/trained_tokens": 10.0 * i} for i in (1, 2, 3)]
+    evals = [{"step": 0, "accuracy": 0.1, "seconds": 5.0}, {"step": 2, "skipped": "export failed"},
+             {"step": 3, "accuracy": 0.4, "seconds": 4.0}]
+    assert learn_systems.noria_curve(steps, evals) == [
+        {"step": 0, "train_seconds": 0.0, "trained_tokens": 0, "accuracy": 0.1, "eval_seconds": 5.0},
+        {"step": 3, "train_seconds": 12.0, "trained_tokens": 60, "accuracy": 0.4, "eval_seconds": 4.0}]
+    assert not learn_systems.stop_due(steps, evals, None)
+    assert learn_systems.stop_due(steps, evals, 6.0)  # the clock reaches 6 s at step 2; step 3 was evaluated
+    assert not learn_systems.stop_due(steps, evals[:2], 6.0)  # step 2's evaluation was skipped: wait for the next
+    assert not learn_systems.stop_due(steps, evals, 13.0)  # never reached
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="known"):
+        learn.parse_list("shipped,openrlhf", learn.SYSTEMS, "--systems")
+    with pytest.raises(ValueError, match="thresholds"):
+        learn.parse_thresholds("0.5,80")
+    assert learn.parse_thresholds("0.7, 0.5") == [0.5, 0.7]
+
+
+def test_bench_learn_writes_curves_and_keeps_earlier_systems(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "learn.json"
+    kwargs = {"model": str(tiny_model_dir), "steps": 2, "eval_every": 1, "eval_limit": 8, "thresholds": [0.5, 1.0],
+              "json_path": str(out), "overrides": TINY}
+    learn.run(["shipped"], work_dir=str(tmp_path / "work"), **kwargs)
+    first = json.loads(out.read_text())
+    peers = ["trl"] if HAS_TRL else []
+    doc = learn.run(peers or ["shipped"], work_dir=str(tmp_path / "again"), **kwargs)
+    written = json.loads(out.read_text())
+    assert written["benchmark"] == "learn" and {"command", "date", "machine", "cpu", "settings"} <= set(written)
+    assert set(written["systems"]) == {"shipped", *peers} == set(doc["systems"])
+    if peers:  # the rerun of another system kept the shipped curve as it was
+        assert written["systems"]["shipped"]["curve"] == first["systems"]["shipped"]["curve"]
+    for name, system in written["systems"].items():
+        curve = system["curve"]
+        assert [p["step"] for p in curve] == [0, 1, 2] and system["steps"] == 2, name
+        assert curve[0]["train_seconds"] == 0 and curve[0]["trained_tokens"] == 0
+        assert 0 < curve[1]["train_seconds"] < curve[2]["train_seconds"] <= system["train_seconds"] + 1e-3
+        assert 0 < curve[1]["trained_tokens"] <= 2 * 4 * 8 < curve[2]["trained_tokens"] <= 2 * 2 * 4 * 8
+        assert all(0 <= p["accuracy"] <= 1 and p["eval_seconds"] > 0 for p in curve)
+        assert system["reached"] == learn.reached(curve, [0.5, 1.0])
+    rows = {r["metric"]: r for r in written["results"]}
+    assert set(rows) == {"train_minutes_to_0.5", "trained_tokens_to_0.5", "train_minutes_to_1", "trained_tokens_to_1",
+                         "final_accuracy", "train_minutes"}
+    assert rows["final_accuracy"]["noria"] == written["systems"]["shipped"]["curve"][-1]["accuracy"]
+    assert set(rows["train_minutes"]["peers"]) == set(peers)
+    assert out.with_suffix(".png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="other settings.*steps"):
+        learn.run(["shipped"], **{**kwargs, "steps": 3})
