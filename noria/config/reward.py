@@ -1,17 +1,133 @@
-"""The ``reward`` section: the reward function by name or import path, and its limits.
+"""The ``reward`` section (and ``reward.model``): the rule reward by name or import path, a reward
+served by a model (a generative judge), how they mix, and their limits.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from noria.config.schema import ConfigError, option
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade the answer to the problem below. Reply with one line: `Score: N`, N an integer from 0 (wrong) to 10 "
+    "(fully correct).\n\nProblem:\n{{ prompt }}\n\nAnswer:\n{{ response }}"
+    "{% if criterion %}\n\nCriterion: {{ criterion }}{% endif %}"
+)
+"""The generative judge's prompt when ``reward.model.template`` is empty (its verdict: ``Score: N``)."""
+
+
+@dataclass
+class RewardModelConfig:
+    """A reward served by a model: a generative judge (``kind: judge``). Owner: ``noria.rewards.model``
+    (the scorer, its cache and metrics) and ``noria.rewards.judge`` (prompt, request, verdict)."""
+
+    kind: Literal["none", "judge"] = option(
+        "none",
+        "none: rule reward only. judge: a generative judge scores every sample: a chat request built from `template`, "
+        "its reply parsed by `parser` and mapped to [0, 1]. (A scalar reward model is not built yet.)",
+    )
+    name: str = option("judge", "The judge's name: its metric reward/component/<name>, and what errors call it.")
+    weight: float = option(1.0, "The judge's weight in the sample's reward (reward = reward.rule_weight * rule + weight * judge).")
+    url: str | None = option(
+        None, "Base URL of a running judge server (noria serve, SGLang, vLLM or any OpenAI-compatible one); null with "
+        "`engine` set: the run starts one."
+    )
+    engine: str | None = option(
+        None, "A model (catalog name or HF folder) that the run serves as the judge with `noria serve` (frozen weights; "
+        "the engine.* keys of the run), beside the rollout engine."
+    )
+    engine_device: str | None = option(None, "Torch device of the judge's `noria serve` (e.g. cuda:1); null uses model.device.")
+    api: Literal["sglang", "openai"] = option(
+        "sglang",
+        "sglang: POST /generate with the chat prompt rendered by the judge's tokenizer and a request id (rid) the answer "
+        "must echo (a mismatch is refused); openai: POST /v1/chat/completions (an X-Request-Id header; refused when the "
+        "server echoes another).",
+    )
+    api_key_env: str | None = option(
+        None, "Name of the environment variable holding the judge server's API key (never the key itself); null: none, "
+        "or the run's own key for a judge it starts."
+    )
+    served_model: str | None = option(None, "api openai: the `model` field of each request; null: the server's first model.")
+    tokenizer: str | None = option(
+        None, "api sglang: the judge's tokenizer (catalog name or folder) whose chat template renders the prompt; null: "
+        "the `engine` model, else the tokenizer_path the server reports (/model_info)."
+    )
+    template: str = option(
+        "",
+        "Jinja template of the judge's user message, given prompt (text, or a chat's last user message), messages, "
+        "response, label, metadata and criterion (a rubric item, else empty); empty: a built-in 0-10 grading prompt.",
+    )
+    system_prompt: str | None = option(None, "A system message before the judge's prompt.")
+    parser: Literal["number", "label", "boxed"] = option(
+        "number",
+        "How the verdict becomes a score: number (the number captured by `pattern`, default `Score: N`, else the last "
+        "number; mapped from score_range to [0, 1]), label (the first key of `labels` found, whole word, case-insensitive; "
+        "its value), boxed (the number in the last \\boxed{}, from score_range). No verdict: the sample fails (unparseable).",
+    )
+    pattern: str = option(
+        "", "A regex whose first group captures the verdict (number parser: a number; label parser: a label); empty: "
+        "`Score:\\s*(-?\\d+(?:\\.\\d+)?)` for number, the labels themselves for label."
+    )
+    labels: dict[str, float] = option(factory=dict, help="parser label: each label's reward, e.g. {correct: 1.0, incorrect: 0.0}.")
+    score_range: list[float] = option(
+        factory=lambda: [0.0, 10.0], help="parser number or boxed: [low, high] of the judge's scale, mapped to [0, 1] "
+        "(a score outside it fails the sample)."
+    )
+    rubric: list[dict[str, Any]] = option(
+        factory=list,
+        help="Criteria, each {criterion: text, weight: w}: the judge scores each (the template's `criterion`); the "
+        "sample's judge reward is their weighted mean. Empty: one verdict per sample.",
+    )
+    rubric_mode: Literal["each", "all"] = option(
+        "each", "each: one request per criterion (sent together); all: one request listing every criterion, its reply "
+        "holding one verdict per criterion, in order."
+    )
+    max_new_tokens: int = option(64, "Tokens the judge may write per verdict.")
+    temperature: float = option(0.0, "The judge's sampling temperature (0: greedy).")
+    timeout_s: float = option(60.0, "Seconds one judge request may take before it is retried (then the sample fails: timeout).")
+    retries: int = option(1, "Further tries of a request that timed out or could not connect, before the sample fails.")
+    max_concurrency: int = option(64, "Judge requests in flight at once (the judge engine batches them).")
+    cache: bool = option(True, "Reuse a verdict for the same (judge, prompt, response) within the run.")
+    agreement_threshold: float = option(
+        0.5, "reward/agreement: judge and rule agree on a sample when both rewards are >= this, or both below it."
+    )
+
+    def validate(self) -> None:
+        if self.kind == "none":
+            return
+        p = "reward.model"
+        if (self.url is None) == (self.engine is None):
+            raise ConfigError(f"{p}.kind {self.kind}: set exactly one of {p}.url (a running server) or {p}.engine (a model to serve)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{p}.url must be a base URL http://HOST:PORT, got {self.url!r}")
+        if self.timeout_s <= 0 or self.retries < 0 or self.max_concurrency < 1 or self.max_new_tokens < 1:
+            raise ConfigError(f"{p}: timeout_s must be > 0, retries >= 0, max_concurrency >= 1 and max_new_tokens >= 1")
+        if self.temperature < 0:
+            raise ConfigError(f"{p}.temperature must be >= 0, got {self.temperature}")
+        if self.parser == "label" and not self.labels:
+            raise ConfigError(f"{p}.parser label needs {p}.labels, e.g. {{correct: 1.0, incorrect: 0.0}}")
+        if len(self.score_range) != 2 or not self.score_range[0] < self.score_range[1]:
+            raise ConfigError(f"{p}.score_range must be [low, high] with low < high, got {self.score_range}")
+        if self.pattern:
+            try:
+                if re.compile(self.pattern).groups < 1:
+                    raise ConfigError(f"{p}.pattern needs a capturing group (the verdict), got {self.pattern!r}")
+            except re.error as e:
+                raise ConfigError(f"{p}.pattern is not a valid regex ({e}): {self.pattern!r}") from e
+        for i, item in enumerate(self.rubric):
+            if set(item) - {"criterion", "weight"} or not isinstance(item.get("criterion"), str):
+                raise ConfigError(f"{p}.rubric[{i}] must be {{criterion: text, weight: number}}, got {item!r}")
+            if not isinstance(item.get("weight", 1.0), (int, float)) or isinstance(item.get("weight"), bool) or item.get("weight", 1.0) < 0:
+                raise ConfigError(f"{p}.rubric[{i}].weight must be a number >= 0, got {item.get('weight')!r}")
+        if self.rubric and sum(float(i.get("weight", 1.0)) for i in self.rubric) <= 0:
+            raise ConfigError(f"{p}.rubric: the weights sum to 0")
 
 
 @dataclass
 class RewardConfig:
-    """How a sample is scored. Owner: ``noria.rewards`` (the registry and the runner)."""
+    """How a sample is scored. Owner: ``noria.rewards`` (the registry, the runner, the model rewards)."""
 
     name: str | None = option(
         None,
@@ -22,9 +138,15 @@ class RewardConfig:
     kwargs: dict[str, Any] = option(factory=dict, help="Keyword arguments passed to the reward function.")
     timeout_s: float = option(10.0, "Seconds one reward call may take; past that the sample is marked failed.")
     max_concurrency: int = option(32, "Reward calls running at once (threads for sync functions).")
+    rule_weight: float = option(
+        1.0, "With reward.model: the rule reward's weight in the sample's reward; 0 keeps it measured only "
+        "(reward/component/<name>, reward/agreement, and held-out accuracy) without training on it."
+    )
+    model: RewardModelConfig = option(factory=lambda: RewardModelConfig(), help="A reward served by a model (a generative judge).")
 
     def validate(self) -> None:
         if self.timeout_s <= 0:
             raise ConfigError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
         if self.max_concurrency < 1:
             raise ConfigError(f"reward.max_concurrency must be >= 1, got {self.max_concurrency}")
+        self.model.validate()

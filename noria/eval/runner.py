@@ -238,9 +238,10 @@ def _to_sample(prompt: list[int], generated: list[int], eos: list[int], tokenize
 
 def _score(samples: list[Sample], prompts: list[Prompt], config: RunConfig):
     from noria.rewards import resolve_reward, score
+    from noria.rewards.registry import eval_reward
 
     return score(
-        samples, resolve_reward(config), labels=[prompts[s.group_id].label for s in samples],
+        samples, eval_reward(resolve_reward(config)), labels=[prompts[s.group_id].label for s in samples],
         prompts=[prompts[s.group_id].prompt for s in samples],
     )  # fmt: skip
 

@@ -81,6 +81,7 @@ from noria.launch.parts import (
 from noria.metrics import RunLog, group_metrics
 from noria.process import Child, signals_cancel_task
 from noria.process.usage import memory_metrics
+from noria.rewards.model import start_judge
 from noria.rollout import HttpEngineClient, LocalEngineClient, RolloutContext
 from noria.run_folder import make_run_folder
 from noria.rollout.buffer import DropStreak, build_buffer, prompt_to_dict, resolve_filters
@@ -193,6 +194,7 @@ class LocalJob:
         self.evals = self.build_evals()  # eval.mode fleet: its engines; checkpoint: its backend
         self.client, target = self.build_engine()
         self.teacher = self.build_teacher()
+        self.children += start_judge(self.config, self.folder)  # reward.model.engine: the judge's noria serve
         self.backend, self.critic = self.build_trainer()
         self.sync = self.build_sync(target)
         if resume:

@@ -67,3 +67,15 @@ def resolve_reward(config: Any) -> Any:
     if config.data.task is None:
         raise NoriaError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
     return dataclasses.replace(config.reward, name=get_task(config.data.task).default_reward)
+
+
+def eval_reward(reward: Any) -> Any:
+    """The reward that scores held-out answers: with a judge (``reward.model``) and a rule, the rule
+    alone (accuracy is ground truth, whatever the judge says); otherwise ``reward`` itself."""
+    import dataclasses
+
+    from noria.config.reward import RewardModelConfig
+
+    if reward.model.kind == "none" or reward.name is None:
+        return reward
+    return dataclasses.replace(reward, model=RewardModelConfig())

@@ -42,7 +42,8 @@ from noria.types import Group, Sample, Status
 
 SKIPPED_STATUSES = (Status.FAILED, Status.ABORTED)
 FAILURE_KINDS: tuple[str, ...] = ("raised", "timeout", "not_a_number", "non_finite")
-"""Every kind of reward failure (``reward/failed/<kind>``)."""
+"""Every kind of failure of a reward function (``reward/failed/<kind>``); a judge's (``reward.model``)
+are ``noria.rewards.judge.JUDGE_FAILURE_KINDS`` on top."""
 
 
 @dataclass
@@ -57,15 +58,46 @@ class ScoreCounts:
     """Samples whose reward failed, by kind: ``raised``, ``timeout``, ``not_a_number``, ``non_finite``."""
     seconds: float = 0.0
     """Wall seconds of the scoring call (the rollout scheduler logs their sum as ``time/reward_s``)."""
+    components: dict[str, list[float]] = field(default_factory=dict)
+    """With ``reward.model``: each part's value per scored sample, by name (the rule's and the judge's)."""
+    agreement: list[bool] = field(default_factory=list)
+    """With ``reward.model`` and a rule: per sample scored by both, whether they agreed."""
+    model_latencies: list[float] = field(default_factory=list)
+    """Seconds of every answered judge request."""
+    model_cache_hits: int = 0
+    """Samples whose verdict came from the judge's cache."""
 
     @property
     def n_failed(self) -> int:
         return sum(self.failed.values())
 
+    def merge(self, other: ScoreCounts) -> None:
+        """Add ``other``'s counts to these (the scheduler sums a step's scoring calls)."""
+        self.scored += other.scored
+        self.skipped += other.skipped
+        self.seconds += other.seconds
+        self.failed.update(other.failed)
+        for name, values in other.components.items():
+            self.components.setdefault(name, []).extend(values)
+        self.agreement += other.agreement
+        self.model_latencies += other.model_latencies
+        self.model_cache_hits += other.model_cache_hits
+
     def as_metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """Flat metrics: ``reward/scored``, ``reward/skipped``, ``reward/failed``, ``reward/failed/<kind>``."""
+        """Flat metrics: ``reward/scored``, ``reward/skipped``, ``reward/failed``, ``reward/failed/<kind>``;
+        with a model reward also ``reward/component/<name>`` (mean), ``reward/agreement``,
+        ``reward/model_latency_s_p50`` / ``_p99`` and ``reward/model_cache_hits``."""
         metrics = {f"{prefix}scored": self.scored, f"{prefix}skipped": self.skipped, f"{prefix}failed": self.n_failed}
         metrics.update({f"{prefix}failed/{kind}": n for kind, n in sorted(self.failed.items())})
+        metrics.update({f"{prefix}component/{name}": sum(v) / len(v) for name, v in sorted(self.components.items()) if v})
+        if self.agreement:
+            metrics[f"{prefix}agreement"] = sum(self.agreement) / len(self.agreement)
+        if self.model_latencies:
+            ordered = sorted(self.model_latencies)
+            metrics[f"{prefix}model_latency_s_p50"] = ordered[(len(ordered) - 1) // 2]
+            metrics[f"{prefix}model_latency_s_p99"] = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+        if self.components:
+            metrics[f"{prefix}model_cache_hits"] = self.model_cache_hits
         return metrics
 
 
@@ -98,20 +130,26 @@ async def score_async(
     max_concurrency = reward_cfg.max_concurrency if max_concurrency is None else max_concurrency
     if max_concurrency < 1:
         raise ValueError(f"score: max_concurrency must be >= 1, got {max_concurrency}")
-    if reward_cfg.name is None:
+    with_model = reward_cfg.model.kind != "none"
+    if reward_cfg.name is None and not with_model:
         raise ValueError("score: reward_cfg.name is None; resolve the task's default with resolve_reward() first")
-    fn = get_reward(reward_cfg.name)
+    fn = get_reward(reward_cfg.name) if reward_cfg.name is not None else None
     counts = ScoreCounts()
     start = time.perf_counter()
     todo = [i for i, sample in enumerate(samples) if sample.status not in SKIPPED_STATUSES]
     counts.skipped = len(samples) - len(todo)
     metas = [dict(metadata[i] if metadata is not None else samples[i].metadata) for i in todo]
-    if is_batched(fn, PLUG_POINTS["reward.name"]):  # TRL's form: one call for the whole batch
+    if with_model:  # a judge, and the rule if named: noria.rewards.mixed
+        from noria.rewards.mixed import score_mixed
+
+        picked = [prompts[i] for i in todo] if prompts is not None else None
+        kinds = await score_mixed(fn, reward_cfg, [samples[i] for i in todo], [labels[i] for i in todo], metas, picked, counts, max_concurrency)
+    elif is_batched(fn, PLUG_POINTS["reward.name"]):  # TRL's form: one call for the whole batch
         rows = [(samples[i], labels[i], meta, prompts[i] if prompts is not None else None) for i, meta in zip(todo, metas)]
         kinds = await score_batch(fn, reward_cfg, rows)
     else:
         limit = asyncio.Semaphore(max_concurrency)
-        kinds = await asyncio.gather(*(_score_one(fn, reward_cfg, samples[i], labels[i], m, limit) for i, m in zip(todo, metas)))
+        kinds = await asyncio.gather(*(score_one(fn, reward_cfg, samples[i], labels[i], m, limit) for i, m in zip(todo, metas)))
     for kind in kinds:
         if kind is None:
             counts.scored += 1
@@ -163,7 +201,7 @@ def _refuse_running_loop(name: str) -> None:
 # ----------------------------------------------------------------------------------- one sample
 
 
-async def _score_one(
+async def score_one(
     fn: RewardFn, cfg: RewardConfig, sample: Sample, label: Any, metadata: dict[str, Any], limit: asyncio.Semaphore
 ) -> str | None:
     """Score one sample in place; return the failure kind, or None on success."""

@@ -235,7 +235,8 @@ async def score_unscored(groups: Sequence[Group], reward: RewardConfig) -> Score
     """Score the samples without a reward against their prompt's label (metadata: prompt's, then sample's)."""
     pairs = [(g, s) for g in groups for s in g.samples if s.reward is None]
     return await score_async(
-        [s for _, s in pairs], reward, [g.prompt.label for g, _ in pairs], [{**g.prompt.metadata, **s.metadata} for g, s in pairs]
+        [s for _, s in pairs], reward, [g.prompt.label for g, _ in pairs], [{**g.prompt.metadata, **s.metadata} for g, s in pairs],
+        prompts=[g.prompt.prompt for g, _ in pairs],  # a judge (reward.model) reads them
     )
 
 

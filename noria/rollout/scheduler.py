@@ -396,10 +396,7 @@ class _Interval:
     def add(self, group: Group, counts: ScoreCounts) -> None:
         self.tokens += sum(len(s.response_ids) for s in group.samples)
         self.groups += 1
-        self.counts.scored += counts.scored
-        self.counts.skipped += counts.skipped
-        self.counts.seconds += counts.seconds
-        self.counts.failed.update(counts.failed)
+        self.counts.merge(counts)
 
     def collect(self, in_flight: int, pending_groups: int, now: float) -> dict[str, float]:
         busy = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
