@@ -17,13 +17,19 @@ the first evaluation at or above it), its final accuracy and its training minute
 (``--json``) has the benchmark rows (``noria`` = the shipped recipe, ``peers`` = the others), each
 system's curve and the settings; a PNG of accuracy against minutes and against tokens, one line per
 system, is written beside it. Each system's result is written as soon as it finishes, and a run with
-the same ``--json`` and settings keeps the systems already there: one system per command is fine.
+the same ``--json`` and settings keeps the systems already there: one system per command is fine
+(each system records its command, and the 1-minute load average before and after it: a load above
+the cores means it shared the CPU). A system interrupted (Ctrl-C, SIGTERM from a time limit) is
+kept with the evaluations it made, marked ``interrupted``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shlex
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -152,20 +158,37 @@ def run(
             print(why)
             continue
         print(f"{system}: {LABELS[system]}", flush=True)
+        load_before = os.getloadavg()[0]
         config = ls.write(ls.system_config("sync" if system == "trl" else system, recipe, folder, settings, staleness),
                           work / f"{system}.yaml")
-        if system == "trl":
-            result = ls.run_trl(config, work / "trl", settings, max_seconds)
-        else:
-            result = ls.run_noria(config, work / system, max_seconds, system)
-        doc["systems"][system] = {"label": LABELS[system], **result, "reached": reached(result["curve"], thresholds)}
-        if json_path:
-            save(json_path, doc, thresholds, note)
+        try:
+            if system == "trl":
+                result = ls.run_trl(config, work / "trl", settings, max_seconds)
+            else:
+                result = ls.run_noria(config, work / system, max_seconds, system)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a time limit): keep what was measured, marked
+            result = {**ls.partial(system, work / system), "interrupted": True}
+            record(doc, system, result, thresholds, load_before, json_path, note)
+            raise
+        record(doc, system, result, thresholds, load_before, json_path, note)
     for system in doc["systems"].values():
         system["reached"] = reached(system["curve"], thresholds)
     print_table(doc, thresholds)
     print(f"run folders under {work}")
     return doc
+
+
+def record(doc: dict[str, Any], system: str, result: dict[str, Any], thresholds, load_before: float, json_path: str | None,
+           note: str | None) -> None:
+    """``system``'s result into ``doc`` (with its command and the load around it), and the JSON and plot."""
+    doc["systems"][system] = {"label": LABELS[system], **result, "reached": reached(result["curve"], thresholds),
+                              "command": command_line(), "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    if json_path:
+        save(json_path, doc, thresholds, note)
+
+
+def command_line() -> str:
+    return "noria " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 def previous(json_path: str | None, settings: dict[str, Any]) -> dict[str, Any]:
@@ -218,7 +241,7 @@ def save(json_path: str, doc: dict[str, Any], thresholds, note: str | None) -> N
 
     write_json(json_path, "learn", results(doc, thresholds), settings=doc["settings"], thresholds=list(thresholds),
                note=note, systems=doc["systems"])
-    plot(doc["systems"], Path(json_path).with_suffix(".png"), doc["settings"])
+    plot(doc["systems"], Path(json_path).with_suffix(".png"), doc["settings"], thresholds)
 
 
 def print_table(doc: dict[str, Any], thresholds) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 
-def plot(systems: dict[str, dict[str, Any]], path: Path, settings: dict[str, Any]) -> Path:
+def plot(systems: dict[str, dict[str, Any]], path: Path, settings: dict[str, Any], thresholds=()) -> Path:
     """Write the PNG of ``systems``' curves to ``path``."""
     import matplotlib
 
@@ -25,6 +25,8 @@ def plot(systems: dict[str, dict[str, Any]], path: Path, settings: dict[str, Any
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out accuracy (%)")
         ax.grid(alpha=0.3)
+        for t in thresholds:
+            ax.axhline(100 * t, color="grey", linestyle=":", linewidth=1)
     by_time.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"{Path(settings['model']).name}: greedy held-out accuracy, every {settings['eval_every']} steps", fontsize=10)
     fig.tight_layout()

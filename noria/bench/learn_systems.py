@@ -47,6 +47,8 @@ import yaml
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "grpo_smollm2_arithmetic.yaml"
 """The main job's recipe: the shipped system, and the settings every system shares."""
 NORIA_SYSTEMS = ("shipped", "sync", "async", "vllm")
+CURVE_FILE = "curve.jsonl"
+"""The TRL worker's evaluations, one JSON line each as it makes them."""
 
 
 def recipe_settings(recipe: Path) -> dict[str, Any]:
@@ -184,6 +186,17 @@ def show(label: str, curve: list[dict[str, Any]], shown: int) -> int:
 # ------------------------------------------------------------------------------------ TRL
 
 
+def partial(system: str, folder: Path) -> dict[str, Any]:
+    """What an interrupted run of ``system`` in ``folder`` measured until then (its evaluations so far)."""
+    if system == "trl":
+        curve = read_rows(folder / CURVE_FILE)
+        last = curve[-1] if curve else {"step": 0, "train_seconds": 0.0}
+        return {"curve": curve, "steps": last["step"], "train_seconds": last["train_seconds"], "skipped_evals": 0}
+    steps, evals = read_rows(folder / "metrics.jsonl"), read_rows(folder / "eval.jsonl")
+    return {"curve": noria_curve(steps, evals), "steps": len(steps), "train_seconds": round(sum(r["seconds"] for r in steps), 3),
+            "skipped_evals": sum("skipped" in e for e in evals)}
+
+
 def run_trl(config: Path, out: Path, s: dict[str, Any], max_seconds: float | None) -> dict[str, Any]:
     """The TRL worker (``python -m noria.bench.learn_systems``) on ``config``; its curve."""
     from noria.process import run as run_command
@@ -250,6 +263,8 @@ class TrlClock:
         shutil.rmtree(folder)
         self.curve.append({"step": step, "train_seconds": round(self.train_seconds, 3), "trained_tokens": self.tokens,
                            "accuracy": result.accuracy, "eval_seconds": round(result.seconds, 3)})
+        with open(self.out / CURVE_FILE, "a") as f:  # what an interrupted run leaves (``partial``)
+            f.write(json.dumps(self.curve[-1]) + "\n")
         print(f"trl eval step {step}: {result.accuracy}", file=sys.stderr, flush=True)
 
 

@@ -50,6 +50,19 @@ def test_noria_curve_sums_step_seconds_and_tokens_up_to_each_evaluation():
     assert not learn_systems.stop_due(steps, evals, 13.0)  # never reached
 
 
+def test_an_interrupted_system_keeps_the_evaluations_it_made(tmp_path):
+    trl, noria = tmp_path / "trl", tmp_path / "sync"
+    trl.mkdir(), noria.mkdir()
+    points = [point(0, 0.0, 0, 0.25), point(2, 100.0, 900, 0.4)]
+    (trl / learn_systems.CURVE_FILE).write_text("".join(json.dumps(p) + "\n" for p in points) + '{"step": 4, "tr')
+    assert learn_systems.partial("trl", trl) == {"curve": points, "steps": 2, "train_seconds": 100.0, "skipped_evals": 0}
+    (noria / "metrics.jsonl").write_text(json.dumps({"step": 1, "seconds": 3.0, "rollout/trained_tokens": 50.0}) + "\n")
+    (noria / "eval.jsonl").write_text(json.dumps({"step": 0, "accuracy": 0.25, "seconds": 1.0}) + "\n")
+    got = learn_systems.partial("sync", noria)
+    assert got["steps"] == 1 and got["train_seconds"] == 3.0 and [p["step"] for p in got["curve"]] == [0]
+    assert learn_systems.partial("trl", tmp_path / "missing")["curve"] == []
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="known"):
         learn.parse_list("shipped,openrlhf", learn.SYSTEMS, "--systems")
