@@ -69,6 +69,9 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    from noria.process.lifecycle import sigterm_as_interrupt
+
+    sigterm_as_interrupt()  # a time limit's SIGTERM ends the system running as Ctrl-C does: what it measured is kept
     overrides = {k: v for k, v in (("prompts_per_step", args.prompts_per_step), ("n_samples", args.n_samples),
                                    ("max_new_tokens", args.max_new_tokens)) if v is not None}  # fmt: skip
     run(parse_list(args.systems, SYSTEMS, "--systems"), model=args.model, steps=args.steps, max_minutes=args.max_minutes,
