@@ -19,8 +19,9 @@ def plot(systems: dict[str, dict[str, Any]], path: Path, settings: dict[str, Any
     for name, r in systems.items():
         curve = sorted(r["curve"], key=lambda p: p["step"])
         accuracy = [100 * (p["accuracy"] or 0.0) for p in curve]
-        by_time.plot([p["train_seconds"] / 60 for p in curve], accuracy, marker="o", label=r.get("label", name))
-        by_tokens.plot([p["trained_tokens"] / 1000 for p in curve], accuracy, marker="o", label=r.get("label", name))
+        label = r.get("label", name) + (" (interrupted)" if r.get("interrupted") else "")
+        by_time.plot([p["train_seconds"] / 60 for p in curve], accuracy, marker="o", label=label)
+        by_tokens.plot([p["trained_tokens"] / 1000 for p in curve], accuracy, marker="o", label=label)
     for ax, xlabel in ((by_time, "training minutes (evaluations excluded)"), (by_tokens, "trained response tokens (thousands)")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out accuracy (%)")
