@@ -7,7 +7,8 @@ For each batch size B, the same B prompts are generated with ``ignore_eos`` for 
 - ``noria``: ``method: ngram`` with the default policy (speculation only while at most
   ``engine.speculative.max_batch`` requests decode together);
 - ``spec_always``: ``method: ngram`` with ``max_batch`` above every batch, so every step speculates:
-  the figure the default ``max_batch`` was chosen from.
+  the figure the default ``max_batch`` was chosen from (run only at batches above the default
+  ``max_batch``; below it, it is the ``noria`` engine).
 
 Workloads (``--workloads``):
 
@@ -81,7 +82,12 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
     results = []
     for workload in workloads:
         prompts = _prompts(folder, workload, max(batches), new_tokens, lines)
-        figures = {name: _measure(folder, prompts, batches, new_tokens, temperature, dtype, spec) for name, spec in sides.items()}
+        figures = {name: _measure(folder, prompts, batches, new_tokens, temperature, dtype, spec)
+                   for name, spec in sides.items() if name != "spec_always"}
+        # Where the default policy speculates, spec_always is the same engine: measured only above it.
+        above = [b for b in batches if b > default_max_batch]
+        figures["spec_always"] = {**{b: figures["noria"][b] for b in batches if b <= default_max_batch},
+                                  **(_measure(folder, prompts, above, new_tokens, temperature, dtype, sides["spec_always"]) if above else {})}
         for batch in batches:
             on, always = figures["noria"][batch], figures["spec_always"][batch]
             results.append({
