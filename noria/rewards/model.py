@@ -67,6 +67,8 @@ class ModelReward:
         self.client = client
         self.version = judge_version(cfg, client.url)
         self.cache: OrderedDict[str, float] = OrderedDict()
+        self.asking: dict[str, asyncio.Future] = {}
+        """Rows being asked now, by cache key: a duplicate waits for that answer instead of asking again."""
 
     async def score(self, rows: Sequence[Row]) -> Scored:
         """Every row's judge reward in [0, 1], or the ``JudgeFailure`` that stopped it."""
@@ -82,15 +84,27 @@ class ModelReward:
             out.cache_hits += 1
             self.cache.move_to_end(key)
             return self.cache[key]
-        try:
-            value = await self._judge(http, row, limit, out)
-        except JudgeFailure as failure:
-            return failure
+        if self.cfg.cache and key in self.asking:  # the same row asked a moment ago: share its answer
+            out.cache_hits += 1
+            return await asyncio.shield(self.asking[key])
+        asked = asyncio.ensure_future(self._verdict(http, row, limit, out))
         if self.cfg.cache:
+            self.asking[key] = asked
+        try:
+            value = await asyncio.shield(asked)
+        finally:
+            self.asking.pop(key, None)
+        if self.cfg.cache and not isinstance(value, JudgeFailure):
             self.cache[key] = value
             while len(self.cache) > CACHE_ROWS:
                 self.cache.popitem(last=False)
         return value
+
+    async def _verdict(self, http: Any, row: Row, limit: asyncio.Semaphore, out: Scored) -> float | JudgeFailure:
+        try:
+            return await self._judge(http, row, limit, out)
+        except JudgeFailure as failure:
+            return failure
 
     async def _judge(self, http: Any, row: Row, limit: asyncio.Semaphore, out: Scored) -> float:
         cfg = self.cfg
