@@ -20,7 +20,7 @@ import json
 import os
 import secrets
 import sys
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +40,20 @@ def serve_command(path: Path, config: Any, host: str, port: int, device: str) ->
     """``python -m noria serve`` of ``path`` with the run's dtype and every ``engine.*`` key set."""
     cmd = [sys.executable, "-m", "noria", "serve", "--model", str(path), "--host", host, "--port", str(port)]
     cmd += ["--dtype", config.model.dtype, "--device", device, "--weight-version", "0"]
-    for f in fields(config.engine):
-        value = getattr(config.engine, f.name)
-        if value is not None:
-            cmd += [f"--engine.{f.name}", json.dumps(value) if not isinstance(value, str) else value]
-    return cmd
+    return cmd + engine_args(config.engine)
+
+
+def engine_args(section: Any, prefix: str = "engine") -> list[str]:
+    """``--engine.KEY VALUE`` for every set key of ``section``, a nested section's keys dotted
+    (``--engine.speculative.method ngram``)."""
+    args: list[str] = []
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            args += engine_args(value, f"{prefix}.{f.name}")
+        elif value is not None:
+            args += [f"--{prefix}.{f.name}", json.dumps(value) if not isinstance(value, str) else value]
+    return args
 
 
 def start_engine_server(
