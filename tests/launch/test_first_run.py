@@ -45,6 +45,7 @@ def silences(lines: list[tuple[float, str]]) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # it times every silence of a real run
 @pytest.mark.timeout(900)
 def test_first_run_speaks_every_few_seconds_and_lifts_held_out_accuracy(tmp_path):
     env = {**os.environ, "NORIA_HOME": str(tmp_path / "home")}

@@ -40,7 +40,7 @@ from proc_util import alive, descendants, listening_sockets, socket_inodes
 from repo_util import TESTS
 from rl_util import async_args
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.chaos, pytest.mark.alone, pytest.mark.timeout(300)]  # alone: it lists new lock files of shared folders
 
 SHM = Path("/dev/shm")
 MARK = "NORIA_TEST_LEFTOVER_MARK"

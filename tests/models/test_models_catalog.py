@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import threading
+import time
 
 import pytest
 
@@ -99,3 +101,24 @@ def test_a_build_of_an_older_recipe_is_rebuilt(noria_home, monkeypatch):
     (folder / BUILD_MARK).unlink()  # a folder from before the mark counts as version 1
     import_model("toy")
     assert builds == [1, 2, 2]
+
+
+def test_two_imports_at_once_build_once(noria_home, monkeypatch):
+    """Two jobs that start at once on a fresh machine: one builds the folder, the other waits for it
+    (a flock: threads of one process hold it apart as processes do) and then reads the same folder."""
+    builds, started = [], threading.Event()
+
+    def build(entry, out):
+        builds.append(entry.version)
+        started.set()
+        time.sleep(0.3)  # the other import arrives while this one builds
+        (out / "weights.txt").write_text("built")
+
+    monkeypatch.setitem(CATALOG, "toy", CatalogEntry(name="toy", description="toy", build=build, version=1))
+    folders = []
+    first = threading.Thread(target=lambda: folders.append(import_model("toy")))
+    first.start()
+    assert started.wait(10)
+    folders.append(import_model("toy"))  # blocks on the lock until the first build is in place
+    first.join()
+    assert builds == [1] and folders[0] == folders[1] and (folders[0] / "weights.txt").read_text() == "built"

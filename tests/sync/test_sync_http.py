@@ -39,8 +39,8 @@ def trainer(tiny_model_dir) -> dict[str, torch.Tensor]:
 
 
 def state(server) -> tuple[int, dict[str, str]]:
-    version = httpx.get(f"{server.url}/get_weight_version").json()["weight_version"]
-    return version, httpx.post(f"{server.url}/weights_checksum", json={"algo": "sha256"}).json()["checksums"]
+    version = httpx.get(f"{server.url}/get_weight_version", timeout=60).json()["weight_version"]
+    return version, httpx.post(f"{server.url}/weights_checksum", json={"algo": "sha256"}, timeout=60).json()["checksums"]
 
 
 def make_sync(case: str, server, tmp_path):
@@ -68,7 +68,8 @@ def test_push_to_a_server_and_verify(case, server, trainer, tmp_path):
         assert metrics["sync/full_snapshots"] == 0 and (tmp_path / "weights" / f"d{version + 2:08d}" / "delta.json").is_file()
     now, sums = state(server)
     assert now == version + 2
-    out = httpx.post(f"{server.url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}).json()
+    out = httpx.post(f"{server.url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}},
+                     timeout=60).json()  # 5 s (httpx's default) is short on a loaded machine
     assert out["meta_info"]["weight_version"] == version + 2
 
 
