@@ -25,6 +25,8 @@ import pytest
 import noria.agent.sandbox as sandbox_module
 from noria.agent.sandbox import SANDBOX_UID_BASE, SandboxLimits, SandboxResult, SandboxUnavailable, run_python
 
+pytestmark = pytest.mark.alone  # no_leftovers counts every sandbox uid's processes on the machine; limits are timed
+
 FAST = SandboxLimits(timeout_s=6, cpu_s=4, memory_mb=256, max_procs=16)
 UNPRIVILEGED_UID = 4242
 MODES = ("caller", "unprivileged")
