@@ -307,11 +307,12 @@ class DiffusionEngine:
         batch.x = x_next
         batch.position += 1
         batch.steps.append((x_next, logprobs, self.weight_version))
-        if len(batch.steps) == batch.until:
-            self._end_batch()
+        # Counted before the batch ends: ending it answers its callers, who may read the metrics at once.
         self._stats["steps"] += 1
         self._stats["image_steps"] += len(batch.images)
         self._stats["seconds"] += time.perf_counter() - start
+        if len(batch.steps) == batch.until:
+            self._end_batch()
 
     def _admit(self) -> None:
         """Move waiting images into the batch (each draws its initial noise); a batch whose images
