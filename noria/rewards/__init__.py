@@ -4,6 +4,9 @@
   user functions by import path ``pkg.module:fn``; the reward function contract.
 - ``runner``: ``score`` / ``score_async``: concurrent calls with a per-call timeout; failures mark
   the sample failed (never a silent 0) and are counted for metrics.
+- ``model``, ``judge``, ``mixed``: a reward served by a model (``reward.model``): the generative
+  judge's scorer, cache and engine; its prompt, request and verdict parsers; the rule and the judge
+  weighted together, with each part, their agreement and the judge's latency counted.
 """
 
 from noria.rewards.registry import REWARDS, get_reward, register_reward, resolve_reward
