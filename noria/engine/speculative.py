@@ -32,7 +32,8 @@ overwritten by the next step, and the prefix cache (which caches ``all_ids[:num_
 holds a rejected token. Stop conditions are checked token by token (``Scheduler._append_verified``):
 nothing past a stop is kept, and a draft never runs past ``max_new_tokens`` or the context.
 
-Policy. A step speculates only while at most ``max_batch`` of its chunks decode (verify chunks
+Policy. A step speculates only while at most ``max_batch`` requests are running (decoding, or
+prefilling and about to decode: a large batch still admitting does not speculate; verify chunks
 multiply the tokens of a step by up to k + 1: worth it where a decode step is bound by weight
 reads, not where it is bound by compute), within ``max_batch_tokens``, and only when no request of
 the step asks for top logprobs, routed experts or prefill scoring (those paths read one row per
@@ -113,15 +114,15 @@ class Speculator:
         return [c for c in chunks if c.n == 1 and c.sample and not c.pending]
 
     def active(self, chunks: list[Chunk]) -> bool:
-        """Whether a step like ``chunks`` may speculate (decoding rows within ``max_batch``): then
-        the engine schedules the next step on the host rather than overlapping it."""
-        return sum(1 for c in chunks if c.sample) <= self.config.max_batch
+        """Whether the step after ``chunks`` may speculate (running requests within ``max_batch``):
+        then the engine schedules it on the host rather than overlapping it."""
+        return len(self.scheduler.running) <= self.config.max_batch
 
     def propose(self, chunks: list[Chunk]) -> bool:
         """Turn the step's eligible decode chunks into verify chunks (drafts attached, blocks
         allocated); True when at least one was."""
         decoding = self._decoding(chunks)
-        if not decoding or len(decoding) > self.config.max_batch:
+        if not decoding or len(self.scheduler.running) > self.config.max_batch:  # prefilling ones will decode soon
             return False
         if any(c.req.routes is not None or c.req.request.top_logprobs_num > 0 for c in chunks if c.sample):
             return False
