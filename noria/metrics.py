@@ -97,6 +97,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("reward/model_latency_s_p99", "s", "With reward.model: 99th percentile of the judge's request seconds."),
         ("reward/model_cache_hits", "count", "With reward.model: samples whose verdict came from the judge's cache (same judge, prompt and response)."),
         ("engine/prefix_hit_rate", "fraction", "Share of the prompt tokens admitted since the previous step's line that the engine's radix prefix cache served (colocated engine)."),
+        ("rollout/spec_acceptance", "fraction", "With engine.speculative: share of the drafted tokens the colocated engine accepted since the previous step's line."),
+        ("rollout/spec_tokens_per_verify", "tokens", "With engine.speculative: tokens a verify chunk kept on average since the previous step's line (its accepted drafts + 1)."),
         ("engine/retractions", "count", "Requests retracted for lack of KV memory (colocated engine, cumulative)."),
         ("resume/in_flight_continued", "groups", "First step after a resume: groups in flight at the checkpoint continued from their recorded tokens (rollout.resume_in_flight)."),
         ("resume/in_flight_retracted", "groups", "First step after a resume: groups in flight at the checkpoint retracted, their prompts back to the data source (the reasons are in the run's log)."),

@@ -66,7 +66,7 @@ class RunConfig:
         if self.reward.name is None and self.data.task is None and self.train.algorithm == "rl":
             raise ConfigError("reward.name is required when prompts come from data.path (only tasks have a default reward)")
         _check_launch(self)
-        self.engine.check_model(self.model.device, self.model.impl)
+        self.engine.check_model(self.model.device, self.model.impl, rollout_engine=self.rollout.engine)
         _check_opd(self)
         if self.diffusion is not None:
             self.diffusion.validate_run(self)

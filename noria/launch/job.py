@@ -69,6 +69,7 @@ from noria.console import phase
 from noria.engine.child import engine_device
 from noria.errors import NoriaError
 from noria.eval.modes import Evaluations
+from noria.launch.engine_figures import kv_usage, local_engine_figures
 from noria.launch.parts import (
     backend_options,
     build_weight_sync,
@@ -141,8 +142,8 @@ class LocalJob:
         self.engine_process: Child | None = None
         """The rollout engine's process, when this job started one (``noria serve`` or vLLM)."""
         self.local_engine: Any = None
-        self.prefix_seen = (0, 0)
-        """The in-process engine's (prompt tokens, cached tokens) totals at the last step's line."""
+        self.engine_seen: dict[str, float] = {}
+        """The in-process engine's running totals at the last step's line (``local_engine_figures``)."""
         self.engine_key: str | None = None
         """The API key of the ``noria serve`` child this job started (its ``/get_load`` feeds ``engine_metrics``)."""
         self.client: Any = None
@@ -543,19 +544,10 @@ class LocalJob:
         restore_rl(self)
 
     def engine_metrics(self) -> dict[str, float]:
-        """The rollout engine's figures of the step's line: its share of KV blocks in use, and (in this
-        process) the step's prefix hits and the retractions so far."""
+        """The rollout engine's figures of the step's line (``noria.launch.engine_figures``)."""
         if self.local_engine is None:
             return kv_usage([(self.client.base_url, self.engine_key)]) if self.engine_key else {}
-        m = self.local_engine.metrics()  # the generic (transformers) engine has no paged KV pool: no kv_usage
-        out = {f"engine/{k}": float(m[k]) for k in ("retractions", "kv_usage") if k in m}
-        if "prefix_prompt_tokens" in m:  # this step's share: the engine keeps running totals since its start
-            (prompt0, cached0), now = self.prefix_seen, (m["prefix_prompt_tokens"], m["prefix_cached_tokens"])
-            self.prefix_seen = now
-            out["engine/prefix_hit_rate"] = (now[1] - cached0) / (now[0] - prompt0) if now[0] > prompt0 else 0.0
-        elif "prefix_hit_rate" in m:
-            out["engine/prefix_hit_rate"] = float(m["prefix_hit_rate"])
-        return out
+        return local_engine_figures(self.local_engine.metrics(), self.engine_seen)
 
     def close(self) -> None:
         self.evals.close()  # evaluation engines stopped, evaluations in flight cancelled
@@ -568,24 +560,6 @@ class LocalJob:
             self.local_engine.shutdown(drain_timeout_s=1.0)
         for child in reversed(self.children):  # a vLLM server: its whole process group (its engine core too)
             child.stop()
-
-
-def kv_usage(engines: list[tuple[str, str]], timeout_s: float = 5.0) -> dict[str, float]:
-    """``engine/kv_usage``: the mean share of KV blocks in use over the ``noria serve`` engines at
-    (url, key), from their ``/get_load`` (one loopback request each); left out when one does not
-    answer in ``timeout_s`` (a step's line is no reason to stop a run)."""
-    import json
-    import urllib.request
-
-    shares = []
-    for url, key in engines:
-        request = urllib.request.Request(f"{url}/get_load", headers={"Authorization": f"Bearer {key}"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-                shares.append(float(json.loads(answer.read())["kv_usage"]))
-        except (OSError, ValueError, KeyError):  # not measured this step: busy, stopping or restarting
-            return {}
-    return {"engine/kv_usage": sum(shares) / len(shares)} if shares else {}
 
 
 def steps_of(config: RunConfig, n_prompts: int, what: str) -> int:

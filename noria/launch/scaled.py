@@ -38,7 +38,8 @@ from noria.launch.elastic import FleetControl
 from noria.launch.elastic import serve as serve_requests
 from noria.launch.fleet import EngineFleet, start_local_engine
 from noria.launch.fleet_client import FleetClient
-from noria.launch.job import LocalJob, kv_usage
+from noria.launch.engine_figures import kv_usage
+from noria.launch.job import LocalJob
 from noria.launch.ranks import InProcessRanks, ProcessRanks, RankBackend, TrainerRank
 from noria.types import Group
 

@@ -182,7 +182,7 @@ def test_the_step_line_shows_each_steps_own_prefix_share(model):
     from noria.launch.job import LocalJob
 
     engine = _engine(model)
-    job = SimpleNamespace(local_engine=engine, prefix_seen=(0, 0))
+    job = SimpleNamespace(local_engine=engine, engine_seen={})
     line = functools.partial(LocalJob.engine_metrics, job)
     first = GenerateRequest(input_ids=prompt(6), sampling=greedy(2))
     out = engine.generate_batch([first])[0]

@@ -124,6 +124,28 @@ def test_speculation_is_off_above_max_batch(model):
         spec.shutdown(1)
 
 
+def test_the_step_line_shows_each_steps_own_acceptance(model):
+    """``rollout/spec_acceptance`` and ``rollout/spec_tokens_per_verify`` on a step's line are the
+    step's own (the engine keeps running totals): a step without traffic shows 0."""
+    from noria.launch.engine_figures import local_engine_figures
+
+    spec, seen = _engine(model, "ngram"), {}
+    try:
+        _run(spec, [GenerateRequest(input_ids=p, sampling=_greedy(24)) for p in _prompts()[:2]])
+        m = spec.metrics()
+        first = local_engine_figures(m, seen)
+        assert first["rollout/spec_acceptance"] == m["spec_accepted_tokens"] / m["spec_proposed_tokens"] > 0
+        assert first["rollout/spec_tokens_per_verify"] == m["spec_verify_tokens"] / m["spec_verify_rows"] > 1
+        _run(spec, [GenerateRequest(input_ids=p, sampling=_greedy(24)) for p in _prompts()[2:]])
+        m2 = spec.metrics()
+        second = local_engine_figures(m2, seen)
+        accepted, proposed = (m2[k] - m[k] for k in ("spec_accepted_tokens", "spec_proposed_tokens"))
+        assert proposed > 0 and second["rollout/spec_acceptance"] == accepted / proposed  # this step alone
+        assert local_engine_figures(spec.metrics(), seen)["rollout/spec_acceptance"] == 0.0  # nothing since
+    finally:
+        spec.shutdown(1)
+
+
 # ------------------------------------------------------------------------------ the distribution
 
 
