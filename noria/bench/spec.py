@@ -51,6 +51,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--num-tokens", type=int, default=4, help="engine.speculative.num_tokens (draft length k)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (a verify step runs eagerly there; plain decode steps replay CUDA graphs)")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
@@ -60,18 +61,20 @@ def main(args) -> int:
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or not workloads:
         raise SystemExit(f"--workloads: {','.join(unknown) or 'empty'} not supported; choose from {', '.join(WORKLOADS)}")
-    run(args.model, batches, args.new_tokens, workloads, args.temperature, args.num_tokens, args.dtype, args.json, args.lines)
+    run(args.model, batches, args.new_tokens, workloads, args.temperature, args.num_tokens, args.dtype, args.json, args.lines,
+        args.device)
     return 0
 
 
 def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], temperature: float, num_tokens: int,
-        dtype: str = "auto", json_path: str | None = None, lines: int = 12) -> list[dict]:
+        dtype: str = "auto", json_path: str | None = None, lines: int = 12, device: str = "cpu") -> list[dict]:
+    from noria.bench import machine_name
     from noria.config.engine import SpeculativeConfig
     from noria.hardware import cpu_info, resolve_dtype
     from noria.models.catalog import model_path
 
-    dtype = resolve_dtype(dtype, "cpu")
-    print(f"{cpu_info().summary()}: {dtype}", file=sys.stderr)
+    dtype = resolve_dtype(dtype, device)
+    print(f"{machine_name() if device.startswith('cuda') else cpu_info().summary()}: {dtype}", file=sys.stderr)
     folder = model_path(model)
     default_max_batch = SpeculativeConfig().max_batch
     sides = {
@@ -82,16 +85,16 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
     results = []
     for workload in workloads:
         prompts = _prompts(folder, workload, max(batches), new_tokens, lines)
-        figures = {name: _measure(folder, prompts, batches, new_tokens, temperature, dtype, spec)
+        figures = {name: _measure(folder, prompts, batches, new_tokens, temperature, dtype, spec, device)
                    for name, spec in sides.items() if name != "spec_always"}
         # Where the default policy speculates, spec_always is the same engine: measured only above it.
         above = [b for b in batches if b > default_max_batch]
         figures["spec_always"] = {**{b: figures["noria"][b] for b in batches if b <= default_max_batch},
-                                  **(_measure(folder, prompts, above, new_tokens, temperature, dtype, sides["spec_always"]) if above else {})}
+                                  **(_measure(folder, prompts, above, new_tokens, temperature, dtype, sides["spec_always"], device) if above else {})}
         for batch in batches:
             on, always = figures["noria"][batch], figures["spec_always"][batch]
             results.append({
-                "case": f"{model} {dtype} {workload} batch={batch} new={new_tokens} T={temperature} k={num_tokens}",
+                "case": f"{model} {device} {dtype} {workload} batch={batch} new={new_tokens} T={temperature} k={num_tokens}",
                 "metric": "tokens_per_s",
                 "noria": on["tokens_per_s"],
                 "peers": {"no_spec": figures["no_spec"][batch]["tokens_per_s"], "spec_always": always["tokens_per_s"]},
@@ -108,7 +111,7 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
 
 
 def _measure(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, temperature: float,
-             dtype: str, spec) -> dict[int, dict[str, float]]:
+             dtype: str, spec, device: str = "cpu") -> dict[int, dict[str, float]]:
     """Per batch size: tokens/s of one engine with ``spec``, and its speculation counters over the batch."""
     from noria.config import EngineConfig
     from noria.engine import Engine
@@ -118,7 +121,7 @@ def _measure(folder: Path, prompts: list[list[int]], batches: list[int], new_tok
     config = EngineConfig(
         max_running_requests=max(batches), kv_cache_tokens=max(batches) * (longest + 16) + 1024, speculative=spec,
     )
-    engine = Engine.from_path(folder, config, dtype=dtype)
+    engine = Engine.from_path(folder, config, dtype=dtype, device=device)
 
     def requests(rows, n):
         return [GenerateRequest(input_ids=p, sampling=SamplingParams(
