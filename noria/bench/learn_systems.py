@@ -44,6 +44,8 @@ from typing import Any
 
 import yaml
 
+from noria.metrics import read_jsonl
+
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "grpo_smollm2_arithmetic.yaml"
 """The main job's recipe: the shipped system, and the settings every system shares."""
 NORIA_SYSTEMS = ("shipped", "sync", "async", "vllm")
@@ -109,19 +111,6 @@ def write(config: dict[str, Any], path: Path) -> Path:
 # ------------------------------------------------------------------------------------ curves
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` (none if it does not exist yet); a torn last line is left for later."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # being written
-    return rows
-
-
 def noria_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One point per scored evaluation of a Noria run: the training clock and trained tokens after its
     step (the sums over ``steps``' ``seconds`` and ``rollout/trained_tokens`` up to it)."""
@@ -158,7 +147,7 @@ def run_noria(config: Path, run_dir: Path, max_seconds: float | None, label: str
     try:
         while True:
             code = child.poll()
-            steps, evals = read_rows(run_dir / "metrics.jsonl"), read_rows(run_dir / "eval.jsonl")
+            steps, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
             curve = noria_curve(steps, evals)
             shown = show(label, curve, shown)
             if code is not None:
@@ -170,7 +159,7 @@ def run_noria(config: Path, run_dir: Path, max_seconds: float | None, label: str
             time.sleep(0.5)
     finally:
         child.stop(timeout_s=20)
-    steps, evals = read_rows(run_dir / "metrics.jsonl"), read_rows(run_dir / "eval.jsonl")
+    steps, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
     return {"curve": noria_curve(steps, evals), "steps": len(steps), "train_seconds": round(sum(r["seconds"] for r in steps), 3),
             "run_seconds": round(time.perf_counter() - start, 3), "skipped_evals": sum("skipped" in e for e in evals)}
 
@@ -189,10 +178,10 @@ def show(label: str, curve: list[dict[str, Any]], shown: int) -> int:
 def partial(system: str, folder: Path) -> dict[str, Any]:
     """What an interrupted run of ``system`` in ``folder`` measured until then (its evaluations so far)."""
     if system == "trl":
-        curve = read_rows(folder / CURVE_FILE)
+        curve = read_jsonl(folder / CURVE_FILE)
         last = curve[-1] if curve else {"step": 0, "train_seconds": 0.0}
         return {"curve": curve, "steps": last["step"], "train_seconds": last["train_seconds"], "skipped_evals": 0}
-    steps, evals = read_rows(folder / "metrics.jsonl"), read_rows(folder / "eval.jsonl")
+    steps, evals = read_jsonl(folder / "metrics.jsonl"), read_jsonl(folder / "eval.jsonl")
     return {"curve": noria_curve(steps, evals), "steps": len(steps), "train_seconds": round(sum(r["seconds"] for r in steps), 3),
             "skipped_evals": sum("skipped" in e for e in evals)}
 
