@@ -32,8 +32,8 @@ overwritten by the next step, and the prefix cache (which caches ``all_ids[:num_
 holds a rejected token. Stop conditions are checked token by token (``Scheduler._append_verified``):
 nothing past a stop is kept, and a draft never runs past ``max_new_tokens`` or the context.
 
-Policy. A step speculates only while at most ``max_batch`` requests are running (decoding, or
-prefilling and about to decode: a large batch still admitting does not speculate; verify chunks
+Policy. A step speculates only while at most ``max_batch`` requests are running or waiting
+(decoding, prefilling, or queued to: a large batch still admitting does not speculate; verify chunks
 multiply the tokens of a step by up to k + 1: worth it where a decode step is bound by weight
 reads, not where it is bound by compute), within ``max_batch_tokens``, and only when no request of
 the step asks for top logprobs, routed experts or prefill scoring (those paths read one row per
@@ -114,15 +114,21 @@ class Speculator:
         return [c for c in chunks if c.n == 1 and c.sample and not c.pending]
 
     def active(self, chunks: list[Chunk]) -> bool:
-        """Whether the step after ``chunks`` may speculate (running requests within ``max_batch``):
-        then the engine schedules it on the host rather than overlapping it."""
-        return len(self.scheduler.running) <= self.config.max_batch
+        """Whether the step after ``chunks`` may speculate (:meth:`small_batch`): then the engine
+        schedules it on the host rather than overlapping it."""
+        return self.small_batch()
+
+    def small_batch(self) -> bool:
+        """At most ``max_batch`` requests running or waiting: a batch that is still being admitted
+        counts whole (its first rows would otherwise speculate, and stop the engine overlapping
+        steps, until the rest joins)."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting) <= self.config.max_batch
 
     def propose(self, chunks: list[Chunk]) -> bool:
         """Turn the step's eligible decode chunks into verify chunks (drafts attached, blocks
         allocated); True when at least one was."""
         decoding = self._decoding(chunks)
-        if not decoding or len(self.scheduler.running) > self.config.max_batch:  # prefilling ones will decode soon
+        if not decoding or not self.small_batch():  # prefilling and waiting ones will decode soon
             return False
         if any(c.req.routes is not None or c.req.request.top_logprobs_num > 0 for c in chunks if c.sample):
             return False
