@@ -104,6 +104,19 @@ def test_kernel_builds_are_keyed_by_isa_and_never_native():
     assert kernel_isa() == cpu_info().isa
 
 
+def test_two_checkouts_build_into_folders_of_their_own(tmp_path, monkeypatch):
+    """The same sources in another folder (a second checkout) get another build name: torch's build
+    file names its sources by path, and one shared folder was rebuilt at every switch."""
+    copies = []
+    for src in kernels._SOURCES:
+        copies.append(tmp_path / src.name)
+        shutil.copy(src, copies[-1])
+    here = kernels.build_name("avx2")
+    monkeypatch.setattr(kernels, "_SOURCES", copies)
+    there = kernels.build_name("avx2")
+    assert there[0] != here[0] and there[1] == here[1] and there[0].startswith("noria_cpu_kernels_avx2_")
+
+
 @pytest.fixture
 def built(tmp_path) -> tuple[Path, str]:
     """A copy of this machine's verified kernel build folder."""

@@ -84,8 +84,10 @@ def cpu_kernel():
 
 
 def build_name(isa: str) -> tuple[str, list[str]]:
-    """The extension's name (sources, flags, torch version and ISA in it) and its compiler flags."""
-    source = b"".join(p.read_bytes() for p in _SOURCES)
+    """The extension's name (sources, their folder, flags, torch version and ISA in it) and its
+    compiler flags. The folder too: torch's build file names the sources by path, so two checkouts
+    sharing one build folder rebuilt it every time a process of the other one loaded it."""
+    source = b"".join(p.read_bytes() for p in _SOURCES) + str(_SOURCES[0].parent.resolve()).encode()
     flags = ["-O3", "-ffast-math", "-fopenmp", *ISA_FLAGS[isa]]
     tag = hashlib.sha256(source + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
     return f"noria_cpu_kernels_{isa}_{tag}", flags
