@@ -8,6 +8,7 @@ Entry points::
     save_model(model, "out/step-100", source=folder)  # HF folder, tokenizer files copied
 
 ``load_model`` picks the native :class:`DecoderLM` for the families in :data:`NATIVE_FAMILIES`
+(and its vision-language subclass ``noria.models.vlm.VisionLM`` for :data:`VISION_FAMILIES`)
 and the transformers wrapper :class:`HFCausalLM` for anything else; both expose
 ``forward(input_ids, positions=None, attn=None)``, ``hidden_states(...)``, ``lm_head``, and
 state-dict names equal to transformers' names.
@@ -33,7 +34,7 @@ from noria.models.checkpoint import (
     save_tensors,
     write_config,
 )
-from noria.models.config import NATIVE_FAMILIES, ModelArgs
+from noria.models.config import NATIVE_FAMILIES, VISION_FAMILIES, ModelArgs
 from noria.models.decoder import DecoderLM
 from noria.models.hf import HFCausalLM, load_hf
 
@@ -41,6 +42,7 @@ IMPLS = ("auto", "native", "hf")
 
 __all__ = [
     "NATIVE_FAMILIES",
+    "VISION_FAMILIES",
     "AttentionContext",
     "CausalContext",
     "CheckpointMismatch",
@@ -69,11 +71,11 @@ def load_model(
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     folder = model_path(path)
     model_type = read_config(folder).get("model_type")
-    native = model_type in NATIVE_FAMILIES
+    native = model_type in NATIVE_FAMILIES + VISION_FAMILIES
     if impl == "native" and not native:
         raise ValueError(
             f"impl='native' but model_type {model_type!r} has no native implementation; "
-            f"native families: {', '.join(NATIVE_FAMILIES)} (use impl='auto' or 'hf')"
+            f"native families: {', '.join(NATIVE_FAMILIES + VISION_FAMILIES)} (use impl='auto' or 'hf')"
         )
     if impl == "hf" or not native:
         return load_hf(folder, dtype=dtype, device=device)

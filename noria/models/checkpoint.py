@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from noria.errors import NoriaError
-from noria.models.config import ModelArgs
+from noria.models.config import VISION_FAMILIES, ModelArgs, decoder_config
 from noria.models.decoder import DecoderLM
 from noria.models.moe import disk_layout
 
@@ -55,6 +55,8 @@ COMPANION_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    "preprocessor_config.json",  # vision-language models: the image processor's settings
+    "processor_config.json",
 )
 
 # Old transformers versions saved RoPE tables as state; the native model computes them, so these
@@ -153,15 +155,19 @@ def check_tensors(model: DecoderLM, files: dict[str, Path]) -> None:
 def load_native(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DecoderLM:
-    """Build a :class:`DecoderLM` from a checkpoint folder of a native family."""
+    """Build a :class:`DecoderLM` from a checkpoint folder of a native family (a
+    ``noria.models.vlm.VisionLM`` for a vision-language one)."""
     cfg = read_config(path)
-    args = ModelArgs.from_hf_config(cfg)
+    args = ModelArgs.from_hf_config(decoder_config(cfg))
     if args is None:
         raise ValueError(f"model_type {cfg.get('model_type')!r} in {path} is not a native family")
     files = tensor_files(path)
+    cls = DecoderLM
+    if cfg.get("model_type") in VISION_FAMILIES:  # a vision tower in front of the decoder
+        from noria.models.vlm import VisionLM as cls
     # Meta first: random init of billions of weights would cost more than loading them.
     with torch.device("meta"):
-        model = DecoderLM(args, hf_config=cfg).to(dtype)
+        model = cls(args, hf_config=cfg).to(dtype)
     check_tensors(model, files)
     model = model.to_empty(device=device)
     model.tie_weights()

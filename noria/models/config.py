@@ -26,6 +26,10 @@ class UnsupportedModel(NoriaError):
 NATIVE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
 """HF ``model_type`` values that the native decoder implements."""
 
+VISION_FAMILIES: tuple[str, ...] = ("idefics3",)
+"""HF ``model_type`` values of the native vision-language family (``noria.models.vlm``): a vision
+tower in front of a native decoder, whose ``ModelArgs`` come from :func:`decoder_config`."""
+
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 """RoPE variants the native decoder implements (HF ``rope_type`` names)."""
 
@@ -370,3 +374,22 @@ def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def decoder_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config dict the native decoder is built from: ``cfg`` itself, or for a vision family its
+    language model's (HF ``text_config``; transformers ties the head by the top-level
+    ``tie_word_embeddings``, so that value is the one kept)."""
+    if cfg.get("model_type") not in VISION_FAMILIES:
+        return cfg
+    text = dict(cfg.get("text_config") or {})
+    text.setdefault("model_type", "llama")
+    text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    if text.get("eos_token_id") is None and cfg.get("eos_token_id") is not None:
+        text["eos_token_id"] = cfg["eos_token_id"]
+    if text["model_type"] not in NATIVE_FAMILIES:
+        raise UnsupportedModel(
+            f"config field 'text_config.model_type' is {text['model_type']!r}; the native "
+            f"{cfg['model_type']} family needs a native language model ({', '.join(NATIVE_FAMILIES)})"
+        )
+    return text
