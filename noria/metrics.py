@@ -13,8 +13,8 @@ Files in the run folder::
                              per-token ids, text pieces, loss mask, logprobs, weight versions
                              (``noria inspect RUN_DIR --step 3`` prints it)
     tensorboard/             event files, when ``log.loggers`` names ``tensorboard``
-    wandb/                   the W&B run, when ``log.loggers`` names ``wandb`` (offline by default:
-                             no network; ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later)
+    wandb/                   the W&B run, when ``log.loggers`` names ``wandb`` (offline by default: no network;
+                             ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later)
 
 JSONL is always written; the other sinks receive the same rows (evaluations as ``eval/accuracy``
 and friends). ``METRICS`` is the one table of metric names, units and meanings: the docs
@@ -112,8 +112,12 @@ METRICS: tuple[Metric, ...] = tuple(
         ("buffer/staleness_max", "versions", "Largest staleness among the groups trained this step."),
         ("buffer/waiting_staleness_mean", "versions", "Mean staleness of the groups still waiting."),
         ("buffer/waiting_staleness_max", "versions", "Largest staleness among the groups still waiting."),
-        ("buffer/dropped/*", "count", "Groups dropped by reason, cumulative; reasons: no_trainable_sample, zero_reward_variance, "
-         "over_length, stale; or a user filter's own."),
+        ("buffer/dropped/*", "count", "Groups dropped by reason, cumulative; reasons: no_trainable_sample, zero_reward_variance, over_length, stale; or a user filter's own."),
+        ("buffer/generated_per_kept", "groups", "Groups generated per group kept since the last line (dynamic sampling's cost)."),
+    ])
+    + _table("curriculum", [
+        ("curriculum/*", "prompts", "Difficulty pools (data.curriculum): easy_pool, hard_pool (prompts waiting in each); since "
+         "the last line: revisits, skipped (passed over by the cursor: in a pool), pooled, released (a revisit scored mixed)."),
     ])
     + _table("train", [
         ("loss", "loss", "The step's total loss (policy term + KL and entropy terms), normalised over trained tokens."),

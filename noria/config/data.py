@@ -10,6 +10,38 @@ from noria.config.schema import ConfigError, option
 
 
 @dataclass
+class CurriculumConfig:
+    """Online difficulty pools (``data.curriculum``). Owner: ``noria.data.curriculum`` (``Curriculum``)."""
+
+    enabled: bool = option(
+        False,
+        "Move prompts whose last `window` groups were all easy (every reward >= easy_reward) or all hard (every reward "
+        "<= hard_reward) out of the data cursor's rotation into an easy or a hard pool, revisited at easy_rate / "
+        "hard_rate; a revisit with mixed rewards puts the prompt back in rotation. Pools and outcomes are checkpointed.",
+    )
+    window: int = option(2, "Groups of one prompt, in a row, that must all be easy (or all hard) to pool it.")
+    easy_reward: float = option(1.0, "A group is easy when every sample's reward is at least this.")
+    hard_reward: float = option(0.0, "A group is hard when every sample's reward is at most this.")
+    easy_rate: float = option(0.05, "Share of the prompts handed out that are drawn from the easy pool (when it has any).")
+    hard_rate: float = option(0.1, "Share of the prompts handed out that are drawn from the hard pool (when it has any).")
+
+    def validate(self) -> None:
+        if self.window < 1:
+            raise ConfigError(f"data.curriculum.window must be >= 1, got {self.window}")
+        if self.hard_reward >= self.easy_reward:
+            raise ConfigError(
+                f"data.curriculum.hard_reward ({self.hard_reward}) must be below easy_reward ({self.easy_reward})"
+            )
+        for key in ("easy_rate", "hard_rate"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"data.curriculum.{key} must be in [0, 1], got {getattr(self, key)}")
+        if self.easy_rate + self.hard_rate > 1.0:
+            raise ConfigError(
+                f"data.curriculum.easy_rate + hard_rate must be <= 1, got {self.easy_rate} + {self.hard_rate}"
+            )
+
+
+@dataclass
 class DataConfig:
     """Where prompts come from: a file (JSONL, Parquet, HF datasets folder) or a built-in task.
     Owner: ``noria.data`` (``load_prompts``, ``PromptSource``)."""
@@ -45,8 +77,12 @@ class DataConfig:
     epochs: int = option(1, "Passes over the training data; the source stops after this many.")
     max_prompt_tokens: int | None = option(None, "Drop prompts longer than this many tokens at load (count logged).")
     skip_bad_rows: bool = option(False, "Skip malformed rows (counted and reported) instead of failing.")
+    curriculum: CurriculumConfig = option(
+        factory=lambda: CurriculumConfig(), help="Online difficulty pools: always-solved and never-solved prompts revisited at a rate."
+    )
 
     def validate(self) -> None:
+        self.curriculum.validate()
         if (self.task is None) == (self.path is None):
             raise ConfigError("data: set exactly one of data.task (a built-in task) or data.path (a data file)")
         if self.epochs < 1:

@@ -94,6 +94,11 @@ class PromptSource:
     def __len__(self) -> int:
         return len(self._prompts)
 
+    @property
+    def returned(self) -> int:
+        """Prompts put back and not yet handed out again."""
+        return len(self._returned)
+
     def next_batch(self, n: int) -> list[Prompt]:
         """Up to ``n`` prompts: returned ones first, then the cursor's; fewer only when exhausted."""
         if n < 0:

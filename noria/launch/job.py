@@ -178,6 +178,10 @@ class LocalJob:
         check_teacher_tokenizer(cfg, self.tokenizer)  # before any model loads
         self.prompt_ids = {r.prompt.index: r.ids for r in kept}
         self.source = PromptSource.from_config([r.prompt for r in kept], cfg.data)
+        if cfg.data.curriculum.enabled:  # difficulty pools over the same cursor (noria.data.curriculum)
+            from noria.data.curriculum import Curriculum
+
+            self.source = Curriculum.from_config(self.source, [r.prompt for r in kept], cfg.data)
         self.dropped_prompts = dropped
         self.test_prompts: list[tuple[Prompt, list[int]]] = []
         if cfg.eval.every > 0:
@@ -362,7 +366,7 @@ class LocalJob:
             ctx, self.next_prompt, self.buffer, self.reward, n_samples=r.n_samples, groups_per_step=r.prompts_per_step,
             max_staleness=r.max_staleness, max_in_flight=r.max_in_flight or r.prompts_per_step * r.n_samples,
             granularity=granularity(r), next_group_id=self.next_group_id, version=lambda: self.weight_version,
-            trained=self.trained_groups, **self.rollout_plugin(),
+            trained=self.trained_groups, observe=getattr(self.source, "observe", None), **self.rollout_plugin(),
         )  # fmt: skip
         if self.in_flight_record:  # resumed: the checkpoint's in-flight groups continued or retracted, said and counted
             plan = plan_resume(self.in_flight_record, self.weight_version, r)
@@ -482,6 +486,8 @@ class LocalJob:
         row.update(group_metrics(groups))
         row.update(self.scheduler.metrics())
         row.update(self.buffer.metrics(self.weight_version))
+        if hasattr(self.source, "metrics"):  # curriculum/... (data.curriculum)
+            row.update(self.source.metrics())
         row.update(train)
         row.update(sync)
         row["groups/trained"] = float(len(groups))

@@ -126,14 +126,17 @@ class GroupBuffer:
         self.put_total = 0
         self.taken_total = 0
         self.last_staleness: list[int] = []
+        self._generated = self._kept = 0  # groups offered and kept since the last metrics call
         self._room = asyncio.Event()
 
     async def put(self, group: Group) -> bool:
         """Store ``group`` (waiting while the buffer is full); False when it was dropped instead."""
         reason = self.drop_reason(group)
+        self._generated += 1
         if reason is not None:
             self.drop(group, reason)
             return False
+        self._kept += 1
         while len(self.groups) >= self.capacity:
             self._room.clear()
             await self._room.wait()
@@ -185,6 +188,9 @@ class GroupBuffer:
             "buffer/waiting_staleness_max": float(max(waiting)) if waiting else 0.0,
         }
         out.update({f"buffer/dropped/{k}": float(v) for k, v in sorted(self.dropped.items())})
+        if self._kept:  # dynamic sampling's cost: groups generated for each one kept, since the last line
+            out["buffer/generated_per_kept"] = self._generated / self._kept
+            self._generated = self._kept = 0
         return out
 
     def state_dict(self) -> dict[str, Any]:

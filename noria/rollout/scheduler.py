@@ -66,7 +66,7 @@ from typing import Any
 from noria import faults
 from noria.config import RewardConfig
 from noria.rewards.runner import ScoreCounts, score_groups_async
-from noria.rollout.buffer import Buffer, group_to_dict
+from noria.rollout.buffer import TRAINABLE, Buffer, group_to_dict
 from noria.rollout.client import EngineFailure
 from noria.rollout.generate import GenerateFn, RolloutContext, RolloutResult, generate_one
 from noria.types import Group, Prompt, Sample, Status
@@ -106,6 +106,7 @@ class RolloutScheduler:
         trained: int = 0,
         generate: GenerateFn = generate_one,
         rollout_group: GroupRollout | None = None,
+        observe: Callable[[Prompt, list[float]], None] | None = None,
     ) -> None:
         if granularity not in ("group", "sample"):
             raise ValueError(f"granularity must be group or sample, got {granularity!r}")
@@ -114,6 +115,8 @@ class RolloutScheduler:
         self.n_samples, self.groups_per_step, self.max_staleness = n_samples, groups_per_step, max_staleness
         self.max_in_flight, self.granularity = max_in_flight, granularity
         self.next_group_id, self.trained = next_group_id, trained
+        self.observe = observe
+        """Told each scored group's prompt and its trainable samples' rewards (``noria.data.curriculum``)."""
         self.version = version
         """The weight version the engines serve, read from its owner (``noria.loop.Job.weight_version``)."""
         self.in_flight = 0  # trajectories holding a place
@@ -289,6 +292,8 @@ class RolloutScheduler:
                     group, counts = await self._generate_group(group_id, prompt)
                 self._stats.add(group, counts)
                 self._putting[group_id] = group
+                if self.observe is not None:
+                    self.observe(prompt, [s.reward for s in group.samples if s.status in TRAINABLE and s.reward is not None])
             except EngineLost as lost:  # its places were freed: wait for an engine, then start the group over
                 self._stats.regenerated += 1
                 self._notify()  # the trainer side restarts engines between waits
