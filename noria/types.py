@@ -30,8 +30,9 @@ class Status(str, enum.Enum):
 class Prompt:
     """One prompt record from a data source."""
 
-    prompt: str | tuple[dict[str, str], ...]
-    """The prompt as text, or as chat messages (``{"role", "content"}`` dicts) to be rendered."""
+    prompt: str | tuple[dict[str, Any], ...]
+    """The prompt as text, or as chat messages (``{"role", "content"}`` dicts) to be rendered; a
+    content is a string, or a list of text and image parts (``noria.data.vision_chat``)."""
     label: Any = None
     """Reference answer the reward compares against (string, number, or task-specific)."""
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -100,6 +101,10 @@ class Sample:
     position, as the rollout engine reported them ([] for non-policy tokens); None otherwise."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data (prompt metadata, reward details, timings)."""
+    images: list[str] | None = None
+    """Vision-language samples: their input images by content hash (``sha256:<hex>``, the run's image
+    store: ``noria.data.images``), in the order of their tokens in ``prompt_ids`` then
+    ``response_ids``; None for text (and in records written before images existed)."""
     advantage: float | None = None
     """The sequence-level advantage the trainer weighted this sample with (set by the RL step; None
     before it, for samples not trained, and under GAE, whose advantages are per token)."""

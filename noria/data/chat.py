@@ -12,6 +12,10 @@ template already writes the ones it wants (a BOS added on top would be doubled).
 may also name a Jinja file or hold a template itself (``resolve_chat_template``): that template is
 applied with the tokenizer in place of its own.
 
+A prompt with images (``noria.data.vision_chat``) needs a processor in place of the tokenizer: its
+chat template writes an image token per image part, and the processor expands each into the
+image's tokens; ``RenderedPrompt.images`` lists the images by content hash, in that order.
+
 Not guaranteed: the rendered ids equal what a chat server would produce for the same messages only
 if it uses the same tokenizer and template; ``system_prompt`` is not added to message prompts
 (they carry their own system message if they want one).
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from noria.data.source import DataError
+from noria.data.vision_chat import is_processor, prompt_images, text_tokenizer
 from noria.types import Prompt
 
 
@@ -36,6 +41,8 @@ class RenderedPrompt:
     prompt: Prompt
     ids: list[int]
     """Token ids of the rendered prompt, shape [P], P >= 1."""
+    images: tuple[str, ...] = ()
+    """The prompt's images (``sha256:`` references, ``noria.data.images``) in the order of their tokens."""
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -72,6 +79,8 @@ def prompt_messages(prompt: Prompt, system_prompt: str | None = None) -> list[di
 def render_text(prompt: Prompt, tokenizer: Any, chat_template: bool | str = True, system_prompt: str | None = None) -> str:
     """The exact text the model sees before generating its answer."""
     chat_template = resolve_chat_template(chat_template)
+    if _has_images(prompt) and not is_processor(tokenizer):
+        raise DataError(f"{_where(prompt)}: the prompt has images but the model has no image processor (a folder AutoProcessor loads)")
     if _template_on(chat_template, tokenizer):
         messages = prompt_messages(prompt, system_prompt)
         own = {"chat_template": chat_template} if isinstance(chat_template, str) else {}
@@ -87,8 +96,13 @@ def render_prompt(
 ) -> list[int]:
     """Token ids of ``prompt`` ready for generation; an empty rendering raises ``DataError``."""
     text = render_text(prompt, tokenizer, chat_template, system_prompt)
-    add_special = not _template_on(resolve_chat_template(chat_template), tokenizer)
-    ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+    if _has_images(prompt):
+        from noria.data.vision_chat import render_image_prompt
+
+        ids = render_image_prompt(prompt, tokenizer, text, _where(prompt))
+    else:
+        add_special = not _template_on(resolve_chat_template(chat_template), tokenizer)
+        ids = list(text_tokenizer(tokenizer)(text, add_special_tokens=add_special)["input_ids"])
     if not ids:
         raise DataError(f"{_where(prompt)}: prompt renders to no tokens")
     return ids
@@ -98,7 +112,7 @@ def render_prompts(
     prompts: Iterable[Prompt], tokenizer: Any, chat_template: bool | str = True, system_prompt: str | None = None
 ) -> list[RenderedPrompt]:
     """``render_prompt`` for each prompt, in order."""
-    return [RenderedPrompt(p, render_prompt(p, tokenizer, chat_template, system_prompt)) for p in prompts]
+    return [RenderedPrompt(p, render_prompt(p, tokenizer, chat_template, system_prompt), tuple(prompt_images(p))) for p in prompts]
 
 
 def drop_long(rendered: Sequence[RenderedPrompt], max_tokens: int | None) -> tuple[list[RenderedPrompt], int]:
@@ -121,6 +135,10 @@ def check_fit(rendered: Sequence[RenderedPrompt], context: int | None, max_promp
                 f"{context}; set data.max_prompt_tokens (now {max_prompt_tokens}) below {context} to drop such prompts, "
                 "or raise engine.max_context"
             )
+
+
+def _has_images(prompt: Prompt) -> bool:
+    return not isinstance(prompt.prompt, str) and any(not isinstance(m.get("content"), str) for m in prompt.prompt)
 
 
 def _where(prompt: Prompt) -> str:

@@ -74,6 +74,8 @@ class FieldMap:
     prompt_key: str = "prompt"
     label_key: str | None = "label"
     metadata_keys: tuple[str, ...] = ()
+    images_key: str | None = "images"
+    """The field whose images fill the prompt's bare ``{"type": "image"}`` parts (``noria.data.vision_chat``)."""
 
 
 # ------------------------------------------------------------------------------------- public API
@@ -102,11 +104,12 @@ def read_prompt_file(
             raise DataError(f"data file not found: {path} (nor a hub dataset id Org/Name)")
         raw = _raw_rows(path, resolve_format(path, fmt), split)
     dataset = PromptDataset(prompts=[], path=str(path))
+    base_dir = None if not isinstance(path, Path) else path if path.is_dir() else path.parent
     for index, (where, row) in enumerate(raw):
         try:
             if isinstance(row, BadRow):
                 raise DataError(row.reason)
-            dataset.prompts.append(row_to_prompt(row, fields, index=index, source=str(path)))
+            dataset.prompts.append(row_to_prompt(row, fields, index=index, source=str(path), base_dir=base_dir))
         except DataError as e:
             _skip_or_raise(dataset, f"{path}: {where}: {e}", skip_bad_rows)
     return dataset
@@ -129,11 +132,19 @@ def resolve_format(path: Path, fmt: str) -> str:
     return SUPPORTED_SUFFIXES[suffix]
 
 
-def row_to_prompt(row: Any, fields: FieldMap, index: int, source: str) -> Prompt:
-    """Validate one raw row and build its ``Prompt``; ``DataError`` names the offending field."""
+def row_to_prompt(row: Any, fields: FieldMap, index: int, source: str, base_dir: Path | None = None) -> Prompt:
+    """Validate one raw row and build its ``Prompt``; ``DataError`` names the offending field. Images
+    (``noria.data.vision_chat``; relative paths from ``base_dir``) are read and checked here too."""
     if not isinstance(row, dict):
         raise DataError(f"expected an object (a mapping of fields), got {type(row).__name__}")
-    prompt = _check_prompt(_require(row, fields.prompt_key), fields.prompt_key)
+    value = _require(row, fields.prompt_key)
+    images = row.get(fields.images_key) if fields.images_key else None
+    if images or _has_content_parts(value):
+        from noria.data.vision_chat import image_prompt
+
+        prompt = image_prompt(value, images, base_dir, fields.prompt_key, fields.images_key or "images")
+    else:
+        prompt = _check_prompt(value, fields.prompt_key)
     label = None
     if fields.label_key is not None:
         label = _require(row, fields.label_key)
@@ -144,6 +155,12 @@ def row_to_prompt(row: Any, fields: FieldMap, index: int, source: str) -> Prompt
 
 
 # ----------------------------------------------------------------------------------- row checking
+
+
+def _has_content_parts(value: Any) -> bool:
+    from noria.data.vision_chat import has_content_parts
+
+    return has_content_parts(value)
 
 
 def _require(row: dict[str, Any], key: str) -> Any:

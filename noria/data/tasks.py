@@ -1,13 +1,15 @@
 """Built-in synthetic tasks: seeded prompt generators with disjoint train and test splits.
 
-What this module owns: a registry of tasks keyed by name (``arithmetic``, ``countdown``), each with
+What this module owns: a registry of tasks keyed by name (``arithmetic``, ``countdown``, and the
+image task ``digits_sum`` of ``noria.data.digits_images``), each with
 its closed set of arguments (``DataConfig.task_args``), its default reward name, and a generator of
 ``Prompt`` records for the ``train`` and ``test`` splits.
 
 How a split is made: a seeded stream of candidate problems is drawn; each distinct prompt text is
 assigned to one split by a stable hash of the text (about one in ten goes to test), so the splits
 never share a prompt, the test split does not depend on ``n_train``, and the same arguments always
-give the same prompts in the same order, on any machine and Python version.
+give the same prompts in the same order, on any machine and Python version. A task with its own
+``generate`` (``digits_sum``, whose held-out split is made of unseen pictures) makes its splits itself.
 
 Not guaranteed: the problems are not uniformly distributed over the problem space (duplicates are
 dropped, so small spaces skew); asking for more prompts than the space holds raises ``ValueError``.
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from noria.data import digits_images
 from noria.types import Prompt
 
 SPLITS = ("train", "test")
@@ -40,10 +43,12 @@ class Task:
     """Name of the reward (in ``noria.rewards``) that scores this task's answers."""
     defaults: dict[str, Any]
     """Every argument the task accepts, with its default; other keys are rejected."""
-    draw: Callable[[random.Random, dict[str, Any]], Problem]
-    """Draws one random problem given the resolved arguments."""
+    draw: Callable[[random.Random, dict[str, Any]], Problem] | None
+    """Draws one random problem given the resolved arguments (None: the task has ``generate``)."""
     check_args: Callable[[dict[str, Any]], None]
     """Raises ``ValueError`` if the resolved arguments are unusable."""
+    generate: Callable[[str, dict[str, Any]], list[Prompt]] | None = None
+    """Makes a whole split (split name, resolved arguments) when the task splits its own way."""
 
 
 TASKS: dict[str, Task] = {}
@@ -85,6 +90,8 @@ def generate_split(name: str, split: str, args: dict[str, Any] | None = None) ->
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     task = get_task(name)
     resolved = resolve_task_args(task, args or {})
+    if task.generate is not None:
+        return task.generate(split, resolved)
     count = resolved[f"n_{split}"]
     rng = random.Random(f"noria-task:{name}:{split}:{resolved['seed']}")
     problems = _draw_unique(task, rng, resolved, split, count)
@@ -196,5 +203,20 @@ register_task(
         defaults={"n_train": 1000, "n_test": 100, "seed": 0, "min_numbers": 3, "max_numbers": 4, "max_operand": 20},
         draw=_draw_countdown,
         check_args=_check_countdown,
+    )
+)
+
+
+# ------------------------------------------------------------------------------------- digits_sum
+
+
+register_task(
+    Task(
+        name="digits_sum",
+        default_reward="numeric",
+        defaults=dict(digits_images.DEFAULTS),
+        draw=None,
+        check_args=digits_images.check_args,
+        generate=digits_images.generate,
     )
 )
