@@ -50,9 +50,9 @@ def serves_natively(path: Any, impl: str) -> bool:
     otherwise the generic transformers engine (``HFEngine``) does, in process only."""
     from noria.models.catalog import model_path
     from noria.models.checkpoint import read_config
-    from noria.models.config import NATIVE_FAMILIES
+    from noria.models.config import NATIVE_FAMILIES, VISION_FAMILIES
 
-    return impl != "hf" and read_config(model_path(path)).get("model_type") in NATIVE_FAMILIES
+    return impl != "hf" and read_config(model_path(path)).get("model_type") in NATIVE_FAMILIES + VISION_FAMILIES
 
 
 def in_process_engine(path: Any, config: Any, impl: str, dtype: str, device: str, seed: int) -> Any:

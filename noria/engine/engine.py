@@ -68,7 +68,7 @@ import torch
 
 from noria import hardware
 from noria.config import EngineConfig, ensure_valid
-from noria.engine import scoring
+from noria.engine import scoring, vision
 from noria.engine.kv_cache import KVCache, zeroed_pools
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
@@ -479,6 +479,7 @@ class Engine:
         if not isinstance(req.top_logprobs_num, int) or not 0 <= req.top_logprobs_num <= vocab:
             raise RequestError(f"top_logprobs_num must be in [0, {vocab}], got {req.top_logprobs_num!r}")
         self._check_scoring(req)
+        vision.check_request(self.model, req)
         needed = self._max_total(req)
         if needed > self.kv.capacity_tokens:
             raise RequestError(

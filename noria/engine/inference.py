@@ -243,12 +243,15 @@ class FastDecoder:
         return Packed(packed_layers, packed_head.result())
 
     @torch.no_grad()
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, packed: Packed | None = None) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, packed: Packed | None = None, embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``DecoderModel.forward`` with packed matmuls: ids [1, T] -> normed hidden [1, T, H].
-        ``packed``: the packed weights to use (default :attr:`packed`, which must be there)."""
+        ``packed``: the packed weights to use (default :attr:`packed`, which must be there);
+        ``embeds``: the input embeddings [1, T, H] when not the ids' (images spliced in, ``noria.engine.vision``)."""
         layers = (packed or self._ready()).layers
         inner = self.model.model
-        h = inner.embed_tokens(input_ids)
+        h = inner.embed_tokens(input_ids) if embeds is None else embeds
         cos, sin = rope_tables(rope_inv_freq(inner.args, input_ids.device), positions, h.dtype)
         if input_ids.shape[1] > self.max_rows and self.quantized is None:
             for layer in inner.layers:

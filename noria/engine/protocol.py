@@ -113,6 +113,9 @@ class GenerateRequest:
     every input token from this position on (``GenerateOutput.input_logprobs``; the token at
     position 0 has none), and its top ``top_logprobs_num``; -1 returns none. Those positions are
     computed, never taken from the prefix cache. ``max_new_tokens`` 0 scores without generating."""
+    images: list[Any] = field(default_factory=list)
+    """Vision-language models: the prompt's images in order (``noria.engine.vision.ImageInput``:
+    pixel values and the span of placeholder tokens in ``input_ids`` each one fills)."""
 
     @property
     def scores_input(self) -> bool:

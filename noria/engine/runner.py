@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from noria.engine import attention_ref, fp8, inference, kernels, quant
+from noria.engine import attention_ref, fp8, inference, kernels, quant, vision
 from noria.engine.kv_cache import KVCache
 from noria.engine.paged_context import DecodeFn, DecodeMeta, PagedAttentionContext, PrefillMeta
 from noria.engine.scheduler import Chunk
@@ -135,6 +135,8 @@ class ModelRunner:
         self.kv = kv
         self.device = torch.device(device)
         self.deterministic = deterministic
+        self.images = vision.ImageEmbedder(model) if getattr(model, "vision", None) is not None else None
+        """A vision-language model's image path: prefill steps splice image embeddings (``noria.engine.vision``)."""
         self.decode_fn = pick_decode_fn(attention, self.device)
         self.scale = attention_scale(model.args.head_dim)
         self.fp8 = quantization == "fp8"
@@ -187,10 +189,12 @@ class ModelRunner:
             fp8.quantize_model(self.model)
         if self.graphs is not None:  # captured graphs hold the old parameters' addresses
             self.graphs.clear()
+        if self.images is not None:
+            self.images.clear()
 
     def _graph_step(self, chunks: list[Chunk]) -> bool:
         return (self.graphs is not None and all(c.n == 1 and c.sample for c in chunks)
-                and self.graphs.bucket(len(chunks)) is not None)
+                and self.graphs.bucket(len(chunks)) is not None and not (self.images and self.images.touches(chunks)))
 
     def samples_in_graph(self, chunks: list[Chunk]) -> bool:
         """Whether :meth:`launch_sampled` runs this step (a decode step from a graph that samples)."""
@@ -241,11 +245,13 @@ class ModelRunner:
             return self.graphs.forward(chunks)
         ids, positions, slots, ctx = self._prepare(chunks)
         rows = self._to_device(self._last_rows(chunks) + list(extra_rows), torch.long)
+        embeds = self.images.embeds(chunks, ids) if self.images is not None else None  # None without image rows
         packed = self.fast.packed if self.fast is not None else None  # None while re-packing after an update
         if packed is not None:
-            hidden = self.fast.hidden_states(ids, positions, ctx, packed)[0]
+            hidden = self.fast.hidden_states(ids, positions, ctx, packed, embeds)[0]
             return self.fast.lm_head(hidden.index_select(0, rows), packed)
-        hidden = self.model.hidden_states(ids, positions, attn=ctx, routing=routing)[0]
+        extra = {} if embeds is None else {"inputs_embeds": embeds}
+        hidden = self.model.hidden_states(ids, positions, attn=ctx, routing=routing, **extra)[0]
         return self.model.lm_head(hidden.index_select(0, rows))
 
     @staticmethod

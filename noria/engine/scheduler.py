@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from noria.config import EngineConfig
+from noria.engine import vision
 from noria.engine.kv_cache import KVCache
 from noria.engine.protocol import GenerateOutput, GenerateRequest
 from noria.engine.radix import RadixCache
@@ -120,6 +121,11 @@ class Req:
             return None
         q = self.request.logprob_start_len + len(self.input_logprobs) - 1
         return q if q < self.prompt_len - 1 else None
+
+    def cache_ids(self) -> list[int]:
+        """``all_ids`` as the prefix cache keys them: image placeholders keyed by the images'
+        content (``noria.engine.vision.cache_ids``)."""
+        return vision.cache_ids(self.all_ids, self.request.images) if self.request.images else self.all_ids
 
     @property
     def remaining(self) -> int:
@@ -309,7 +315,7 @@ class Scheduler:
         chunks = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            match = self.radix.match_prefix(req.all_ids, self._match_limit(req))
+            match = self.radix.match_prefix(req.cache_ids(), self._match_limit(req))
             req.block_table, req.num_computed = list(match.blocks), match.tokens
             shared = self._share_partial(req, match)
             n = self._chunk_len(req, budget)
@@ -399,7 +405,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Offer the computed KV to the prefix cache, then drop the request's block references."""
-        self.radix.insert(req.all_ids[: req.num_computed], req.block_table, req.epoch)
+        self.radix.insert(req.cache_ids()[: req.num_computed], req.block_table, req.epoch)
         if self._appending:
             self._appending.difference_update(req.block_table)
         self.kv.allocator.decref(req.block_table)

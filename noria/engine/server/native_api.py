@@ -1,7 +1,7 @@
 """SGLang's native API of the engine server: generation, status and control endpoints.
 
-``/generate`` (one prompt or a batch, ``text`` or ``input_ids``, optional streaming as server-sent
-events), ``/health``, ``/health_generate`` (a real one-token generation), ``/server_info`` and
+``/generate`` (one prompt or a batch, ``text`` or ``input_ids``, images of a vision-language model as
+SGLang's ``image_data``: data URLs or base64, never fetched; optional streaming as server-sent events), ``/health``, ``/health_generate`` (a real one-token generation), ``/server_info`` and
 ``/model_info`` (also under their ``/get_`` names, which sglang-router falls back to),
 ``/get_load``, ``/metrics`` (Prometheus text), ``/get_weight_version``, ``/flush_cache``,
 ``/pause_generation`` / ``/continue_generation``, ``/abort_request``, and SGLang's
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from noria.engine.vision import ImagePrompts
 from noria.engine.server.parsing import (
     HttpError,
     INERT_NATIVE,
@@ -58,11 +59,12 @@ class NativeApi:
 
     GENERATE_FIELDS = {
         "text", "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "stream",
-        "return_text_in_logprobs", "routing_key", "return_routed_experts", "logprob_start_len",
+        "return_text_in_logprobs", "routing_key", "return_routed_experts", "logprob_start_len", "image_data",
     }  # fmt: skip
 
     def __init__(self, server: EngineServer) -> None:
         self.s = server
+        self._images: ImagePrompts | None = None
 
     def register(self, router: web.UrlDispatcher) -> None:
         routes = {
@@ -116,6 +118,9 @@ class NativeApi:
         key = want(body, "routing_key", str) or None
         routed = per_item(body.get("return_routed_experts"), n, "return_routed_experts", bool)
         starts = per_item(body.get("logprob_start_len"), n, "logprob_start_len", int)
+        images: list[list] = [[] for _ in prompts]
+        if body.get("image_data") is not None:
+            prompts, images = self.image_prompts(body, prompts, batched)
         reqs = []
         for i, ids in enumerate(prompts):
             where = f"sampling_params[{i}]" if isinstance(body.get("sampling_params"), list) else "sampling_params"
@@ -125,9 +130,40 @@ class NativeApi:
                 input_ids=ids, sampling=sampling, rid=rids[i] or "",
                 return_logprob=True if logprobs[i] is None else logprobs[i],
                 top_logprobs_num=top_k, routing_key=key, return_routed_experts=bool(routed[i]),
-                logprob_start_len=-1 if starts[i] is None else starts[i],
+                logprob_start_len=-1 if starts[i] is None else starts[i], images=images[i],
             ))  # fmt: skip
         return reqs, batched
+
+    def images(self) -> ImagePrompts:
+        """The image path of a vision-language model (``noria.engine.vision``), made on first use."""
+        if self._images is None:
+            self._images = ImagePrompts(getattr(self.s.engine, "model", None), self.s.model_path)
+        return self._images
+
+    def image_prompts(self, body: dict[str, Any], prompts: list[list[int]], batched: bool) -> tuple[list[list[int]], list[list]]:
+        """SGLang's ``image_data`` (one prompt: a data URL / base64 string or a list of them; a batch:
+        one such entry, or null, per prompt): the prompts' ids (a text's ``<image>`` s expanded) and images."""
+        data = body["image_data"]
+        per_prompt = data if batched else [data]
+        if batched and (not isinstance(data, list) or len(data) != len(prompts)):
+            raise RequestError(f"image_data: a batch of {len(prompts)} prompts needs a list with one entry (or null) per prompt")
+        texts = body.get("text")
+        out_ids, out_images = [], []
+        for i, (ids, value) in enumerate(zip(prompts, per_prompt)):
+            name = f"image_data[{i}]" if batched else "image_data"
+            if value is None:
+                out_ids.append(ids)
+                out_images.append([])
+                continue
+            decoded = self.images().decode(value, name)
+            if texts is not None:
+                text = texts[i] if batched else texts
+                ids, inputs = self.images().from_text(text, decoded, name)
+            else:
+                inputs = self.images().from_ids(ids, decoded, name)
+            out_ids.append(ids)
+            out_images.append(inputs)
+        return out_ids, out_images
 
     def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
         has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
@@ -241,7 +277,7 @@ class NativeApi:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.s.engine.weight_version,
-            "has_image_understanding": False,
+            "has_image_understanding": getattr(getattr(self.s.engine, "model", None), "vision", None) is not None,
             "has_audio_understanding": False,
             "model_type": self.hf_config.get("model_type"),
             "architectures": self.hf_config.get("architectures"),

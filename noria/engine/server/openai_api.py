@@ -1,7 +1,8 @@
 """The OpenAI API of the engine server: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
 
 Over the same engine as the native API: chat messages are rendered with the tokenizer's chat
-template (its own special tokens, no BOS added on top), ``n`` choices are ``n`` requests (seed + i
+template (its own special tokens, no BOS added on top; a vision-language model's ``image_url`` parts,
+data URLs only, become image placeholders in their message's text), ``n`` choices are ``n`` requests (seed + i
 for choice i when a seed is given), and streaming merges the choices' partial outputs into one
 stream of server-sent chunks. Every response carries the weight version and the engine id; choices
 carry their ``token_ids`` and per-token ``weight_versions`` (an extension the session server reads).
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from noria.engine.server.native_api import NativeApi
+from noria.engine.vision import IMAGE_PLACEHOLDER
 from noria.engine.server.parsing import (
     INERT_OPENAI,
     check_ids,
@@ -89,7 +91,9 @@ class OpenAIApi:
         except RequestError as e:  # name the OpenAI field, not ours
             raise RequestError(str(e).replace("sampling_params.max_new_tokens", "max_tokens").replace("sampling_params.", "")) from e
 
-    def requests(self, body: dict[str, Any], prompts: list[list[int]], top_k: int, logprobs: bool) -> list[GenerateRequest]:
+    def requests(
+        self, body: dict[str, Any], prompts: list[list[int]], top_k: int, logprobs: bool, images: list | None = None
+    ) -> list[GenerateRequest]:
         """n requests per prompt (seed + i for choice i when a seed is given), in choice order."""
         n = want(body, "n", int, 1)
         if n < 1 or n > 128:
@@ -103,7 +107,9 @@ class OpenAIApi:
                 sampling = SamplingParams(**{**base.__dict__, "stop": list(base.stop), "stop_token_ids": list(base.stop_token_ids)})
                 if base.seed is not None:
                     sampling.seed = base.seed + i
-                reqs.append(GenerateRequest(ids, sampling, rid="", return_logprob=logprobs, top_logprobs_num=top_k, routing_key=key))
+                reqs.append(GenerateRequest(
+                    ids, sampling, rid="", return_logprob=logprobs, top_logprobs_num=top_k, routing_key=key, images=list(images or []),
+                ))  # fmt: skip
         return reqs
 
     def completion_prompts(self, body: dict[str, Any]) -> list[list[int]]:
@@ -120,21 +126,27 @@ class OpenAIApi:
             raise RequestError("prompt is required and must not be empty")
         raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of those")
 
-    def chat_prompt(self, body: dict[str, Any]) -> list[int]:
+    def chat_prompt(self, body: dict[str, Any]) -> tuple[list[int], list]:
+        """The rendered messages' ids, and their images (``image_url`` parts, data URLs only: each
+        becomes the model's image placeholder in its message's text, expanded by its processor)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {role, content}")
-        plain = [_chat_message(m, i) for i, m in enumerate(messages)]
+        urls: list[str] = []
+        plain = [_chat_message(m, i, urls) for i, m in enumerate(messages)]
         tok = self.s.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise RequestError("messages: this model's tokenizer has no chat template; use /v1/completions")
         add_gen = want(body, "add_generation_prompt", bool, True)
         text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_gen)
+        if urls:  # the template writes its own special tokens, as below
+            images = self.native.images()
+            return images.from_text(text, images.decode(urls, "image_url"), "messages", add_special_tokens=False)
         # The template writes its own special tokens; adding a BOS on top would double it.
         ids = encode_text(tok, text, "messages", add_special_tokens=False)
         if not ids:
             raise RequestError("messages render to no tokens")
-        return ids
+        return ids, []
 
     # ---------------------------------------------------------------------------- endpoints
 
@@ -158,7 +170,8 @@ class OpenAIApi:
             raise RequestError(f"top_logprobs must be in [0, 20], got {top_k}")
         if top_k and not logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
-        reqs = self.requests(body, [self.chat_prompt(body)], top_k, logprobs)
+        ids, images = self.chat_prompt(body)
+        reqs = self.requests(body, [ids], top_k, logprobs, images)
         render = _ChatRender(self, reqs, logprobs)
         return await self._answer(request, body, reqs, render)
 
@@ -213,7 +226,9 @@ class OpenAIApi:
         await sse(response, render.usage_chunk(finals))
 
 
-def _chat_message(message: Any, i: int) -> dict[str, str]:
+def _chat_message(message: Any, i: int, urls: list[str]) -> dict[str, str]:
+    """A message with string content; its ``image_url`` parts' URLs are appended to ``urls`` and
+    stand as the image placeholder in its text."""
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise RequestError(f"{where} must be an object with role and content")
@@ -223,12 +238,20 @@ def _chat_message(message: Any, i: int) -> dict[str, str]:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise RequestError(f"{where}.content[{j}].image_url.url must be a string (a data URL)")
+                urls.append(url)
+                parts.append(IMAGE_PLACEHOLDER)
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}.content[{j}]: only text parts are supported")
+                raise RequestError(f"{where}.content[{j}]: only text and image_url parts are supported")
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise RequestError(f"{where}.content must be a string or a list of text parts")
+        raise RequestError(f"{where}.content must be a string or a list of text and image_url parts")
     return {"role": role, "content": content}
 
 
