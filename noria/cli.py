@@ -83,6 +83,9 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     from noria.engine.server import ServerOptions, load_serve_config, serve
 
     config = load_serve_config(args.model, overrides, args.dtype, args.device)
+    from noria.train.memory import bound_onednn_cache
+
+    bound_onednn_cache(config.engine.onednn_cache_capacity)  # before the model loads (noria.train.memory)
     options = ServerOptions(
         host=args.host,
         port=args.port,

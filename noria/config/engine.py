@@ -82,8 +82,17 @@ class EngineConfig:
     speculative: SpeculativeConfig = option(
         factory=SpeculativeConfig, help="Speculative decoding (off by default; see docs/engines.md)."
     )
+    onednn_cache_capacity: int | None = option(
+        64,
+        "CPU: entries of oneDNN's primitive cache and ideep's matmul cache in a noria serve process (as "
+        "train.onednn_cache_capacity for noria train, whose value its engines inherit). Each new matmul shape caches a "
+        "compiled kernel: with the defaults (1024 each) an engine's RSS grew 393 -> 656 MB over 600 batches of mixed "
+        "sizes, with 64 it stayed at 433 MB at the same speed. null: the defaults; a value in the environment wins.",
+    )
 
     def validate(self) -> None:
+        if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 1:
+            raise ConfigError(f"engine.onednn_cache_capacity must be >= 1 or null, got {self.onednn_cache_capacity}")
         for key in ("max_running_requests", "max_batch_tokens", "chunked_prefill_size", "block_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")

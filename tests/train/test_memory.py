@@ -107,3 +107,16 @@ def test_onednn_cache_bound_sets_both_caches_unless_the_environment_does(monkeyp
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64" and os.environ["LRU_CACHE_CAPACITY"] == "500"
     assert not bound_onednn_cache(8)  # both set now
     assert load_config(MAIN_JOB).train.onednn_cache_capacity == 64
+
+
+def test_noria_serve_bounds_its_onednn_caches_and_refuses_a_bad_bound(tiny_model_dir):
+    import subprocess
+    import sys
+
+    from noria.engine.server import load_serve_config
+
+    assert load_serve_config(str(tiny_model_dir), [], None, None).engine.onednn_cache_capacity == 64
+    assert load_serve_config(str(tiny_model_dir), ["--engine.onednn_cache_capacity", "null"], None, None).engine.onednn_cache_capacity is None
+    bad = subprocess.run([sys.executable, "-m", "noria", "serve", "--model", str(tiny_model_dir), "--port", "0",
+                          "--engine.onednn_cache_capacity", "0"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "engine.onednn_cache_capacity must be >= 1" in bad.stderr
