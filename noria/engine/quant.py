@@ -101,20 +101,50 @@ CHUNK_ROWS = 256
 
 
 def quantize_int8(
-    weight: torch.Tensor, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    weight: torch.Tensor, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] -> (int8 [N, K], scales [N] in ``dtype``) with ``weight ~= q * scale[:, None]``;
-    written into ``out`` (codes, scales) when given."""
+    written into ``out`` (codes, scales) when given. ``packed``: the codes in the layout of the C++
+    kernel (:func:`pack_int8`), written chunk by chunk."""
     weight = weight.detach()
     n = weight.shape[0]
-    q, scale = out if out is not None else (torch.empty(weight.shape, dtype=torch.int8), torch.empty(n, dtype=dtype))
-    for start in range(0, n, CHUNK_ROWS):
+    if out is None:
+        shape = pack_int8_shape(weight.shape) if packed else weight.shape
+        out = (torch.empty(shape, dtype=torch.int8), torch.empty(n, dtype=dtype))
+    q, scale = out
+    for start in range(0, n, CHUNK_ROWS):  # a multiple of PACK_BLOCK: packed chunks are whole blocks
         rows = slice(start, start + CHUNK_ROWS)
         w = weight[rows].to(torch.float32, copy=True)  # divided in place below: never the caller's tensor
         s = (w.abs().amax(dim=1) / 127).clamp_(min=MIN_SCALE).to(dtype)
         scale[rows] = s
-        q[rows] = w.div_(s.float()[:, None]).round_().clamp_(-127, 127)
+        codes = w.div_(s.float()[:, None]).round_().clamp_(-127, 127)
+        if packed:
+            q[start // PACK_BLOCK : (start + codes.shape[0]) // PACK_BLOCK] = pack_int8(codes)
+        else:
+            q[rows] = codes
     return q, scale
+
+
+PACK_BLOCK = 16
+"""Output channels per block of the C++ kernel's int8 layout."""
+
+
+def pack_int8_shape(shape) -> tuple[int, int, int]:
+    n, k = shape
+    return n // PACK_BLOCK, k // 2, 2 * PACK_BLOCK
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] -> the C++ kernel's layout [N / 16, K / 2, 32]: blocks of 16 output channels, each
+    pair of input channels (k, k + 1) as 16 x (q[n, k], q[n, k + 1]) (``kernels/int8_linear.cpp``)."""
+    n, k = q.shape
+    return q.reshape(n // PACK_BLOCK, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(pack_int8_shape(q.shape))
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """The codes [N, K] of :func:`pack_int8`'s layout."""
+    blocks, pairs, _ = packed.shape
+    return packed.reshape(blocks, pairs, PACK_BLOCK, 2).permute(0, 2, 1, 3).reshape(blocks * PACK_BLOCK, pairs * 2)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -196,28 +226,53 @@ class _QuantLinear:
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE).contiguous()
-        y = self._matmul(rows).to(x.dtype)
+        y = self._matmul(x.reshape(-1, x.shape[-1]).contiguous())  # in x's dtype
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def int8_kernel():
+    """The C++ extension serving :class:`Int8Linear`, or None (not built here, or
+    ``NORIA_NO_CPU_KERNEL=1``): then torch's ``_weight_int8pack_mm`` serves."""
+    from noria.engine import kernels
+
+    if not kernels.fused_kernels_enabled():
+        return None
+    module = kernels.cpu_kernel()
+    return module if module is not None and module.int8_linear_path(0) else None
+
+
 class Int8Linear(_QuantLinear):
-    """Per-channel int8 weights through ``aten._weight_int8pack_mm``."""
+    """Per-channel int8 weights through the C++ kernel (``kernels/int8_linear.cpp``, codes in its
+    packed layout), or ``aten._weight_int8pack_mm`` where that kernel is not built or the shape is
+    not a multiple of 16 outputs and 2 inputs."""
+
+    path = 0
+    """The kernel's path (0: the fastest that runs here; see ``int8_linear.cpp``); tests pin one."""
 
     def _install(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight, self.scale = quantize_int8(weight, self.dtype)
+        n, k = weight.shape
+        self.kernel = int8_kernel() if n % PACK_BLOCK == 0 and k % 2 == 0 else None
+        self.weight, self.scale = quantize_int8(weight, self.dtype, packed=self.kernel is not None)
+        self.scale_f32 = self.scale.float()
         self.bias = None if bias is None else bias.detach().clone()
 
     def _requantize(self, weight: torch.Tensor) -> None:
-        quantize_int8(weight, self.dtype, out=(self.weight, self.scale))
+        quantize_int8(weight, self.dtype, out=(self.weight, self.scale), packed=self.kernel is not None)
+        self.scale_f32.copy_(self.scale)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+        if self.kernel is not None:  # rounds x and the result to bf16 itself, answers in x's dtype
+            return self.kernel.int8_linear(x, self.weight, self.scale_f32, self.path)
+        return torch.ops.aten._weight_int8pack_mm(x.to(COMPUTE_DTYPE), self.weight, self.scale).to(x.dtype)
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes [N, K], whichever layout the kernel reads."""
+        return unpack_int8(self.weight) if self.kernel is not None else self.weight
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int8(self.weight, self.scale)
+        return dequantize_int8(self.codes(), self.scale)
 
 
 class Int4Linear(_QuantLinear):
@@ -233,7 +288,7 @@ class Int4Linear(_QuantLinear):
         self.scale_zero.copy_(scale_zero)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scale_zero)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(COMPUTE_DTYPE), self.weight, INT4_GROUP, self.scale_zero).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         scale, zero = self.scale_zero.unbind(-1)

@@ -1,11 +1,11 @@
 """C++ kernels of the engine on CPU: paged decode attention, the fused sampler, and the fused
 elementwise steps of a layer.
 
-One extension (``paged_attention.cpp`` + ``sampling.cpp`` + ``fused.cpp``, bound to Python by
-``bind.cpp``: only it includes torch's pybind11 glue, see there) holds them;
+One extension (``paged_attention.cpp`` + ``sampling.cpp`` + ``fused.cpp`` + ``int8_linear.cpp``,
+bound to Python by ``bind.cpp``: only it includes torch's pybind11 glue, see there) holds them;
 ``sample_rows`` is used by ``noria.engine.sampling`` (see there), ``add_rmsnorm`` / ``rope`` /
-``silu_mul`` by ``noria.engine.inference``; all are off, like the attention kernel, under
-``NORIA_NO_CPU_KERNEL=1``.
+``silu_mul`` by ``noria.engine.inference``, ``int8_linear`` by ``noria.engine.quant``; all are off,
+like the attention kernel, under ``NORIA_NO_CPU_KERNEL=1``.
 
 ``paged_decode_attention`` computes one query token per sequence against that sequence's cached
 K/V, which live in a shared pool and are found through a block table (see ``kv_cache``). Two
@@ -46,7 +46,7 @@ from noria.console import phase
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp", "fused.cpp", "bind.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp", "fused.cpp", "int8_linear.cpp", "bind.cpp")]
 _lock = threading.Lock()
 _module = None
 _failure: str | None = None

@@ -17,6 +17,8 @@ std::vector<at::Tensor> sample_rows(at::Tensor logits, at::Tensor temps, at::Ten
 at::Tensor add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads);
 at::Tensor silu_mul(at::Tensor gu);
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, int64_t path);
+int64_t int8_linear_path(int64_t path);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -26,4 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("eps"));
   m.def("rope", &rope, "RoPE over the first heads of [T, H, D] (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] (CPU)");
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear over packed codes (CPU)", py::arg("x"), py::arg("w"),
+        py::arg("scale"), py::arg("path") = 0);
+  m.def("int8_linear_path", &int8_linear_path, "the int8_linear path that runs here (0: none)", py::arg("path") = 0);
 }

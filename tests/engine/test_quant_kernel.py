@@ -1,0 +1,110 @@
+"""The C++ weight-only int8 linear (``noria/engine/kernels/int8_linear.cpp``) behind
+``engine.quantization: int8``: every path that runs on this CPU against a float64 reference over the
+dequantized weight (bf16-rounded activations, one bf16 rounding of the result), batch invariance,
+the packed layout, and its refusals. Run natively and with ``NORIA_CPU_ISA=avx2`` (acting as an
+AVX2-only CPU: the fma and scalar paths, the AVX-512 one refused)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from noria import hardware
+from noria.engine import quant
+from noria.engine.kernels import cpu_kernel
+
+PATHS = {1: "avx512_bf16", 2: "fma", 3: "scalar"}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = cpu_kernel()
+    if module is None:
+        pytest.skip("the C++ CPU kernels are not built here")
+    return module
+
+
+def running_paths(module) -> list[int]:
+    return [p for p in PATHS if module.int8_linear_path(p)]
+
+
+def quantized(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed codes, fp32 scales, the dequantized fp32 weight) of a random [n, k] weight."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[:, None]
+    q, scale = quant.quantize_int8(w, torch.bfloat16)
+    return quant.pack_int8(q).contiguous(), scale.float(), quant.dequantize_int8(q, scale)
+
+
+def test_paths_this_cpu_runs(kernel):
+    paths = running_paths(kernel)
+    assert 3 in paths  # the portable loop runs everywhere
+    info = hardware.cpu_info()
+    assert (1 in paths) == (hardware.kernel_isa() == "avx512" and info.has("avx512_bf16"))
+    assert (2 in paths) == (hardware.kernel_isa() in ("avx512", "avx2"))
+    assert kernel.int8_linear_path(0) == paths[0]  # auto: the first that runs, AVX-512 BF16 before FMA
+
+
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (576, 576), (96, 1536)])
+def test_every_path_equals_the_dequantized_matmul(kernel, n, k):
+    w, scale, dequantized = quantized(n, k, seed=n + k)
+    g = torch.Generator().manual_seed(k)
+    for rows in (1, 2, 4, 12, 13, 40):  # one tile, tails, several tiles (weights converted once)
+        x32 = torch.randn(rows, k, generator=g) * 3
+        ref = x32.bfloat16().double() @ dequantized.double().t()
+        bound = ref.abs() * 2.0**-8 + 1e-6 * ref.abs().max()  # one bf16 rounding (2^-9) + fp32 sums
+        for path in running_paths(kernel):
+            for x in (x32, x32.bfloat16()):
+                y = kernel.int8_linear(x, w, scale, path)
+                assert y.dtype == x.dtype and y.shape == (rows, n)
+                assert torch.equal(y.float(), y.float().bfloat16().float()), "results are rounded to bf16"
+                err = (y.double() - ref).abs()
+                assert (err <= bound).all(), f"{PATHS[path]} rows={rows} [{n}, {k}] {x.dtype}: max error {err.max().item():.3g}"
+
+
+def test_each_row_is_independent_of_the_batch(kernel):
+    w, scale, _ = quantized(64, 128, seed=3)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    for path in running_paths(kernel):
+        batch = kernel.int8_linear(x, w, scale, path)
+        for row in (0, 12, 39):
+            assert torch.equal(kernel.int8_linear(x[row : row + 1], w, scale, path), batch[row : row + 1]), PATHS[path]
+        assert torch.equal(kernel.int8_linear(x[12:25].contiguous(), w, scale, path), batch[12:25]), PATHS[path]
+
+
+def test_packed_layout_round_trips_and_the_layer_uses_the_kernel(kernel):
+    q = torch.randint(-127, 128, (48, 10), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    packed = quant.pack_int8(q)
+    assert packed.shape == (3, 5, 32)
+    assert torch.equal(packed[1, 2, :2], q[16, 4:6]) and torch.equal(packed[1, 2, 30:], q[31, 4:6])
+    assert torch.equal(quant.unpack_int8(packed), q)
+
+    g = torch.Generator().manual_seed(6)
+    weights = [torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g)]
+    layer = quant.Int8Linear(weights, [None, None])
+    assert layer.kernel is not None and layer.weight.shape == (3, 32, 32)
+    codes, scale = quant.quantize_int8(torch.cat(weights), torch.bfloat16)
+    assert torch.equal(layer.codes(), codes) and torch.equal(layer.scale, scale)
+    # re-quantization writes the new codes into the same packed buffer
+    buffer = layer.weight.data_ptr()
+    new = [w.flip(1) for w in weights]
+    layer.update(new, [None, None])
+    assert layer.weight.data_ptr() == buffer and torch.equal(layer.codes(), quant.quantize_int8(torch.cat(new), torch.bfloat16)[0])
+    # a shape the kernel does not take (outputs not a multiple of 16) keeps torch's kernel
+    assert quant.Int8Linear([torch.randn(8, 64, generator=g)], [None]).kernel is None
+
+
+def test_bad_input_is_refused(kernel):
+    w, scale, _ = quantized(32, 64, seed=7)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="x has 62 input features, w 64"):
+        kernel.int8_linear(torch.randn(2, 62), w, scale, 0)
+    with pytest.raises(RuntimeError, match="x must be bfloat16 or float32"):
+        kernel.int8_linear(x.half(), w, scale, 0)
+    with pytest.raises(RuntimeError, match=r"scale must be float32 \[32\]"):
+        kernel.int8_linear(x, w, scale.bfloat16(), 0)
+    with pytest.raises(RuntimeError, match="w must be packed int8"):
+        kernel.int8_linear(x, w.reshape(32, 64), scale, 0)
+    missing = [p for p in PATHS if not kernel.int8_linear_path(p)] + [9]
+    with pytest.raises(RuntimeError, match=f"path {missing[0]} does not run"):
+        kernel.int8_linear(x, w, scale, missing[0])
