@@ -151,6 +151,17 @@ def check_tensors(model: DecoderLM, files: dict[str, Path]) -> None:
         )
 
 
+def native_class(cfg: dict) -> type[DecoderLM]:
+    """The native model class of a ``config.json`` dict: ``DecoderLM``, or for a vision-language
+    family ``noria.models.vlm.VisionLM`` (a DecoderLM with a vision tower in front); build it as
+    ``native_class(cfg)(ModelArgs.from_hf_config(decoder_config(cfg)), hf_config=cfg)``."""
+    if cfg.get("model_type") in VISION_FAMILIES:
+        from noria.models.vlm import VisionLM
+
+        return VisionLM
+    return DecoderLM
+
+
 @torch.no_grad()
 def load_native(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
@@ -162,12 +173,9 @@ def load_native(
     if args is None:
         raise ValueError(f"model_type {cfg.get('model_type')!r} in {path} is not a native family")
     files = tensor_files(path)
-    cls = DecoderLM
-    if cfg.get("model_type") in VISION_FAMILIES:  # a vision tower in front of the decoder
-        from noria.models.vlm import VisionLM as cls
     # Meta first: random init of billions of weights would cost more than loading them.
     with torch.device("meta"):
-        model = cls(args, hf_config=cfg).to(dtype)
+        model = native_class(cfg)(args, hf_config=cfg).to(dtype)
     check_tensors(model, files)
     model = model.to_empty(device=device)
     model.tie_weights()

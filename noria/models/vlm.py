@@ -175,6 +175,10 @@ class VisionLM(DecoderLM):
     text-only use (the engine, the trainer, checkpoints); images enter as ``pixel_values`` (or as
     ready embeddings, ``inputs_embeds``)."""
 
+    exact_dtype: torch.dtype | None = None
+    """Exact mode (``set_exact_numerics``, which sets it): the vision tower computes in this dtype from
+    casts of its parameters, one image at a time, as the engine runs it (fp32 masters or not)."""
+
     def __init__(self, args: ModelArgs, hf_config: dict | None = None) -> None:
         nn.Module.__init__(self)
         if not hf_config or hf_config.get("model_type") not in VISION_FAMILIES:
@@ -192,15 +196,28 @@ class VisionLM(DecoderLM):
         s = self.vision.image_size
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (3, s, s):
             raise ValueError(f"pixel_values must be [N, 3, {s}, {s}], got {tuple(pixel_values.shape)}")
-        tower = self.model.vision_model
-        pixel_values = pixel_values.to(tower.embeddings.patch_embedding.weight.dtype)
         patch_mask = None
         if pixel_attention_mask is not None:
             p = self.vision.patch_size
             grid = pixel_attention_mask.unfold(1, p, p).unfold(2, p, p)
             patch_mask = grid.sum(dim=(-1, -2)) > 0
-        hidden = tower(pixel_values=pixel_values, patch_attention_mask=patch_mask).last_hidden_state
-        return self.model.connector(hidden)
+        if self.exact_dtype is None:
+            return self.model.connector(self._tower(pixel_values, patch_mask))
+        # Exact mode: one image per call, so an image's bits never depend on what shares the call.
+        return torch.cat([
+            self.model.connector(self._tower(pixel_values[i : i + 1], None if patch_mask is None else patch_mask[i : i + 1]))
+            for i in range(len(pixel_values))
+        ])  # fmt: skip
+
+    def _tower(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor | None) -> torch.Tensor:
+        tower = self.model.vision_model
+        dtype = self.exact_dtype or tower.embeddings.patch_embedding.weight.dtype
+        kwargs = {"pixel_values": pixel_values.to(dtype), "patch_attention_mask": patch_mask}
+        if all(p.dtype == dtype for p in tower.parameters()):
+            return tower(**kwargs).last_hidden_state
+        # Differentiable casts of (fp32 master) parameters: the engine's arithmetic, gradients to the masters.
+        params = {name: p.to(dtype) for name, p in tower.named_parameters()}
+        return torch.func.functional_call(tower, params, args=(), kwargs=kwargs).last_hidden_state
 
     def embed(
         self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, pixel_attention_mask: torch.Tensor | None = None

@@ -117,3 +117,36 @@ def test_placeholder_count_must_match(vlm_server):
     r = httpx.post(f"{proc.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}]}]}, timeout=30)  # fmt: skip
     assert r.status_code == 400 and "not fetched" in r.json()["error"]["message"]
+
+
+@torch.no_grad()
+def test_deterministic_engine_equals_the_exact_forward_bitwise(vlm_server):
+    """Deterministic mode (bf16): the engine's logprobs with an image, prefilled in chunks that cut the
+    image's span and then served from the prefix cache, equal the exact-mode forward of the whole
+    sequence from fp32 masters (the trainer's arithmetic) bit for bit."""
+    import torch.nn.functional as F
+
+    from noria.config import EngineConfig
+    from noria.engine import Engine, GenerateRequest, SamplingParams
+    from noria.engine.vision import ImagePrompts
+    from noria.models import PackedContext, load_model
+
+    folder, _, _ = vlm_server
+    config = EngineConfig(kv_cache_tokens=2048, deterministic=True, chunked_prefill_size=6)
+    engine = Engine.from_path(folder, config, dtype="bfloat16")
+    try:
+        ids, images = ImagePrompts(engine.model, folder).from_text(PROMPT, [random_image(50)], "image_data")
+        assert images[0].start % 6 and images[0].length > 6  # chunks start inside the image's span and cut it
+        req = lambda: GenerateRequest(list(ids), SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True), images=images)  # noqa: E731
+        cold, warm = (engine.generate_batch([req()])[0] for _ in range(2))
+    finally:
+        engine.shutdown()
+    assert warm.cached_tokens == len(ids) - 1
+    assert warm.output_ids == cold.output_ids and warm.logprobs == cold.logprobs
+    master = load_model(folder, dtype=torch.float32)
+    master.set_exact_numerics(torch.bfloat16)
+    full = torch.tensor([ids + cold.output_ids])
+    hidden = master.hidden_states(full, attn=PackedContext([full.shape[1]], deterministic=True), pixel_values=images[0].pixel_values[None])
+    logits = master.lm_head(hidden[0, len(ids) - 1 : -1]).float()
+    expected = F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(cold.output_ids)[:, None])[:, 0]
+    assert cold.logprobs == expected.tolist()
