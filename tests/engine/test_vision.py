@@ -150,3 +150,37 @@ def test_deterministic_engine_equals_the_exact_forward_bitwise(vlm_server):
     logits = master.lm_head(hidden[0, len(ids) - 1 : -1]).float()
     expected = F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(cold.output_ids)[:, None])[:, 0]
     assert cold.logprobs == expected.tolist()
+
+
+@torch.no_grad()
+def test_weight_update_reaches_the_vision_path(vlm_server):
+    """A weight update of the vision tower and connector (transformers' names) changes what the engine
+    answers for an image exactly as it changes transformers' model."""
+    from noria.config import EngineConfig
+    from noria.engine import Engine, GenerateRequest, SamplingParams
+    from noria.engine.vision import ImagePrompts
+
+    folder, hf, _ = vlm_server
+    image = random_image(60)
+    engine = Engine.from_path(folder, EngineConfig(kv_cache_tokens=2048), dtype="float32")
+    names = ("model.connector.modality_projection.proj.weight", "model.vision_model.post_layernorm.weight")
+    before = {n: hf.get_parameter(n).detach().clone() for n in names}
+    try:
+        prompts = ImagePrompts(engine.model, folder)
+
+        def answer() -> list[int]:
+            ids, images = prompts.from_text(PROMPT, [image], "image_data")
+            return engine.generate_batch([GenerateRequest(ids, SamplingParams(max_new_tokens=MAX_NEW, temperature=0), images=images)])[0].output_ids
+
+        first = answer()
+        assert first == _hf_greedy(folder, hf, PROMPT, [image])[1]
+        engine.weights.update_from_state_dict({n: -2.0 * t for n, t in before.items()}, version=1)
+        for n, t in before.items():
+            hf.get_parameter(n).copy_(-2.0 * t)
+        second = answer()
+        assert second == _hf_greedy(folder, hf, PROMPT, [image])[1]
+        assert second != first
+    finally:
+        engine.shutdown()
+        for n, t in before.items():
+            hf.get_parameter(n).copy_(t)
