@@ -10,6 +10,9 @@ evaluation), the process that trains it, and the curve read back from it: one po
     async    sync's config, the engine as its own process (disaggregated), rollout.max_staleness k
              and TIS against the older behaviour policy
     vllm     sync's config with a vLLM server as the rollout engine (``noria bench rl``'s vllm peer)
+    curriculum  shipped with difficulty pools (``data.curriculum``)
+    dynamic  shipped with dynamic sampling (``rollout.buffer.filters: [zero_reward_variance]``): a group
+             whose rewards are all equal is generated, then dropped untrained
     trl      TRL's GRPOTrainer (``noria bench rl``'s peer and argument mapping) with an evaluation
              callback
 
@@ -48,7 +51,7 @@ from noria.metrics import read_jsonl
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "grpo_smollm2_arithmetic.yaml"
 """The main job's recipe: the shipped system, and the settings every system shares."""
-NORIA_SYSTEMS = ("shipped", "sync", "async", "vllm")
+NORIA_SYSTEMS = ("shipped", "sync", "async", "vllm", "curriculum", "dynamic")
 CURVE_FILE = "curve.jsonl"
 """The TRL worker's evaluations, one JSON line each as it makes them."""
 
@@ -68,13 +71,17 @@ def recipe_settings(recipe: Path) -> dict[str, Any]:
 def system_config(system: str, recipe: Path, folder: Path, s: dict[str, Any], staleness: int = 2) -> dict[str, Any]:
     """The run config of a Noria system (``trl`` reads ``sync``'s) with the shared settings ``s``
     (``recipe_settings`` with the bench's ``steps``, ``eval_every`` and ``eval_limit`` added)."""
-    if system == "shipped":
+    if system in ("shipped", "curriculum", "dynamic"):
         config = yaml.safe_load(recipe.read_text())
         config["model"]["path"] = str(folder)
         config["reward"]["name"] = s["reward"]
         config["data"]["task_args"] = s["task_args"]
         config["rollout"].update({k: s[k] for k in ("prompts_per_step", "n_samples", "max_new_tokens", "temperature")})
         config["train"].setdefault("optim", {})["lr"] = s["lr"]
+        if system == "curriculum":
+            config["data"]["curriculum"] = {"enabled": True}
+        elif system == "dynamic":
+            config["rollout"].setdefault("buffer", {})["filters"] = ["zero_reward_variance"]
     else:
         from noria.bench.rl import ENGINE_PEERS
 
@@ -85,6 +92,9 @@ def system_config(system: str, recipe: Path, folder: Path, s: dict[str, Any], st
         elif system == "vllm":
             for section, values in ENGINE_PEERS["vllm"].items():
                 config.setdefault(section, {}).update(values)
+    if s.get("n_train"):  # a small training set, passed over as often as the steps need
+        config["data"]["task_args"] = {**config["data"]["task_args"], "n_train": s["n_train"]}
+        config["data"]["epochs"] = -(-s["steps"] * s["prompts_per_step"] // s["n_train"]) + 1
     config["name"] = f"bench-learn-{system}"
     config["train"]["max_steps"] = s["steps"]
     config["eval"] = {**s["eval"], "every": s["eval_every"], "limit": s["eval_limit"], "mode": "shared"}

@@ -90,9 +90,9 @@ class Curriculum:
             batch.append(prompt)
         return batch
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, put_back: Sequence[Prompt] = ()) -> dict[str, Any]:
         return {
-            "source": self.source.state_dict(),
+            "source": self.source.state_dict(put_back),
             "curriculum": {
                 "history": {str(i): list(h) for i, h in self._history.items()},
                 "pools": {name: list(pool) for name, pool in self._pools.items()},

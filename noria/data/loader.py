@@ -115,15 +115,17 @@ class PromptSource:
         """Put ``prompt`` back; it comes out before any new prompt (returned ones in order)."""
         self._returned.append(prompt)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor as plain data: epoch, position, returned prompts and the source's settings."""
+    def state_dict(self, put_back: Sequence[Prompt] = ()) -> dict[str, Any]:
+        """The cursor as plain data: epoch, position, returned prompts and the source's settings;
+        ``put_back``: prompts that would come out first as if returned before the others (a
+        checkpoint's unfinished groups), the source itself unchanged."""
         return {
             "epoch": self._epoch,
             "position": self._position,
             "n_prompts": len(self._prompts),
             "seed": self._seed,
             "shuffle": self._shuffle,
-            "returned": [_prompt_to_dict(p) for p in self._returned],
+            "returned": [_prompt_to_dict(p) for p in [*put_back, *self._returned]],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -85,7 +85,7 @@ from noria.process.usage import memory_metrics
 from noria.rewards.model import start_judge
 from noria.rollout import HttpEngineClient, LocalEngineClient, RolloutContext
 from noria.run_folder import make_run_folder
-from noria.rollout.buffer import DropStreak, build_buffer, prompt_to_dict, resolve_filters
+from noria.rollout.buffer import DropStreak, build_buffer, resolve_filters
 from noria.rollout.generate import granularity, rollout_plugin
 from noria.rollout.in_flight import LiveRequests, in_flight_policy, plan_resume
 from noria.rollout.scheduler import RolloutScheduler
@@ -531,8 +531,7 @@ class LocalJob:
         next_group_id, unfinished = (s.next_group_id, []) if in_flight is not None else s.resume_point() if s else (self.next_group_id, [])
         retracted = [] if in_flight is not None or s is None else sorted(s.pending)
         why = "" if in_flight is not None else in_flight_policy(self.config.rollout, self.client)[1] or "the rollout had stopped"
-        data = self.source.state_dict()
-        data["returned"] = [prompt_to_dict(p) for p in unfinished] + data["returned"]
+        data = self.source.state_dict(put_back=unfinished)  # their prompts first when resumed
         return {
             "rl_step": self.step,
             "next_group_id": next_group_id,

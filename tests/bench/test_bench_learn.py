@@ -78,13 +78,16 @@ def test_bench_learn_writes_curves_and_keeps_earlier_systems(tmp_path, tiny_mode
               "json_path": str(out), "overrides": TINY}
     learn.run(["shipped"], work_dir=str(tmp_path / "work"), **kwargs)
     first = json.loads(out.read_text())
-    peers = ["trl"] if HAS_TRL else []
-    doc = learn.run(peers or ["shipped"], work_dir=str(tmp_path / "again"), **kwargs)
+    peers = ["trl"] if HAS_TRL else ["curriculum"]  # without TRL: the recipe with difficulty pools, end to end
+    doc = learn.run(peers, work_dir=str(tmp_path / "again"), **kwargs)
     written = json.loads(out.read_text())
     assert written["benchmark"] == "learn" and {"command", "date", "machine", "cpu", "settings"} <= set(written)
     assert set(written["systems"]) == {"shipped", *peers} == set(doc["systems"])
-    if peers:  # the rerun of another system kept the shipped curve as it was
-        assert written["systems"]["shipped"]["curve"] == first["systems"]["shipped"]["curve"]
+    # the rerun of another system kept the shipped curve as it was
+    assert written["systems"]["shipped"]["curve"] == first["systems"]["shipped"]["curve"]
+    if not HAS_TRL:  # the pools' figures are on each step's line (an undocumented name would have failed the run's log)
+        rows = [json.loads(line) for line in (tmp_path / "again" / "curriculum" / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == 2 and all({"curriculum/easy_pool", "curriculum/revisits"} <= set(r) for r in rows)
     for name, system in written["systems"].items():
         curve = system["curve"]
         assert [p["step"] for p in curve] == [0, 1, 2] and system["steps"] == 2, name
