@@ -254,13 +254,23 @@ class Int8Linear(_QuantLinear):
     def _install(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
         self.kernel = int8_kernel() if n % PACK_BLOCK == 0 and k % 2 == 0 else None
-        self.weight, self.scale = quantize_int8(weight, self.dtype, packed=self.kernel is not None)
-        self.scale_f32 = self.scale.float()
+        if self.kernel is None:
+            self.weight, self.scale = quantize_int8(weight, self.dtype)
+        else:
+            self.weight = torch.empty(pack_int8_shape(weight.shape), dtype=torch.int8)
+            self.scale = torch.empty(n, dtype=self.dtype)
+            self.scale_f32 = torch.empty(n, dtype=torch.float32)
+            self._requantize(weight)
         self.bias = None if bias is None else bias.detach().clone()
 
     def _requantize(self, weight: torch.Tensor) -> None:
-        quantize_int8(weight, self.dtype, out=(self.weight, self.scale), packed=self.kernel is not None)
-        self.scale_f32.copy_(self.scale)
+        if self.kernel is None:
+            quantize_int8(weight, self.dtype, out=(self.weight, self.scale))
+        elif weight.dtype in (torch.bfloat16, torch.float32):  # quantize_int8 in one C++ pass, packed
+            self.kernel.quantize_int8_packed(weight.detach().contiguous(), self.weight, self.scale, self.scale_f32)
+        else:
+            quantize_int8(weight, self.dtype, out=(self.weight, self.scale), packed=True)
+            self.scale_f32.copy_(self.scale)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:  # rounds x and the result to bf16 itself, answers in x's dtype

@@ -19,6 +19,7 @@ at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads);
 at::Tensor silu_mul(at::Tensor gu);
 at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, int64_t path);
 int64_t int8_linear_path(int64_t path);
+void quantize_int8_packed(at::Tensor w, at::Tensor q, at::Tensor scale, at::Tensor scale_f32);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -30,5 +31,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] (CPU)");
   m.def("int8_linear", &int8_linear, "weight-only int8 linear over packed codes (CPU)", py::arg("x"), py::arg("w"),
         py::arg("scale"), py::arg("path") = 0);
+  m.def("quantize_int8_packed", &quantize_int8_packed, "quant.quantize_int8 into the packed layout, in place (CPU)");
   m.def("int8_linear_path", &int8_linear_path, "the int8_linear path that runs here (0: none)", py::arg("path") = 0);
 }

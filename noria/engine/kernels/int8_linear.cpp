@@ -38,6 +38,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -353,3 +354,59 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, int64_t pat
   }
   return y;
 }
+
+// ------------------------------------------------------------------------------------- quantizer
+// quant.quantize_int8 in one pass over the weight, written straight into the packed layout (the
+// re-quantization inside every weight commit): scale = bf16(max(amax|row| / 127, 1e-8)),
+// q = clamp(round_half_even(w / scale), -127, 127), as fp32 operations in that order. No fast-math
+// here: w / scale must be the correctly rounded quotient (not w * (1 / scale)) for the codes to
+// equal the Python definition's bit for bit.
+
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+
+namespace {
+
+template <typename T>
+void quantize_rows(const T* w, int8_t* q, BF* scale, float* scale_f32, int64_t N, int64_t K) {
+  const int64_t KP = K / 2;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const T* row = w + n * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
+      const BF s(std::max(amax / 127.f, 1e-8f));
+      const float sf = static_cast<float>(s);
+      scale[n] = s;
+      scale_f32[n] = sf;
+      int8_t* out = q + (n / kBlock) * KP * 32 + (n % kBlock) * 2;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = std::nearbyint(static_cast<float>(row[k]) / sf);
+        out[(k / 2) * 32 + (k & 1)] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void quantize_int8_packed(at::Tensor w, at::Tensor q, at::Tensor scale, at::Tensor scale_f32) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "quantize_int8_packed: w must be a contiguous bfloat16 or float32 [N, K] tensor");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % kBlock == 0 && K % 2 == 0, "quantize_int8_packed: [", N, ", ", K, "] is not a multiple of [16, 2]");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.numel() == N * K && q.dim() == 3 && q.size(0) == N / kBlock,
+              "quantize_int8_packed: q must be packed int8 [", N / kBlock, ", ", K / 2, ", 32]");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.numel() == N && scale.is_contiguous(),
+              "quantize_int8_packed: scale must be bfloat16 [", N, "]");
+  TORCH_CHECK(scale_f32.scalar_type() == at::kFloat && scale_f32.numel() == N && scale_f32.is_contiguous(),
+              "quantize_int8_packed: scale_f32 must be float32 [", N, "]");
+  int8_t* qp = q.data_ptr<int8_t>();
+  if (w.scalar_type() == at::kBFloat16) {
+    quantize_rows(w.data_ptr<BF>(), qp, scale.data_ptr<BF>(), scale_f32.data_ptr<float>(), N, K);
+  } else {
+    quantize_rows(w.data_ptr<float>(), qp, scale.data_ptr<BF>(), scale_f32.data_ptr<float>(), N, K);
+  }
+}
+
+#pragma GCC pop_options
