@@ -471,7 +471,7 @@ def _add_run_commands(sub: argparse._SubParsersAction) -> None:
         "docs",
         help="regenerate docs/config.md and docs/metrics.md from the code (--check: fail if stale)",
         description="The configuration reference comes from the config classes (noria/config/), the metrics "
-        "reference from noria.metrics.METRICS.",
+        "reference from noria.metric_names.METRICS.",
     )
     p.add_argument("--check", action="store_true", help="exit 1 if a generated page differs from the code")
     p.add_argument("--out", help="docs folder (default the repository's docs/)")

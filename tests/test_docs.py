@@ -10,7 +10,7 @@ import pytest
 
 from noria.cli import main as noria_main
 from noria.config import field_docs, load_config
-from noria.metrics import METRICS
+from noria.metric_names import METRICS
 from noria.runview.docs import config_reference, metrics_reference, stale_docs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from noria.config import ConfigError, load_config
-from noria.metrics import METRICS, Progress, RunLog, metric_doc, undocumented
+from noria.metric_names import METRICS, metric_doc, undocumented
+from noria.metrics import Progress, RunLog
 from runview_util import STEPS, tiny_run
 
 
@@ -42,7 +43,7 @@ def test_every_key_the_loop_logs_is_documented(run):
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     keys = {k for r in rows for k in r}
-    assert undocumented(keys) == [], "add these to METRICS in noria/metrics.py, then run `noria docs`"
+    assert undocumented(keys) == [], "add these to METRICS in noria/metric_names.py, then run `noria docs`"
     evals = read_jsonl(run / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2, 3]
     assert undocumented(f"eval/{k}" for e in evals for k in e if k not in ("step", "version")) == []

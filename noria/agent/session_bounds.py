@@ -56,7 +56,7 @@ class SessionCounters:
     closed_idle: int = 0
 
     def metrics(self) -> dict[str, float]:
-        """The ``session/*`` metrics (documented in ``noria.metrics.METRICS``)."""
+        """The ``session/*`` metrics (documented in ``noria.metric_names.METRICS``)."""
         return {
             "session/open": float(self.open), "session/admitted": float(self.admitted),
             "session/refused_open": float(self.refused_open), "session/refused_tokens": float(self.refused_tokens),

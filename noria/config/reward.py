@@ -143,6 +143,13 @@ class RewardConfig:
         "(reward/component/<name>, reward/agreement, and held-out accuracy) without training on it."
     )
     model: RewardModelConfig = option(factory=lambda: RewardModelConfig(), help="A reward served by a model (a generative judge).")
+    overlong_buffer_tokens: int = option(
+        0,
+        "Soft overlong punishment (DAPO): a response whose policy tokens run into the last this-many tokens of "
+        "rollout.max_new_tokens gets a penalty falling linearly from 0 to -overlong_penalty at the limit, added to its "
+        "reward (reward/component/overlong). 0: off. Single-turn rollouts only.",
+    )
+    overlong_penalty: float = option(1.0, "The overlong penalty at rollout.max_new_tokens (see overlong_buffer_tokens).")
 
     def validate(self) -> None:
         if self.timeout_s <= 0:
@@ -150,3 +157,8 @@ class RewardConfig:
         if self.max_concurrency < 1:
             raise ConfigError(f"reward.max_concurrency must be >= 1, got {self.max_concurrency}")
         self.model.validate()
+        if self.overlong_buffer_tokens < 0 or self.overlong_penalty < 0:
+            raise ConfigError(
+                f"reward.overlong_buffer_tokens and reward.overlong_penalty must be >= 0, got "
+                f"{self.overlong_buffer_tokens} and {self.overlong_penalty}"
+            )

@@ -68,6 +68,7 @@ class RunConfig:
         _check_launch(self)
         self.engine.check_model(self.model.device, self.model.impl, rollout_engine=self.rollout.engine)
         _check_opd(self)
+        _check_overlong(self)
         if self.diffusion is not None:
             self.diffusion.validate_run(self)
         elif self.train.algorithm == "sft":
@@ -178,6 +179,17 @@ def _check_opd(config: RunConfig) -> None:
         raise ConfigError("train.loss.opd_coef > 0 shapes an estimator's advantages; advantage: gae (the critic's) is not supported")
     if coef > 0 and opd.placement == "trainer" and not opd.teacher:
         raise ConfigError("opd.placement: trainer loads opd.teacher (a model name or folder) beside the policy")
+
+
+def _check_overlong(config: RunConfig) -> None:
+    """The overlong penalty's buffer lies inside the single-turn generation limit."""
+    buffer, r = config.reward.overlong_buffer_tokens, config.rollout
+    if buffer and buffer > r.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer_tokens ({buffer}) must not exceed rollout.max_new_tokens ({r.max_new_tokens})")
+    plugin = "agent_fn" if r.agent_fn else "rollout_fn" if r.rollout_fn else None
+    if buffer and plugin:
+        raise ConfigError(f"reward.overlong_buffer_tokens shapes single-turn rollouts of the built-in generation; rollout.{plugin} "
+                          "is set (its episodes bound their own tokens): set it to 0")
 
 
 def _check_sft_data(data: DataConfig) -> None:

@@ -127,6 +127,7 @@ class GroupBuffer:
         self.taken_total = 0
         self.last_staleness: list[int] = []
         self._generated = self._kept = 0  # groups offered and kept since the last metrics call
+        self._lengths = LengthBias()  # length and reward by staleness since the last metrics call
         self._room = asyncio.Event()
 
     async def put(self, group: Group) -> bool:
@@ -162,6 +163,7 @@ class GroupBuffer:
                 self.drop(group, "stale")
                 continue
             self.last_staleness.append(staleness)
+            self._lengths.taken(group, staleness)
             out.append(group)
         self.taken_total += len(out)
         self._room.set()
@@ -169,6 +171,8 @@ class GroupBuffer:
 
     def drop(self, group: Group, reason: str) -> None:
         self.dropped[reason] += 1
+        if reason == "stale":
+            self._lengths.dropped(group)
         if self.on_drop is not None:
             self.on_drop(group, reason)
 
@@ -188,6 +192,8 @@ class GroupBuffer:
             "buffer/waiting_staleness_max": float(max(waiting)) if waiting else 0.0,
         }
         out.update({f"buffer/dropped/{k}": float(v) for k, v in sorted(self.dropped.items())})
+        if self.max_staleness > 0:  # asynchronous: is a long answer likelier to be trained stale, or dropped?
+            out.update(self._lengths.collect())
         if self._kept:  # dynamic sampling's cost: groups generated for each one kept, since the last line
             out["buffer/generated_per_kept"] = self._generated / self._kept
             self._generated = self._kept = 0
@@ -206,6 +212,40 @@ class GroupBuffer:
         self.dropped = Counter(state["dropped"])
         self.put_total = int(state["put_total"])
         self.taken_total = int(state["taken_total"])
+
+
+class LengthBias:
+    """Response length and reward of the groups taken, by staleness, and the length of those dropped as
+    stale: under a staleness bound, long answers finish late and are trained staler or dropped more
+    often, which biases what the policy learns from (``buffer/by_staleness/...``)."""
+
+    def __init__(self) -> None:
+        self.by_staleness: dict[int, list[float]] = {}  # staleness -> [samples, tokens, reward sum, rewards]
+        self.stale_dropped: list[float] = [0.0, 0.0]  # samples, tokens
+
+    def taken(self, group: Group, staleness: int) -> None:
+        row = self.by_staleness.setdefault(staleness, [0.0, 0.0, 0.0, 0.0])
+        for s in group.samples:
+            row[0] += 1
+            row[1] += len(s.response_ids)
+            if s.reward is not None:
+                row[2] += s.reward
+                row[3] += 1
+
+    def dropped(self, group: Group) -> None:
+        self.stale_dropped[0] += len(group.samples)
+        self.stale_dropped[1] += sum(len(s.response_ids) for s in group.samples)
+
+    def collect(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for k, (n, tokens, reward, scored) in sorted(self.by_staleness.items()):
+            out[f"buffer/by_staleness/{k}/response_len_mean"] = tokens / n if n else 0.0
+            if scored:
+                out[f"buffer/by_staleness/{k}/reward_mean"] = reward / scored
+        if self.stale_dropped[0]:
+            out["buffer/stale_dropped_len_mean"] = self.stale_dropped[1] / self.stale_dropped[0]
+        self.__init__()
+        return out
 
 
 class DropStreak:

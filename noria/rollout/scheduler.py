@@ -66,6 +66,7 @@ from typing import Any
 from noria import faults
 from noria.config import RewardConfig
 from noria.rewards.runner import ScoreCounts, score_groups_async
+from noria.rewards.shaping import shape_overlong
 from noria.rollout.buffer import TRAINABLE, Buffer, group_to_dict
 from noria.rollout.client import EngineFailure
 from noria.rollout.generate import GenerateFn, RolloutContext, RolloutResult, generate_one
@@ -328,9 +329,12 @@ class RolloutScheduler:
         group = Group(group_id=group_id, prompt=prompt, samples=samples)
         self._scoring += 1
         try:
-            return group, await score_groups_async([group], self.reward)
+            counts = await score_groups_async([group], self.reward)
         finally:
             self._scoring -= 1
+        if self.reward.overlong_buffer_tokens:  # DAPO's soft overlong punishment (noria.rewards.shaping)
+            shape_overlong(group, counts, self.ctx.sampling.max_new_tokens, self.reward.overlong_buffer_tokens, self.reward.overlong_penalty)
+        return group, counts
 
     async def _run_sample(self, sample: Sample) -> None:
         try:

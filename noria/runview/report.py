@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from noria.errors import NoriaError
-from noria.metrics import metric_doc, read_jsonl
+from noria.metric_names import metric_doc
+from noria.metrics import read_jsonl
 from noria.runview.segments import run_segments, summary_lines
 
 

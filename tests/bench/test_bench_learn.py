@@ -15,6 +15,7 @@ import pytest
 
 from noria.bench import learn
 from noria.bench import learn_systems
+from noria.metric_names import undocumented
 from repo_util import TESTS
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -85,9 +86,10 @@ def test_bench_learn_writes_curves_and_keeps_earlier_systems(tmp_path, tiny_mode
     assert set(written["systems"]) == {"shipped", *peers} == set(doc["systems"])
     # the rerun of another system kept the shipped curve as it was
     assert written["systems"]["shipped"]["curve"] == first["systems"]["shipped"]["curve"]
-    if not HAS_TRL:  # the pools' figures are on each step's line (an undocumented name would have failed the run's log)
+    if not HAS_TRL:  # the pools' figures are on each step's line, documented
         rows = [json.loads(line) for line in (tmp_path / "again" / "curriculum" / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 2 and all({"curriculum/easy_pool", "curriculum/revisits"} <= set(r) for r in rows)
+        assert undocumented(k for r in rows for k in r) == []
     for name, system in written["systems"].items():
         curve = system["curve"]
         assert [p["step"] for p in curve] == [0, 1, 2] and system["steps"] == 2, name
