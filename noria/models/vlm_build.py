@@ -12,9 +12,10 @@ so ``AutoModelForImageTextToText`` and ``AutoProcessor`` load the folder:
 2. a vision encoder of :data:`VISION` (64x64 pixels in 8x8 patches) and scale factor 2: an image is
    16 ``<image>`` tokens, a 4x4 grid; the ``digits_sum`` task's pictures (4 slots in a row, squashed
    to a square by the processor, which does not split images) put each slot under one column;
-3. stage A, alignment (:data:`ALIGN_STEPS`, no LM forward): encoder and connector learn to output,
-   at each image token, the LM's input embedding of the digit in its slot (``_`` for a blank slot),
-   so image tokens start out as words the LM already reads;
+3. stage A, alignment (:data:`ALIGN_STEPS`, no LM forward): encoder and connector learn to put each
+   image token nearest to the LM's input embedding of the digit in its slot (``_`` for a blank
+   slot; cross-entropy over minus squared distances), so image tokens start out as words the LM
+   already reads;
 4. stage B, the SFT warm start (:data:`SFT_STEPS`, every weight trained, bf16 autocast where the CPU
    computes bf16 natively): chats asking what digits an image holds (``The digits are 3, 7.``) and,
    in :data:`SUM_SHARE` of them, the ``digits_sum`` question answered ``The digits are 3, 7, so the
@@ -44,7 +45,7 @@ SCALE_FACTOR = 2
 IMAGE_SEQ_LEN = (IMAGE_SIZE // PATCH) ** 2 // SCALE_FACTOR**2
 VISION = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4}
 """The vision encoder's size (about 0.6M parameters)."""
-ALIGN_STEPS = 250
+ALIGN_STEPS = 300
 ALIGN_BATCH = 32
 SFT_STEPS = 120
 SFT_BATCH = 8
@@ -153,48 +154,61 @@ def _draw(rng, pool):
     return draw_composite(rng, pool, DEFAULTS)
 
 
-def _slot_targets(digits_and_slots: list[tuple[list[int], list[int]]], tokenizer) -> Any:
-    """Token ids [B, IMAGE_SEQ_LEN]: at each image token, the digit of its slot's column, or BLANK."""
+def slot_token_ids(tokenizer) -> list[int]:
+    """The token ids a slot's image tokens align to: the digits 0-9, then :data:`BLANK`."""
+    return [tokenizer.convert_tokens_to_ids(t) for t in [*map(str, range(10)), BLANK]]
+
+
+def slot_classes(drawn: list[tuple[Any, list[int], list[int]]]) -> Any:
+    """Per image token [B, IMAGE_SEQ_LEN], the class of its slot's column: the digit, or 10 (blank)."""
     import torch
 
     side = IMAGE_SIZE // PATCH // SCALE_FACTOR
-    digit_ids = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
-    blank = tokenizer.convert_tokens_to_ids(BLANK)
     rows = []
-    for digits, slots in digits_and_slots:
-        column = [blank] * side
+    for _, digits, slots in drawn:
+        column = [10] * side
         for d, s in zip(digits, slots):
-            column[s] = digit_ids[d]
+            column[s] = d
         rows.append([column[k % side] for k in range(IMAGE_SEQ_LEN)])
     return torch.tensor(rows)
 
 
+def image_token_logits(model, processor, drawn) -> Any:
+    """[B, IMAGE_SEQ_LEN, 11]: minus the squared distance of each image token's features to the LM's
+    embedding of each slot class (the digits, then blank)."""
+    import torch
+
+    embed = model.model.text_model.get_input_embeddings().weight.detach()[slot_token_ids(processor.tokenizer)]
+    pixels = processor.image_processor([[d[0]] for d in drawn], return_tensors="pt")["pixel_values"]
+    feats = torch.stack(list(model.model.get_image_features(pixel_values=pixels).pooler_output))
+    return -((feats.unsqueeze(-2) - embed) ** 2).sum(-1)
+
+
 def align(model, processor, steps: int, batch: int = ALIGN_BATCH) -> None:
-    """Stage A: vision encoder and connector regress each image token onto the LM's embedding of its
-    slot's digit (the LM's embeddings stay fixed; the LM itself is not run)."""
+    """Stage A: vision encoder and connector learn to put each image token nearest (cross-entropy over
+    minus squared distances) to the LM's embedding of its slot's digit, or of BLANK; the LM's
+    embeddings stay fixed and the LM itself is not run."""
     import numpy as np
     import torch
 
     if steps <= 0:
         return
     pool, rng = _pool(), np.random.default_rng(1)
-    embed = model.model.text_model.get_input_embeddings().weight.detach()
     params = [*model.model.vision_model.parameters(), *model.model.connector.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     model.train()
     for step in range(steps):
         drawn = [_draw(rng, pool) for _ in range(batch)]
-        pixels = processor.image_processor([[img] for img, _, _ in drawn], return_tensors="pt")["pixel_values"]
-        targets = embed[_slot_targets([(d, s) for _, d, s in drawn], processor.tokenizer)]
-        feats = model.model.get_image_features(pixel_values=pixels).pooler_output
-        loss = torch.nn.functional.mse_loss(torch.stack(list(feats)), targets)
+        logits, classes = image_token_logits(model, processor, drawn), slot_classes(drawn)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), classes.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         for group in opt.param_groups:
             group["lr"] = 1e-3 * min(1.0, (step + 1) / min(50, 1 + steps // 5)) * (1 - step / steps)
         opt.step()
-        if (step + 1) % 250 == 0 or step + 1 == steps:
-            say(f"noria: smolvlm-digits alignment: step {step + 1}/{steps}, loss {loss.item():.4f}")
+        if (step + 1) % 25 == 0 or step + 1 == steps:
+            accuracy = (logits.argmax(-1) == classes).float().mean().item()
+            say(f"noria: smolvlm-digits alignment: step {step + 1}/{steps}, loss {loss.item():.3f}, slot accuracy {accuracy:.0%}")
 
 
 def answer_text(digits: list[int], with_sum: bool) -> str:
