@@ -1,7 +1,8 @@
 """The group buffer between rollout and trainer: the ``Buffer`` protocol and ``GroupBuffer``, the built-in one.
 
-What it owns: finished groups waiting to be trained on, in arrival order, and the count of groups
-it dropped, by reason. A group is dropped where the information exists:
+What it owns: finished groups waiting to be trained on (taken oldest policy version first, in
+arrival order among equals), and the count of groups it dropped, by reason. A group is dropped
+where the information exists:
 
 - on put, ``no_trainable_sample``: generation gave up on it (every sample aborted or failed);
 - on put, a filter's reason: ``zero_reward_variance`` (dynamic sampling: every reward equal, so
@@ -154,10 +155,16 @@ class GroupBuffer:
         return None
 
     def take(self, n: int, version: int) -> list[Group]:
-        """Up to ``n`` groups, oldest first, dropping those too stale for trainer ``version``."""
+        """Up to ``n`` groups, the oldest policy version first (arrival order among equals), dropping those
+        too stale for trainer ``version``. Oldest version first: a group that took long to finish (long
+        answers, a slow tool) is trained while it is still within ``max_staleness`` instead of waiting
+        behind newer groups until it is dropped; synchronous runs (one version) keep arrival order."""
         out: list[Group] = []
-        while self.groups and len(out) < n:
-            group = self.groups.popleft()
+        chosen: set[int] = set()
+        for group in sorted(self.groups, key=lambda g: _version_key(g, version)):  # stable: arrival order among equals
+            if len(out) == n:
+                break
+            chosen.add(id(group))
             staleness = staleness_of(group, version)
             if staleness > self.max_staleness:
                 self.drop(group, "stale")
@@ -165,6 +172,8 @@ class GroupBuffer:
             self.last_staleness.append(staleness)
             self._lengths.taken(group, staleness)
             out.append(group)
+        if chosen:
+            self.groups = deque(g for g in self.groups if id(g) not in chosen)
         self.taken_total += len(out)
         self._room.set()
         return out
@@ -284,6 +293,11 @@ def build_buffer(impl: str, **kwargs: Any) -> Buffer:
     """The built-in ``GroupBuffer``, or the class at import path ``impl`` (``rollout.buffer.impl``)."""
     cls = load_plugin(impl, "rollout.buffer.impl") if impl else GroupBuffer
     return cls(**kwargs)
+
+
+def _version_key(group: Group, version: int) -> int:
+    oldest = group.min_version
+    return version if oldest is None else oldest
 
 
 def staleness_of(group: Group, version: int) -> int:
