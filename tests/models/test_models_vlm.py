@@ -103,3 +103,18 @@ def test_bad_inputs_are_named(vlm, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModel, match="text_config.model_type"):
         load_model(tmp_path)
+
+
+@torch.no_grad()
+def test_packed_sequences_take_their_images_in_order(vlm):
+    """The trainer's layout: sequences packed in one row, their images concatenated in the same order;
+    each sequence gets the hidden states it has alone."""
+    from noria.models import PackedContext
+
+    folder, _, native = vlm
+    rows = [_batch(folder, [text], [[random_image(seed)]]) for text, seed in (("A <image> b", 7), ("Say <image>!", 8))]
+    alone = [native.hidden_states(r["input_ids"], pixel_values=r["pixel_values"][0])[0] for r in rows]
+    ids = torch.cat([r["input_ids"] for r in rows], dim=1)
+    pixels = torch.cat([r["pixel_values"][0] for r in rows])
+    packed = native.hidden_states(ids, attn=PackedContext([r["input_ids"].shape[1] for r in rows]), pixel_values=pixels)[0]
+    torch.testing.assert_close(packed, torch.cat(alone), atol=TOL, rtol=TOL)
