@@ -47,7 +47,7 @@ VISION = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 3, 
 """The vision encoder's size (about 0.6M parameters)."""
 ALIGN_STEPS = 300
 ALIGN_BATCH = 32
-SFT_STEPS = 120
+SFT_STEPS = 60
 SFT_BATCH = 8
 SFT_LR = 1e-4
 SFT_TOP_LAYERS = 8
