@@ -113,14 +113,16 @@ def test_bad_input_is_refused(kernel):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_packing_quantizer_equals_the_python_definition_bit_for_bit(kernel, dtype):
     g = torch.Generator().manual_seed(8)
-    w = (torch.randn(64, 192, generator=g) * torch.logspace(-6, 2, 64)[:, None]).to(dtype)
+    w = (torch.randn(64, 1538, generator=g) * torch.logspace(-6, 2, 64)[:, None]).to(dtype)
     w[3] = 0  # an all-zero row: the scale floor
+    w[7] = torch.arange(1538) % 254 - 126.5  # amax 126.5 -> every quotient a tie (and the scalar tail's too)
+    w[7, 0] = 127
     w[5, :8] = torch.tensor([127, -127, 63.5, -63.5, 0.5, 1.5, 2.5, -2.5])  # amax 127: scale 1, ties to even
     q, scale = quant.quantize_int8(w, torch.bfloat16)
-    packed, s16, s32 = torch.empty(32 * 4, 96, 1, dtype=torch.int8).view(4, 96, 32), torch.empty(64, dtype=torch.bfloat16), torch.empty(64)
+    packed, s16, s32 = torch.empty(4, 769, 32, dtype=torch.int8), torch.empty(64, dtype=torch.bfloat16), torch.empty(64)
     kernel.quantize_int8_packed(w, packed, s16, s32)
     assert torch.equal(s16, scale) and torch.equal(s32, scale.float())
     assert torch.equal(quant.unpack_int8(packed), q)
     assert torch.equal(q[5, :8], torch.tensor([127, -127, 64, -64, 0, 2, 2, -2], dtype=torch.int8))
-    with pytest.raises(RuntimeError, match=r"\[60, 192\] is not a multiple of \[16, 2\]"):
+    with pytest.raises(RuntimeError, match=r"\[60, 1538\] is not a multiple of \[16, 2\]"):
         kernel.quantize_int8_packed(w[:60].contiguous(), packed, s16, s32)

@@ -367,23 +367,63 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, int64_t pat
 
 namespace {
 
+#ifdef NORIA_INT8_FMA
+inline __m256 load8(const BF* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#endif
+
+inline int8_t code(float v, float s) { return static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(v / s)))); }
+
+// One row's scale and codes (codes into `out`, in row order).
+template <typename T>
+void quantize_row(const T* row, int64_t K, BF* scale, float* scale_f32, int8_t* out) {
+  float amax = 0.f;
+  int64_t k = 0;
+#ifdef NORIA_INT8_FMA
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(row + k)));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m);
+  for (float v : lanes) amax = std::max(amax, v);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
+  const BF s(std::max(amax / 127.f, 1e-8f));
+  const float sf = static_cast<float>(s);
+  *scale = s;
+  *scale_f32 = sf;
+  k = 0;
+#ifdef NORIA_INT8_FMA
+  const __m256 vs = _mm256_set1_ps(sf), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (; k + 32 <= K; k += 32) {
+    __m256i c[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 q = _mm256_round_ps(_mm256_div_ps(load8(row + k + 8 * j), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c[j] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, q)));
+    }
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_permutevar8x32_epi32(b, order));
+  }
+#endif
+  for (; k < K; ++k) out[k] = code(static_cast<float>(row[k]), sf);
+}
+
 template <typename T>
 void quantize_rows(const T* w, int8_t* q, BF* scale, float* scale_f32, int64_t N, int64_t K) {
   const int64_t KP = K / 2;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const T* row = w + n * K;
-      float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
-      const BF s(std::max(amax / 127.f, 1e-8f));
-      const float sf = static_cast<float>(s);
-      scale[n] = s;
-      scale_f32[n] = sf;
-      int8_t* out = q + (n / kBlock) * KP * 32 + (n % kBlock) * 2;
-      for (int64_t k = 0; k < K; ++k) {
-        const float v = std::nearbyint(static_cast<float>(row[k]) / sf);
-        out[(k / 2) * 32 + (k & 1)] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int16_t> rows(kBlock * KP);  // a block's codes in row order, as (k, k + 1) pairs
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t c = 0; c < kBlock; ++c) {
+        const int64_t n = b * kBlock + c;
+        quantize_row(w + n * K, K, scale + n, scale_f32 + n, reinterpret_cast<int8_t*>(rows.data() + c * KP));
       }
+      int16_t* out = reinterpret_cast<int16_t*>(q + b * KP * 32);  // [KP][16] pairs
+      for (int64_t p = 0; p < KP; ++p)
+        for (int64_t c = 0; c < kBlock; ++c) out[p * kBlock + c] = rows[c * KP + p];
     }
   });
 }
