@@ -150,6 +150,14 @@ def test_deterministic_engine_equals_the_exact_forward_bitwise(vlm_server):
     logits = master.lm_head(hidden[0, len(ids) - 1 : -1]).float()
     expected = F.log_softmax(logits, dim=-1).gather(-1, torch.tensor(cold.output_ids)[:, None])[:, 0]
     assert cold.logprobs == expected.tolist()
+    # Default mode (bf16: the packed fast path, on AVX-512 the C++ kernel's prefill): the same tokens.
+    engine = Engine.from_path(folder, EngineConfig(kv_cache_tokens=2048, chunked_prefill_size=6), dtype="bfloat16")
+    try:
+        fast = engine.generate_batch([req()])[0]
+    finally:
+        engine.shutdown()
+    assert fast.output_ids == cold.output_ids
+    assert max(abs(a - b) for a, b in zip(fast.logprobs, cold.logprobs)) < 0.05
 
 
 @torch.no_grad()
