@@ -6,8 +6,8 @@ What is quantized: the four matmuls of every decoder block as the fast decoder g
 attention, the K/V cache and the LM head stay in the model dtype (the head decides the logprobs the
 trainer compares against). Activations are never quantized: each product takes bf16 activations
 (an fp32 model's are rounded to bf16 for it, and the result widened back) against integer weights,
-dequantized inside torch's kernel, because torch's kernels are vectorized for bf16 activations only
-(fp32 and fp16 activations ran 30-90x slower, below).
+dequantized inside the kernel: one recipe for every kernel and model dtype (torch's kernels are
+vectorized for bf16 activations only: fp32 and fp16 activations ran 30-90x slower).
 
 Recipes (the functions here are the one definition of each; a trainer that fake-quantizes must
 call them):
@@ -19,32 +19,43 @@ call them):
   (w - min) / scale), 0, 15)``, ``w ~= (q - 8) * scale + zero`` with ``zero = min + 8 * scale``;
   scale and zero rounded to bf16.
 
-Kernels: torch's own, ``aten._weight_int8pack_mm`` (int8 weights [N, K], per-channel scales) and
-``aten._weight_int4pack_mm_for_cpu`` (weights packed once by ``_convert_weight_to_int4pack_for_cpu``).
-Measured against the engine's unquantized path (oneDNN prepacked weights,
-``mkldnn._linear_pointwise``) on an AMD EPYC Zen 4 (AVX-512, AVX512_BF16), 2 cores shared with other
-work, best of 5 x 100 calls: the four matmuls of one SmolLM2-135M block (576 -> 960, 576 -> 576,
-576 -> 3072, 1536 -> 576), microseconds per block; AVX2: the same machine with ``NORIA_CPU_ISA=avx2``
-(oneDNN has no bf16 kernels there, so the engine's own path is fp32):
+Kernels. int8: our C++ kernel (``kernels/int8_linear.cpp``: codes in a packed layout of 16-channel
+blocks, converted to bf16 in registers and multiplied with AVX512_BF16's ``vdpbf16ps``, or to fp32
+with AVX2 FMA; every weight byte read once per call), where it is built and the shape is a multiple
+of 16 outputs and 2 inputs; torch's ``aten._weight_int8pack_mm`` otherwise (``NORIA_NO_CPU_KERNEL=1``,
+odd shapes). int4: torch's ``aten._weight_int4pack_mm_for_cpu`` (weights packed once by
+``_convert_weight_to_int4pack_for_cpu``). Measured on an AMD EPYC Zen 4 (AVX-512 with AVX512_BF16),
+one thread (the 2 cores were shared with a training run that made 2-thread figures swing 2-5x),
+best of 8 sweeps over 30 distinct SmolLM2-135M blocks (the four matmuls 576 -> 960, 576 -> 576,
+576 -> 3072, 1536 -> 576; 106 M weights, so they stream from memory as in decode), microseconds per
+block; "AVX2": the same machine with ``NORIA_CPU_ISA=avx2`` (oneDNN has no bf16 kernels there, the
+engine's own path is fp32; our kernel's fma path). Two runs each (our AVX2 kernel: bf16 and fp32
+activations in one run); the spread is the noise:
 
-=========  ===========  ===========  ==========  ==========  ======================================
-rows       packed fp32  packed bf16  int8 (bf16  int4 g32    int8 / int4 with fp32 or fp16
-                                     act.)       (bf16 act.) activations
-=========  ===========  ===========  ==========  ==========  ======================================
-AVX-512 8  351          215          415         371         12 000-14 000 / 25 000-37 000
-AVX-512 32 1125         606          1534        1370        47 000-57 000 / 102 000-113 000
-AVX2 8     394          --           508         555
-AVX2 32    1183         --           1939        2132
-=========  ===========  ===========  ==========  ==========  ======================================
+===========  ===========  ===========  ===========  ===========
+rows         our int8     torch int8   packed bf16  packed fp32
+===========  ===========  ===========  ===========  ===========
+AVX-512 1    303-360      556-619      682-717      1507-1544
+AVX-512 8    443-590      1296-1435    635-959      1174-1627
+AVX-512 32   1449-1606    4159-5299    1639-1978    2759-3311
+AVX-512 128  6006-7038    16818-17526  5434-6382    10164-11768
+AVX2 1       181-185      671-674      --           1234-1313
+AVX2 8       1760-1902    1496-1565    --           1718-2051
+AVX2 32      4649-4932    4372-6018    --           3435-5041
+AVX2 128     14169-17250  15931-20405  --           9746-12894
+===========  ===========  ===========  ===========  ===========
 
-So on this CPU torch's integer kernels are slower than the packed bf16 (AVX-512) or fp32 (AVX2)
-matmuls at every decode size measured (SmolLM2's blocks are small; the kernels dequantize in the
-inner loop and do not reach memory bandwidth), and they are vectorized for bf16 activations only.
-They are used because they are torch's, exact to a dequantized reference and cheap to re-quantize
-for; a faster kernel (int8 -> bf16 conversion shared across rows, ``vdpbf16ps``) is the next step
-and plugs in behind :class:`Int8Linear`. ``noria bench engine --quant none,int8,int4`` measures the
-whole engine. Nothing here is hand-written but the quantizers (a handful of torch ops per weight,
-run once per weight update).
+Why: decode at 1-32 rows is bound by reading the weights, and int8 reads half of bf16's bytes (a
+quarter of fp32's), so our kernel leads wherever the conversion keeps up: up to 2x packed bf16 at
+1-8 rows on AVX-512 and 6x packed fp32 at 1 row on AVX2. At 128 rows every path is bound by its
+multiply-adds; with one weight block hot in cache ours ran 95-108 G multiply-adds/s (the
+``vdpbf16ps`` rate of one core) beside oneDNN's 60-113, so it is level with packed bf16 there,
+and behind packed fp32 on AVX2 (the int8 -> fp32 conversion and 3-row tiles of 16 registers).
+torch's int8 kernel dequantizes in the inner loop and is slower than ours at every size but AVX2's
+8 rows, so one kernel serves every batch (which keeps every row's result independent of the batch).
+Not done: activations quantized per row to int8 with VNNI (``vpdpbusd``, twice ``vdpbf16ps``'s
+multiply-adds) for large batches (it changes the recipe: another policy), and oneDNN fp32 over
+the dequantized weight for AVX2's 128 rows (exact: an int8 code times a bf16 scale fits fp32).
 
 Weight updates: the bf16/fp32 parameters stay (updates land in them); :meth:`Int8Linear.update`
 and :meth:`Int4Linear.update` re-quantize them into the layer's existing buffers, in place, on the
@@ -53,9 +64,14 @@ so no step ever runs with some layers of the old weights and some of the new, an
 unquantized model. Memory: the integer copy on top of the parameters (int8: half the linear weights'
 bf16 bytes; int4: a quarter).
 
+Re-quantization (int8, our kernel): one vectorized C++ pass per weight into the packed layout
+(``quantize_int8_packed``), bit-equal to :func:`quantize_int8` (tested); 0.07-0.10 s for a full
+SmolLM2-135M commit on the machine above.
+
 Not guaranteed: the same logprobs as the unquantized model (it is another policy, close to it:
-pair with ``train.loss.off_policy: tis``); bitwise-equal results across row counts (torch's kernels
-are not batch-invariant), hence no deterministic mode.
+pair with ``train.loss.off_policy: tis``); bitwise-equal results across row counts with torch's
+kernels (int4, and int8 where ours does not serve; ours is batch-invariant within one path), hence
+no deterministic mode yet.
 """
 
 from __future__ import annotations
