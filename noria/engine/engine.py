@@ -74,7 +74,7 @@ from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
 from noria.engine.runner import ModelRunner
 from noria.engine.sampling import device_sampleable, draw_uniforms, sample
-from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler, StopChecker
+from noria.engine.scheduler import Chunk, Req, Scheduler, StopChecker
 from noria.engine.speculative import Speculator
 from noria.engine.thread import EngineThread, call_in_loop, check_pause_mode, generate, generate_batch
 from noria.engine.weight_updates import WeightUpdates
@@ -416,9 +416,10 @@ class Engine:
     def _finish(self, step: _Step) -> None:
         ids, logprobs, top = step.result()
         scoring.record(step.scored)
-        dropped = sum(1 for c in step.chunks if c.pending and c.req.state is not ReqState.RUNNING)
+        reqs = {id(c.req): c.req for c in step.chunks}.values()
+        before = sum(len(r.output_ids) for r in reqs)  # what is kept counts: not a result dropped, nor a draft past a stop
         notify = self.scheduler.process(step.chunks, ids, logprobs, top, self.weight_version, step.routes())
-        self._stats.record(sum(len(t) if isinstance(t, list) else 1 for t in ids) - dropped)
+        self._stats.record(sum(len(r.output_ids) for r in reqs) - before)
         self._notify(notify)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]):

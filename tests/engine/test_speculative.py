@@ -244,6 +244,8 @@ def test_stops_and_lengths_are_kept_token_by_token(model):
         requests += [GenerateRequest(input_ids=p, sampling=_greedy(n)) for p, n in zip(prompts, (7, 11, 2, 1))]
         expected, got = _run(plain, requests), _run(spec, requests)
         assert spec.metrics()["spec_accepted_tokens"] > 0
+        # a draft cut by a stop counts only the tokens kept (the tokens after the stop were not generated)
+        assert spec.metrics()["generated_tokens"] == sum(len(g.output_ids) for g in got)
     finally:
         plain.shutdown(1)
         spec.shutdown(1)
