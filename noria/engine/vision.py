@@ -184,7 +184,7 @@ class ImagePrompts:
         self.vision = getattr(model, "vision", None)
         self.folder = Path(folder)
         self._processor = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # one processor call at a time: a fast tokenizer is not shared across threads
 
     def processor(self) -> Any:
         self._require()
@@ -232,7 +232,8 @@ class ImagePrompts:
     def _process(self, **kwargs: Any) -> Any:
         processor = self.processor()
         try:
-            return processor(**kwargs, do_image_splitting=False, return_tensors="pt")
+            with self._lock:
+                return processor(**kwargs, do_image_splitting=False, return_tensors="pt")
         except (ValueError, TypeError, OSError) as e:
             raise RequestError(f"image_data: the image processor refused the input ({e})") from e
 

@@ -95,7 +95,10 @@ class NativeApi:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = drop_inert(await read_json(request), INERT_NATIVE)
         reject_unknown(body, self.GENERATE_FIELDS)
-        reqs, batched = self.parse_generate(body)
+        if body.get("image_data") is not None:  # decoding and resizing images: off the event loop
+            reqs, batched = await asyncio.to_thread(self.parse_generate, body)
+        else:
+            reqs, batched = self.parse_generate(body)
         with_text = bool(want(body, "return_text_in_logprobs", bool, False))
         if want(body, "stream", bool, False):
             if batched:

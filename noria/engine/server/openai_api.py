@@ -170,7 +170,7 @@ class OpenAIApi:
             raise RequestError(f"top_logprobs must be in [0, 20], got {top_k}")
         if top_k and not logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
-        ids, images = self.chat_prompt(body)
+        ids, images = await asyncio.to_thread(self.chat_prompt, body) if _has_images(body) else self.chat_prompt(body)
         reqs = self.requests(body, [ids], top_k, logprobs, images)
         render = _ChatRender(self, reqs, logprobs)
         return await self._answer(request, body, reqs, render)
@@ -224,6 +224,16 @@ class OpenAIApi:
         for t in tasks:
             t.result()  # re-raise an engine error
         await sse(response, render.usage_chunk(finals))
+
+
+def _has_images(body: dict[str, Any]) -> bool:
+    """Whether a chat body has ``image_url`` parts (its prompt is then made off the event loop)."""
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+        for m in messages
+    )  # fmt: skip
 
 
 def _chat_message(message: Any, i: int, urls: list[str]) -> dict[str, str]:
