@@ -58,9 +58,12 @@ def export_hf(
 
 def decoder_holding(state: dict[str, torch.Tensor], args, hf_config, dtype: torch.dtype) -> DecoderLM:
     """An unsharded CPU ``DecoderLM`` in ``dtype`` holding ``state`` (built on the meta device, so no
-    second copy of the weights is allocated), for ``save_model``."""
+    second copy of the weights is allocated), for ``save_model``; the family's own class (a
+    vision-language model keeps its vision tower and connector)."""
+    from noria.models.checkpoint import native_class
+
     with torch.device("meta"):
-        model = DecoderLM(args, hf_config=hf_config).to(dtype)
+        model = native_class(dict(hf_config or {}))(args, hf_config=hf_config).to(dtype)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     return model
