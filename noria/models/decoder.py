@@ -299,13 +299,16 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor | None = None,
         attn: AttentionContext | None = None,
         routing=None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``inputs_embeds`` (HF's): the input as embeddings instead of ``embed_tokens(input_ids)``
+        (a vision-language model's, with image features spliced in); ``input_ids`` still sets the shape."""
         ctx = attn if attn is not None else CausalContext()
         if positions is None:
             positions = ctx.positions(input_ids.shape[0], input_ids.shape[1], input_ids.device)
         if routing is not None:
             self._check_routing(routing, *input_ids.shape)
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         # Recomputed per call (a few hundred floats): no buffer to survive .to(dtype), meta
         # init or FSDP sharding, and it stays fp32 whatever the weights are.
         inv_freq = rope_inv_freq(self.args, input_ids.device)

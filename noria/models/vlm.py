@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from noria.models.attention import AttentionContext, CausalContext
 from noria.models.config import VISION_FAMILIES, ModelArgs, UnsupportedModel
-from noria.models.decoder import DecoderLM, DecoderModel, Linear, rope_inv_freq, rope_tables
+from noria.models.decoder import DecoderLM, DecoderModel, Linear
+
 
 @dataclass(frozen=True)
 class VisionArgs:
@@ -109,31 +109,6 @@ def pixel_shuffle(x: torch.Tensor, r: int) -> torch.Tensor:
     return x.reshape(n, seq // (r * r), dim * r * r)
 
 
-class TextModel(DecoderModel):
-    """The native decoder body that also takes its input as embeddings (HF ``inputs_embeds``)."""
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        attn: AttentionContext | None = None,
-        routing=None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if inputs_embeds is None:
-            return super().forward(input_ids, positions, attn, routing)
-        ctx = attn if attn is not None else CausalContext()
-        if positions is None:
-            positions = ctx.positions(input_ids.shape[0], input_ids.shape[1], input_ids.device)
-        if routing is not None:
-            self._check_routing(routing, *input_ids.shape)
-        h = inputs_embeds
-        cos, sin = rope_tables(rope_inv_freq(self.args, input_ids.device), positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, ctx, routing)
-        return self.norm(h)
-
-
 class VisionBody(nn.Module):
     """HF ``Idefics3Model``: ``vision_model``, ``connector`` and ``text_model``. ``embed_tokens``,
     ``layers``, ``norm`` and ``args`` are the text model's, so code written for
@@ -148,7 +123,7 @@ class VisionBody(nn.Module):
         vision_config._attn_implementation = "sdpa"
         self.vision_model = Idefics3VisionTransformer(vision_config)
         self.connector = Connector(vision_config.hidden_size, args.hidden_size, vision.scale_factor)
-        self.text_model = TextModel(args)
+        self.text_model = DecoderModel(args)
 
     @property
     def args(self) -> ModelArgs:
