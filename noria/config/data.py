@@ -47,8 +47,9 @@ class DataConfig:
     Owner: ``noria.data`` (``load_prompts``, ``PromptSource``)."""
 
     task: str | None = option(
-        None, "Built-in synthetic task: arithmetic, countdown (text prompts), or digits (class labels for an image "
-        "model: a run with the diffusion section); exclusive with `path`."
+        None, "Built-in synthetic task: arithmetic, countdown (text prompts), digits_sum (images of 1-4 handwritten "
+        "digits, asking for their sum: a vision-language model), or digits (class labels for an image model: a run "
+        "with the diffusion section); exclusive with `path`."
     )
     task_args: dict[str, Any] = option(
         factory=dict, help="Task-specific arguments (e.g. n_train, n_test, seed); each task rejects unknown ones."
