@@ -184,6 +184,11 @@ class TrainBatch:
     replay_routes: bool = False
     """The trainer's MoE layers use ``routed_experts`` (``rollout.routing_replay``); else they route by
     themselves and only measure the mismatch."""
+    pixel_values: Any = None
+    """FloatTensor [I, 3, S, S] or None: a vision-language model's images, every sequence's in the
+    order of its image tokens, sequence after sequence (``image_counts`` says how many each has)."""
+    image_counts: Any = None
+    """LongTensor [S] or None: how many of ``pixel_values`` each sequence takes."""
 
     @property
     def n_tokens(self) -> int:

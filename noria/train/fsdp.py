@@ -335,6 +335,8 @@ class FSDPBackend:
         d = self.device
         want = (mb.loss_mask > 0).to(d) if trained_only else None
         moe = {} if routing is None else {"routing": routing}  # heads of dense models (the critic's) take none
+        if mb.pixel_values is not None:  # a vision-language model's images (noria.models.vlm)
+            moe["pixel_values"] = mb.pixel_values.to(d)
         with self._autocast():
             return model(
                 mb.input_ids.to(d), mb.positions.to(d), mb.cu_seqlens.to(d), with_entropy, mb.prefix_lens, mb.seq_ids, want,
@@ -344,8 +346,9 @@ class FSDPBackend:
     def _share(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
         """``share_prefixes`` when ``train.share_prefix`` is on (the same losses, prompts computed once).
         Only the native decoder attends through a shared prefix; the transformers wrapper
-        (``model.impl: hf``) runs each packed sequence whole, so it gets them unshared."""
-        if not self.cfg.share_prefix or not isinstance(self.lm, DecoderLM):
+        (``model.impl: hf``) runs each packed sequence whole, so it gets them unshared, and so does a
+        batch with images (each sequence's image tokens take its own images)."""
+        if not self.cfg.share_prefix or not isinstance(self.lm, DecoderLM) or batch.pixel_values is not None:
             identity = torch.arange(batch.n_tokens)
             return batch, identity, identity
         return share_prefixes(batch)

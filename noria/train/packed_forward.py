@@ -35,12 +35,15 @@ class LogprobModel(nn.Module):
 
     def forward(
         self, input_ids, positions, cu_seqlens, with_entropy: bool = False, prefix_lens=None, seq_ids=None, want=None,
-        routing=None,
+        routing=None, pixel_values=None,
     ):
         """``prefix_lens`` / ``seq_ids``: a shared-prefix batch (``TrainBatch``); ``want`` (bool [N]):
         compute only these tokens' logprobs (the LM head skips the rest, which get 0); ``routing``:
-        MoE routes to replay and record (``noria.train.moe``)."""
-        hidden = packed_hidden(self.lm, input_ids, positions, cu_seqlens, prefix_lens, seq_ids, self.deterministic, routing)
+        MoE routes to replay and record (``noria.train.moe``); ``pixel_values``: a vision-language
+        model's images, in the order of the batch's image tokens."""
+        hidden = packed_hidden(
+            self.lm, input_ids, positions, cu_seqlens, prefix_lens, seq_ids, self.deterministic, routing, pixel_values
+        )
         pairs = None
         if prefix_lens is not None or want is not None:
             pairs = wanted_sources(cu_seqlens, positions, prefix_lens, want)
@@ -50,13 +53,16 @@ class LogprobModel(nn.Module):
 
 
 def packed_hidden(
-    lm: nn.Module, input_ids, positions, cu_seqlens, prefix_lens=None, seq_ids=None, deterministic=False, routing=None
+    lm: nn.Module, input_ids, positions, cu_seqlens, prefix_lens=None, seq_ids=None, deterministic=False, routing=None,
+    pixel_values=None,
 ):
     """Final hidden states [N, H] of a packed batch (plain or shared-prefix sequences)."""
     shared = shared_layout(cu_seqlens, prefix_lens, seq_ids)
     ctx = PackedContext(torch.diff(cu_seqlens).tolist(), deterministic=deterministic, shared=shared)
-    moe = {} if routing is None else {"routing": routing}  # only MoE models take it
-    return lm.hidden_states(input_ids[None], positions[None], ctx, **moe)[0]
+    extra = {} if routing is None else {"routing": routing}  # only MoE models take it
+    if pixel_values is not None:  # only vision-language models take it
+        extra["pixel_values"] = pixel_values
+    return lm.hidden_states(input_ids[None], positions[None], ctx, **extra)[0]
 
 
 def wanted_sources(cu_seqlens, positions, prefix_lens=None, want=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,10 +47,13 @@ def pack_groups(
 
 
 def pack_samples(
-    samples: Sequence[Sample], advantages: Sequence[Advantage] | None = None, replay_routes: bool = False
+    samples: Sequence[Sample], advantages: Sequence[Advantage] | None = None, replay_routes: bool = False,
+    pixel_values: Sequence[torch.Tensor | None] | None = None,
 ) -> TrainBatch:
     """Pack samples (prompt + response per sequence) into flat tensors; see the module docstring.
-    Samples with MoE routes give ``routed_experts`` (``replay_routes``: the trainer uses them)."""
+    Samples with MoE routes give ``routed_experts`` (``replay_routes``: the trainer uses them).
+    ``pixel_values``: a vision-language model's images of each sample ([n, 3, S, S] in the order of
+    its image tokens, or None), packed into ``TrainBatch.pixel_values`` / ``image_counts``."""
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
     if advantages is not None and len(advantages) != len(samples):
@@ -75,7 +78,18 @@ def pack_samples(
         weight_versions=torch.tensor(cols["ver"], dtype=torch.long),
         routed_experts=pack_routes(samples, cols["mask"]),
         replay_routes=replay_routes,
+        **pack_images(pixel_values, len(samples)),
     )
+
+
+def pack_images(pixel_values: Sequence[torch.Tensor | None] | None, n: int) -> dict[str, torch.Tensor]:
+    """``pixel_values`` and ``image_counts`` of a batch of ``n`` samples (empty when none has images)."""
+    if pixel_values is None or all(p is None for p in pixel_values):
+        return {}
+    if len(pixel_values) != n:
+        raise ValueError(f"got pixel_values for {len(pixel_values)} samples, packing {n}")
+    counts = torch.tensor([0 if p is None else p.shape[0] for p in pixel_values], dtype=torch.long)
+    return {"pixel_values": torch.cat([p for p in pixel_values if p is not None]), "image_counts": counts}
 
 
 def pack_routes(samples: Sequence[Sample], mask: list[int]) -> torch.Tensor | None:
@@ -321,7 +335,17 @@ def slice_batch(batch: TrainBatch, start: int, end: int) -> TrainBatch:
         seq_ids=cut(batch.seq_ids),
         routed_experts=cut(batch.routed_experts),
         replay_routes=batch.replay_routes,
+        **_images_of(batch, start, end),
     )
+
+
+def _images_of(batch: TrainBatch, start: int, end: int) -> dict[str, torch.Tensor]:
+    if batch.image_counts is None:
+        return {}
+    first, last = int(batch.image_counts[:start].sum()), int(batch.image_counts[:end].sum())
+    if first == last:  # no image among these sequences: a text batch
+        return {}
+    return {"pixel_values": batch.pixel_values[first:last], "image_counts": batch.image_counts[start:end]}
 
 
 def batch_to(batch: TrainBatch, device: torch.device | str) -> TrainBatch:
