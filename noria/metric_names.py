@@ -143,8 +143,9 @@ METRICS: tuple[Metric, ...] = tuple(
         ("moe/router_aux_loss", "loss", "MoE (train.loss.router_aux_coef > 0): the routers' load-balancing loss, k at perfect balance."),
     ])
     + _table("time", [
-        ("time/reward_s", "s", "Reward scoring of the groups finished since the last step (each group is scored when "
-         "its samples finish, while others still generate: it overlaps the rollout stage, not adds to it)."),
+        ("time/reward_s", "s", "Reward scoring of the groups finished since the last step, summed over scoring calls "
+         "(each sample is scored when it finishes, reward.score_each_sample; it overlaps the rollout stage)."),
+        ("time/reward_hidden_s", "s", "Of time/reward_s: scoring done while the sample's group was still generating."),
         ("time/trainer_wait_s", "s", "Time the trainer waited for the step's batch of groups (the whole rollout when synchronous)."),
         ("time/train_s", "s", "Trainer: logprobs, loss, backward, optimizer step(s)."),
         ("time/teacher_s", "s", "On-policy distillation with the teacher in the trainer: its scoring of the step's samples (part of time/train_s)."),

@@ -143,6 +143,12 @@ class RewardConfig:
         "(reward/component/<name>, reward/agreement, and held-out accuracy) without training on it."
     )
     model: RewardModelConfig = option(factory=lambda: RewardModelConfig(), help="A reward served by a model (a generative judge).")
+    score_each_sample: bool = option(
+        True,
+        "Score each sample as soon as it finishes, while its group's other samples still generate (the reward's time "
+        "hides behind generation: time/reward_hidden_s); false: score a group once all its samples are done (a batched "
+        "reward function then gets the whole group in one call).",
+    )
     overlong_buffer_tokens: int = option(
         0,
         "Soft overlong punishment (DAPO): a response whose policy tokens run into the last this-many tokens of "

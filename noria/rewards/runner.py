@@ -66,6 +66,8 @@ class ScoreCounts:
     """Seconds of every answered judge request."""
     model_cache_hits: int = 0
     """Samples whose verdict came from the judge's cache."""
+    hidden_seconds: float = 0.0
+    """Of ``seconds``: scoring that ran while the group's other samples were still generating."""
 
     @property
     def n_failed(self) -> int:
@@ -76,6 +78,7 @@ class ScoreCounts:
         self.scored += other.scored
         self.skipped += other.skipped
         self.seconds += other.seconds
+        self.hidden_seconds += other.hidden_seconds
         self.failed.update(other.failed)
         for name, values in other.components.items():
             self.components.setdefault(name, []).extend(values)

@@ -314,8 +314,11 @@ class RolloutScheduler:
         return result.groups[0], result.counts
 
     async def _generate_group(self, group_id: int, prompt: Prompt) -> tuple[Group, ScoreCounts]:
+        """Generate the group's pending samples; with ``reward.score_each_sample`` each is scored as
+        soon as it finishes (while the others generate), the rest (all, without it) once all are done."""
         samples = self._samples[group_id]
-        tasks = [asyncio.create_task(self._run_sample(s)) for s in samples if s.status is Status.PENDING]
+        early = _EarlyScores(group_id, prompt) if self.reward.score_each_sample else None
+        tasks = [asyncio.create_task(self._run_sample(s, early)) for s in samples if s.status is Status.PENDING]
         self._unfinished += len(tasks)  # now: a record waits until each has parked or returned
         try:
             await asyncio.gather(*tasks)
@@ -327,16 +330,15 @@ class RolloutScheduler:
                 self._hold(-self.n_samples)
         del self._samples[group_id]
         group = Group(group_id=group_id, prompt=prompt, samples=samples)
-        self._scoring += 1
-        try:
-            counts = await score_groups_async([group], self.reward)
-        finally:
-            self._scoring -= 1
+        counts = early.finish() if early is not None else ScoreCounts()
+        rest = tuple(s for s in samples if early is None or id(s) not in early.scored)  # resumed ones come finished
+        if rest:
+            counts.merge(await self._score(Group(group_id=group_id, prompt=prompt, samples=rest)))
         if self.reward.overlong_buffer_tokens:  # DAPO's soft overlong punishment (noria.rewards.shaping)
             shape_overlong(group, counts, self.ctx.sampling.max_new_tokens, self.reward.overlong_buffer_tokens, self.reward.overlong_penalty)
         return group, counts
 
-    async def _run_sample(self, sample: Sample) -> None:
+    async def _run_sample(self, sample: Sample, early: _EarlyScores | None = None) -> None:
         try:
             await self.generate(self.ctx, sample)
         finally:
@@ -344,6 +346,17 @@ class RolloutScheduler:
             if self.granularity == "sample":
                 self._hold(-1)
             self._notify()
+        if early is not None:  # its place is free already: scoring overlaps the others' generation
+            start = early.generated_at = time.perf_counter()
+            early.add(sample, await self._score(Group(group_id=early.group_id, prompt=early.prompt, samples=(sample,))), start)
+
+    async def _score(self, group: Group) -> ScoreCounts:
+        self._scoring += 1  # a record waits it out: scoring writes into the samples
+        try:
+            return await score_groups_async([group], self.reward)
+        finally:
+            self._scoring -= 1
+            self._notify()  # a record waiting for the scoring to end looks again
 
     def _in_flight_group(self, group_id: int) -> Group:
         if group_id in self._putting:
@@ -380,6 +393,29 @@ class RolloutScheduler:
     def _raise_error(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+class _EarlyScores:
+    """One group's samples scored as each finished: their counts, and how much of the scoring time
+    passed while the group was still generating (``ScoreCounts.hidden_seconds``)."""
+
+    def __init__(self, group_id: int, prompt: Prompt) -> None:
+        self.group_id, self.prompt = group_id, prompt
+        self.scored: set[int] = set()
+        self.spans: list[tuple[float, float]] = []
+        self.counts = ScoreCounts()
+        self.generated_at = 0.0  # when the latest of its samples finished generating
+
+    def add(self, sample: Sample, counts: ScoreCounts, start: float) -> None:
+        self.scored.add(id(sample))
+        self.spans.append((start, time.perf_counter()))
+        self.counts.merge(counts)
+
+    def finish(self) -> ScoreCounts:
+        """The counts, with the scoring seconds spent before the group's last sample finished."""
+        last = self.generated_at
+        self.counts.hidden_seconds = sum(max(0.0, min(end, last) - start) for start, end in self.spans)
+        return self.counts
 
 
 class _Interval:
@@ -419,6 +455,7 @@ class _Interval:
             "rollout/tokens_per_s": self.tokens / seconds,
             "engine/busy_frac": min(busy / seconds, 1.0),
             "time/reward_s": self.counts.seconds,
+            "time/reward_hidden_s": self.counts.hidden_seconds,
         }
         out.update({k: float(v) for k, v in self.counts.as_metrics().items()})
         return out
