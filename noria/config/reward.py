@@ -146,8 +146,8 @@ class RewardConfig:
     score_each_sample: bool = option(
         True,
         "Score each sample as soon as it finishes, while its group's other samples still generate (the reward's time "
-        "hides behind generation: time/reward_hidden_s); false: score a group once all its samples are done (a batched "
-        "reward function then gets the whole group in one call).",
+        "hides behind generation: time/reward_hidden_s); false: score a group once all its samples are done. A batched "
+        "(TRL-style) reward function always gets whole groups.",
     )
     overlong_buffer_tokens: int = option(
         0,

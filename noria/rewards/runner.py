@@ -117,6 +117,11 @@ class RewardFailure(Exception):
 # ------------------------------------------------------------------------------------- public API
 
 
+def scores_in_batches(reward_cfg: RewardConfig) -> bool:
+    """Whether the rule reward is a batched (TRL-style) function, written to see many samples per call."""
+    return reward_cfg.name is not None and is_batched(get_reward(reward_cfg.name), PLUG_POINTS["reward.name"])
+
+
 async def score_async(
     samples: Sequence[Sample],
     reward_cfg: RewardConfig,

@@ -65,7 +65,7 @@ from typing import Any
 
 from noria import faults
 from noria.config import RewardConfig
-from noria.rewards.runner import ScoreCounts, score_groups_async
+from noria.rewards.runner import ScoreCounts, score_groups_async, scores_in_batches
 from noria.rewards.shaping import shape_overlong
 from noria.rollout.buffer import TRAINABLE, Buffer, group_to_dict
 from noria.rollout.client import EngineFailure
@@ -116,6 +116,8 @@ class RolloutScheduler:
         self.n_samples, self.groups_per_step, self.max_staleness = n_samples, groups_per_step, max_staleness
         self.max_in_flight, self.granularity = max_in_flight, granularity
         self.next_group_id, self.trained = next_group_id, trained
+        self._score_early = reward.score_each_sample and not scores_in_batches(reward)
+        """Score each sample as it finishes; a batched (TRL-style) reward gets whole groups instead."""
         self.observe = observe
         """Told each scored group's prompt and its trainable samples' rewards (``noria.data.curriculum``)."""
         self.version = version
@@ -317,7 +319,7 @@ class RolloutScheduler:
         """Generate the group's pending samples; with ``reward.score_each_sample`` each is scored as
         soon as it finishes (while the others generate), the rest (all, without it) once all are done."""
         samples = self._samples[group_id]
-        early = _EarlyScores(group_id, prompt) if self.reward.score_each_sample else None
+        early = _EarlyScores(group_id, prompt) if self._score_early else None
         tasks = [asyncio.create_task(self._run_sample(s, early)) for s in samples if s.status is Status.PENDING]
         self._unfinished += len(tasks)  # now: a record waits until each has parked or returned
         try:
