@@ -382,6 +382,7 @@ def sample_record(step: int, group: Any, s: Any, tokenizer: Any = None) -> dict[
         "token_ids": list(s.response_ids), "tokens": pieces, "loss_mask": list(s.loss_mask),
         "logprobs": [None if not math.isfinite(x) else x for x in s.rollout_logprobs],
         "weight_versions": list(s.weight_versions),
+        **({"images": list(s.images)} if getattr(s, "images", None) else {}),  # by content hash: the run folder's images/
     })  # fmt: skip
 
 

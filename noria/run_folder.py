@@ -65,6 +65,19 @@ def make_run_folder(folder: Path) -> None:
     folder.chmod(0o700)
 
 
+IMAGES = "images"
+"""The run folder's image store: a vision-language run's images, each once, named by content hash."""
+
+
+def save_images(folder: Path) -> int:
+    """Write the images this process read (``noria.data.images.default_store``) not yet in the run
+    folder's ``images/``; returns how many were written (0 for a run without images)."""
+    from noria.data.images import default_store
+
+    store = default_store()
+    return store.save(folder / IMAGES) if len(store) else 0
+
+
 def check_writable(folder: Path) -> None:
     """``NoriaError`` when the run folder (or, not made yet, the nearest folder above it) cannot be
     written: a read-only file system or no permission. Checked before any model loads."""

@@ -173,3 +173,22 @@ def render_image_prompt(prompt: Prompt, processor: Any, text: str, where: str) -
     images = [default_store().get(ref) for ref in prompt_images(prompt)]
     encoded = processor(text=[text], images=[images], add_special_tokens=False)
     return list(encoded["input_ids"][0])
+
+
+def image_data(refs: list[str]) -> list[str]:
+    """The stored images of ``refs`` as base64 strings (SGLang's ``image_data``): the bytes as read,
+    so an engine decodes exactly the image the trainer processes."""
+    import base64
+
+    store = default_store()
+    return [base64.b64encode(store.encoded(ref)).decode("ascii") for ref in refs]
+
+
+def stored_pixels(processor: Any, refs: list[str]):
+    """FloatTensor [n, 3, S, S]: the processor's pixel values of the stored images ``refs`` (one tile
+    each, no splitting), computed as the engine computes them for the same images (decoded, RGB)."""
+    store = default_store()
+    images = [store.get(ref).convert("RGB") for ref in refs]
+    encoded = processor(images=[images], do_image_splitting=False, return_tensors="pt")
+    pixels = encoded["pixel_values"]
+    return pixels.reshape(-1, *pixels.shape[-3:]).float()

@@ -116,6 +116,16 @@ class GenerateRequest:
     images: list[Any] = field(default_factory=list)
     """Vision-language models: the prompt's images in order (``noria.engine.vision.ImageInput``:
     pixel values and the span of placeholder tokens in ``input_ids`` each one fills)."""
+    priority: int = 0
+    """Admission order (SGLang's field): a waiting request of higher priority is admitted before any of
+    lower priority, FIFO among equals; rollout's are 0, a judge sharing the engine sends less."""
+    adapter: str | None = None
+    """The LoRA adapter this request is served with (a name given to ``Engine.load_adapter``;
+    SGLang's ``lora_path``, vLLM's model name), or None for the base model. Unknown names are a
+    ``RequestError``."""
+    image_data: list[str] = field(default_factory=list)
+    """A client's images of the prompt, in order (SGLang's ``image_data``: base64 or data URLs), sent
+    as they are over HTTP; an in-process engine gets them processed into ``images`` by its client."""
 
     @property
     def scores_input(self) -> bool:
@@ -153,6 +163,10 @@ class GenerateOutput:
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     """With ``logprob_start_len`` >= 0 and ``top_logprobs_num``: per input token from that position
     on, the top-k (token id, logprob) of the distribution that predicted it (None at position 0)."""
+    adapter: str | None = None
+    """The request's LoRA adapter (None: the base model)."""
+    adapter_version: int | None = None
+    """The adapter's version (``Engine.update_adapter``) when this output was made."""
     routed_experts: Any = None
     """With ``return_routed_experts``: integer tensor [R, L, k] (R output tokens, L MoE layers, top-k;
     ``noria.models.moe.route_dtype``): row i holds the experts of the forward step that sampled
@@ -181,6 +195,9 @@ class GenerateOutput:
             # SGLang's shape: [logprob, token_id, token_text-or-None] per token.
             "output_token_logprobs": [[lp, tid, None] for lp, tid in zip(self.logprobs, self.output_ids)],
         }
+        if self.adapter is not None:
+            info["adapter"] = self.adapter
+            info["adapter_version"] = self.adapter_version
         if self.input_logprobs is not None:
             start = self.prompt_tokens - len(self.input_logprobs)
             info["input_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(self.input_logprobs, self.input_ids[start:])]

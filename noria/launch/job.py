@@ -84,7 +84,7 @@ from noria.process import Child, signals_cancel_task
 from noria.process.usage import memory_metrics
 from noria.rewards.model import start_judge
 from noria.rollout import HttpEngineClient, LocalEngineClient, RolloutContext
-from noria.run_folder import make_run_folder
+from noria.run_folder import IMAGES, make_run_folder, save_images
 from noria.rollout.buffer import DropStreak, build_buffer, resolve_filters
 from noria.rollout.generate import granularity, rollout_plugin
 from noria.rollout.in_flight import LiveRequests, in_flight_policy, plan_resume
@@ -163,6 +163,8 @@ class LocalJob:
     def load_data(self) -> None:
         from noria.data import PromptSource, drop_long, load_prompts, render_prompts
         from noria.data.chat import check_fit
+        from noria.data.vision_chat import load_processor
+        from noria.train.images import SamplePixels
         from noria.models import load_tokenizer
         from noria.models.catalog import model_path
         from noria.rewards.registry import get_reward
@@ -170,7 +172,9 @@ class LocalJob:
         cfg = self.config
         get_reward(self.reward.name)  # an unknown reward or a bad import path fails here (PluginError)
         self.tokenizer = load_tokenizer(model_path(cfg.model.path))
-        train = render_prompts(load_prompts(cfg.data, "train"), self.tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
+        renderer = load_processor(model_path(cfg.model.path)) or self.tokenizer  # a vision-language model's: prompts with images
+        self.pixels = SamplePixels(model_path(cfg.model.path), self.folder / IMAGES)  # their pixels for the trainer
+        train = render_prompts(load_prompts(cfg.data, "train"), renderer, cfg.data.chat_template, cfg.data.system_prompt)
         kept, dropped = drop_long(train, cfg.data.max_prompt_tokens)
         if not kept:
             raise NoriaError(f"no training prompts left ({len(train)} loaded, {dropped} over data.max_prompt_tokens)")
@@ -186,7 +190,7 @@ class LocalJob:
         self.test_prompts: list[tuple[Prompt, list[int]]] = []
         if cfg.eval.every > 0:
             test = load_prompts(cfg.data, "test")[: cfg.eval.limit]
-            rendered = render_prompts(test, self.tokenizer, cfg.data.chat_template, cfg.data.system_prompt)
+            rendered = render_prompts(test, renderer, cfg.data.chat_template, cfg.data.system_prompt)
             fit = drop_long(rendered, cfg.data.max_prompt_tokens)[0]
             check_fit(fit, context_limit(cfg), cfg.data.max_prompt_tokens)
             self.test_prompts = [(r.prompt, r.ids) for r in fit]
@@ -196,10 +200,11 @@ class LocalJob:
         """Build every part through the hooks below, in this order (a job kind overrides the hooks it
         changes and copies none of this), restore the checkpoint when resuming, open the run's log."""
         make_run_folder(self.folder)
+        save_images(self.folder)  # a vision-language run's images, each once (trainer ranks in other processes read them)
         self.evals = self.build_evals()  # eval.mode fleet: its engines; checkpoint: its backend
         self.client, target = self.build_engine()
         self.teacher = self.build_teacher()
-        self.children += start_judge(self.config, self.folder)  # reward.model.engine: the judge's noria serve
+        self.children += start_judge(self.config, self.folder, self.client, self.tokenizer)  # reward.model.engine: the judge's noria serve (or shared)
         self.backend, self.critic = self.build_trainer()
         self.sync = self.build_sync(target)
         if resume:
@@ -263,7 +268,7 @@ class LocalJob:
 
             m = cfg.model
             self.local_engine = in_process_engine(path, cfg.engine, m.impl, m.dtype, m.device, cfg.seed)
-            return LocalEngineClient(self.local_engine, timeout), self.local_engine
+            return LocalEngineClient(self.local_engine, timeout, folder=path), self.local_engine
         from noria.engine import serves_natively
         from noria.sync.targets import HttpEngine
 
@@ -447,7 +452,7 @@ class LocalJob:
         """``steps_per_rollout`` optimizer steps on the groups' trainable samples (``noria.train.rl_step``)."""
         cfg = self.config
         opd = cfg.opd if cfg.train.loss.opd_coef > 0 else None
-        return rl_step(self.backend, groups, cfg.train, self.weight_version, self.critic, cfg.rollout.routing_replay, opd)
+        return rl_step(self.backend, groups, cfg.train, self.weight_version, self.critic, cfg.rollout.routing_replay, opd, self.pixels)
 
     async def sync_weights(self, advance: bool = True) -> dict[str, float]:
         """Push the trainer's weights to the engines as the next version (or, resuming, the current

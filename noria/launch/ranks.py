@@ -58,6 +58,7 @@ class TrainerRank:
         self.backend: Any = None
         self.syncs: dict[tuple, Any] = {}
         self.fallback = False
+        self.pixels: Any = None
 
     def setup(self, master_addr: str, master_port: int, total_steps: int) -> str:
         """Join the group (W > 1), load the model, build the optimizer; returns this rank's node address."""
@@ -85,7 +86,13 @@ class TrainerRank:
         from noria.train.rl_step import rl_step
 
         cfg = self.config
-        return rl_step(self.backend, groups, cfg.train, weight_version, None, cfg.rollout.routing_replay)
+        if self.pixels is None:  # a vision-language model's images, read from the run folder by a rank in its own process
+            from noria.models.catalog import model_path
+            from noria.run_folder import IMAGES
+            from noria.train.images import SamplePixels
+
+            self.pixels = SamplePixels(model_path(cfg.model.path), self.folder / IMAGES)
+        return rl_step(self.backend, groups, cfg.train, weight_version, None, cfg.rollout.routing_replay, pixels=self.pixels)
 
     def push(self, targets: list[tuple[str, str | None]], version: int, verify: bool = False) -> dict[str, float]:
         """Every rank gathers the full tensors; rank 0 sends them to ``targets`` ((url, api key) each).

@@ -56,12 +56,17 @@ class EngineClient(Protocol):
 class LocalEngineClient:
     """The built-in engine running in this process."""
 
-    def __init__(self, engine: Any, timeout_s: float = 600.0, name: str = "in-process engine") -> None:
+    def __init__(self, engine: Any, timeout_s: float = 600.0, name: str = "in-process engine", folder: Any = None) -> None:
         self.engine = engine
         self.timeout_s = timeout_s
         self.name = name
+        self.folder = folder
+        """The model folder (its processor turns a request's ``image_data`` into the engine's images)."""
+        self._images: Any = None
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        if req.image_data and not req.images:  # decoding and processing images: off the event loop
+            req = await asyncio.to_thread(self._with_images, req)
         try:
             return await asyncio.wait_for(self.engine.generate(req), self.timeout_s)
         except TimeoutError as e:
@@ -74,6 +79,19 @@ class LocalEngineClient:
     async def abort(self, rid: str) -> None:
         """Abort request ``rid``: its ``generate`` answers with the tokens so far (reason abort)."""
         self.engine.abort(rid)
+
+    def _with_images(self, req: GenerateRequest) -> GenerateRequest:
+        """``req`` with its ``image_data`` processed as ``noria serve`` processes SGLang's."""
+        from dataclasses import replace
+
+        from noria.engine.vision import ImagePrompts
+
+        if self._images is None:
+            if self.folder is None:
+                raise NoriaError(f"{self.name}: a request with images, but the client was given no model folder to process them with")
+            self._images = ImagePrompts(self.engine.model, self.folder)
+        decoded = self._images.decode(list(req.image_data), "image_data")
+        return replace(req, images=self._images.from_ids(list(req.input_ids), decoded, "image_data"))
 
     async def pause(self, mode: str = "retract") -> None:
         await self.engine.pause(mode)
@@ -124,6 +142,10 @@ class HttpEngineClient:
             body["top_logprobs_num"] = req.top_logprobs_num
         if req.scores_input:  # prefill scoring (a teacher): logprobs of the input tokens too
             body["logprob_start_len"] = req.logprob_start_len
+        if req.priority:  # a judge sharing the engines (reward.model.engine: shared) sends less than rollout's 0
+            body["priority"] = req.priority
+        if req.image_data:  # a vision-language prompt's images (SGLang's field)
+            body["image_data"] = list(req.image_data)
         data = await self._call(self.http.generate(body, routing_key=req.routing_key))
         return output_from_sglang(data, req)
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from noria import faults
 from noria.config import RewardConfig, RolloutConfig
+from noria.data.vision_chat import image_data, prompt_images
 from noria.engine.protocol import GenerateRequest, SamplingParams
 from noria.plugins import PluginError, load_plugin
 from noria.rewards.runner import ScoreCounts, score_async
@@ -146,6 +147,7 @@ def next_request(ctx: RolloutContext, sample: Sample) -> GenerateRequest:
     return GenerateRequest(
         input_ids=list(sample.prompt_ids) + list(sample.response_ids), sampling=sampling, rid=rid,
         return_routed_experts=getattr(ctx.sampling, "wants_routes", False), top_logprobs_num=ctx.top_logprobs,
+        image_data=image_data(sample.images) if sample.images else [],
     )  # fmt: skip
 
 
@@ -209,7 +211,7 @@ async def rollout_groups(
     ctx.prompts.update({first_group_id + g: prompt for g, (prompt, _) in enumerate(prompts)})
     groups_samples = [
         [
-            Sample(prompt_ids=list(ids), group_id=first_group_id + g, index=i, metadata=dict(prompt.metadata))
+            Sample(prompt_ids=list(ids), group_id=first_group_id + g, index=i, metadata=dict(prompt.metadata), images=prompt_images(prompt) or None)
             for i in range(n_samples)
         ]
         for g, (prompt, ids) in enumerate(prompts)

@@ -65,6 +65,7 @@ from typing import Any
 
 from noria import faults
 from noria.config import RewardConfig
+from noria.data.vision_chat import prompt_images
 from noria.rewards.runner import ScoreCounts, score_groups_async, scores_in_batches
 from noria.rewards.shaping import shape_overlong
 from noria.rollout.buffer import TRAINABLE, Buffer, group_to_dict
@@ -275,7 +276,8 @@ class RolloutScheduler:
 
     def _new_samples(self, group_id: int, prompt: Prompt, ids: list[int]) -> tuple[Sample, ...]:
         n, meta = self.n_samples, prompt.metadata
-        return tuple(Sample(prompt_ids=list(ids), group_id=group_id, index=i, metadata=dict(meta)) for i in range(n))
+        images = prompt_images(prompt) or None  # a vision-language prompt's images, by content hash
+        return tuple(Sample(prompt_ids=list(ids), group_id=group_id, index=i, metadata=dict(meta), images=images) for i in range(n))
 
     def _launch(self, group_id: int, prompt: Prompt, ids: list[int], samples: tuple[Sample, ...] | None, places: int) -> None:
         self.pending[group_id] = prompt

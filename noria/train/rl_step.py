@@ -44,22 +44,23 @@ from noria.types import Group, Sample, Status, TrainBatch
 
 def rl_step(
     backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any = None,
-    replay_routes: bool = False, opd: Any = None,
+    replay_routes: bool = False, opd: Any = None, pixels: Any = None,
 ) -> dict[str, float]:
     """``cfg.steps_per_rollout`` optimizer steps of ``backend`` (and ``critic`` for PPO with GAE) on the
     groups' trainable samples; ``weight_version`` is the version the engines serve (for the
     staleness metric); ``replay_routes``: the MoE layers use the samples' recorded routes
     (``rollout.routing_replay``); ``opd``: the ``opd`` section when distilling
-    (``train.loss.opd_coef`` > 0, ``noria.train.opd``). Returns the step's metrics (see the module docstring)."""
+    (``train.loss.opd_coef`` > 0, ``noria.train.opd``); ``pixels``: a vision-language model's images
+    of the samples (``noria.train.images.SamplePixels``). Returns the step's metrics (see the module docstring)."""
     with on_device(backend.device):
-        metrics = _rl_step(backend, groups, cfg, weight_version, critic, replay_routes, opd)
+        metrics = _rl_step(backend, groups, cfg, weight_version, critic, replay_routes, opd, pixels)
     release_free_memory()  # the step's freed activations and logit chunks leave the C heap's arenas
     return metrics
 
 
 def _rl_step(
     backend: Any, groups: Sequence[Group], cfg: TrainConfig, weight_version: int, critic: Any, replay_routes: bool,
-    opd: Any = None,
+    opd: Any = None, pixels: Any = None,
 ) -> dict[str, float]:
     from noria.train import pack_samples
     from noria.train.algorithms import compute_advantages
@@ -74,7 +75,7 @@ def _rl_step(
     if critic is not None:
         from noria.train.critic import ppo_train
 
-        batch = pack_samples(samples, replay_routes=replay_routes)
+        batch = pack_samples(samples, replay_routes=replay_routes, pixel_values=pixels(samples) if pixels else None)
         parts = ppo_train(backend, critic, samples, cfg, k, batch=batch)
         batches = [batch]
     else:
@@ -86,7 +87,7 @@ def _rl_step(
             flat_adv, distill = distill_advantages(backend, samples, flat_adv, cfg, opd)
         size = math.ceil(len(samples) / k)
         slices = [(samples[i : i + size], flat_adv[i : i + size]) for i in range(0, len(samples), size)]
-        batches = [pack_samples(s, a, replay_routes) for s, a in slices]
+        batches = [pack_samples(s, a, replay_routes, pixel_values=pixels(s) if pixels else None) for s, a in slices]
         old = [backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
         parts = [backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
     out = average(parts)
