@@ -128,7 +128,7 @@ def engine_specs(model_path: str = "/nonexistent", tensors: dict[str, list[int]]
             "sampling_params": sampling_params, "rid": st.text(max_size=8), "return_logprob": st.booleans(),
             "top_logprobs_num": st.integers(0, 5), "stream": st.booleans(), "return_text_in_logprobs": st.booleans(),
             "routing_key": st.text(min_size=1, max_size=8), "return_routed_experts": st.booleans(), "logprob_start_len": st.integers(-1, 4),
-            "log_metrics": st.booleans(), "lora_path": st.none(),
+            "log_metrics": st.booleans(), "lora_path": st.none(), "priority": st.integers(-3, 3),
         }, required=("input_ids",)),  # fmt: skip
         RouteSpec("/v1/completions", ("POST",), {**sampling_fields(), "prompt": small_text | token_ids | st.lists(small_text, min_size=1, max_size=2),
                                                 "logprobs": st.integers(0, 5), "echo": st.just(False)}, required=("prompt",)),  # fmt: skip
@@ -136,6 +136,10 @@ def engine_specs(model_path: str = "/nonexistent", tensors: dict[str, list[int]]
                                                      "top_logprobs": st.integers(0, 5), "add_generation_prompt": st.booleans()},
                   required=("messages",)),  # fmt: skip
         RouteSpec("/v1/models", ("GET",), body=False),
+        RouteSpec("/classify", ("POST",), {
+            "text": small_text | st.lists(small_text, min_size=1, max_size=3), "input_ids": token_ids | st.lists(token_ids, min_size=1, max_size=3),
+            "rid": st.text(max_size=8), "priority": st.integers(-2, 2), "model": st.text(max_size=8),
+        }),  # fmt: skip (a generative model answers 400: not a sequence classifier)
         RouteSpec("/pause_generation", both, {"mode": st.sampled_from(["retract", "in_place", "drain"])}),
         RouteSpec("/abort_request", both, {"rid": st.text(max_size=8), "abort_all": st.booleans()}),
         RouteSpec("/update_weights_from_disk", both, {"model_path": st.sampled_from([model_path, "/nonexistent", "/", "/proc/self"]),

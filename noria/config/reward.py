@@ -20,13 +20,16 @@ DEFAULT_JUDGE_TEMPLATE = (
 
 @dataclass
 class RewardModelConfig:
-    """A reward served by a model: a generative judge (``kind: judge``). Owner: ``noria.rewards.model``
-    (the scorer, its cache and metrics) and ``noria.rewards.judge`` (prompt, request, verdict)."""
+    """A reward served by a model: a generative judge (``kind: judge``) or a scalar reward model
+    (``kind: scalar``). Owner: ``noria.rewards.model`` (the scorer, its cache and metrics),
+    ``noria.rewards.judge`` (prompt, request, verdict) and ``noria.rewards.scalar`` (the reward model's
+    input and score)."""
 
-    kind: Literal["none", "judge"] = option(
+    kind: Literal["none", "judge", "scalar"] = option(
         "none",
         "none: rule reward only. judge: a generative judge scores every sample: a chat request built from `template`, "
-        "its reply parsed by `parser` and mapped to [0, 1]. (A scalar reward model is not built yet.)",
+        "its reply parsed by `parser` and mapped to [0, 1]. scalar: a sequence-classification reward model (one logit, "
+        "Bradley-Terry) scores the chat-templated prompt + response with one forward pass (`scale` maps the logit).",
     )
     name: str = option("judge", "The judge's name: its metric reward/component/<name>, and what errors call it.")
     weight: float = option(1.0, "The judge's weight in the sample's reward (reward = reward.rule_weight * rule + weight * judge).")
@@ -36,14 +39,29 @@ class RewardModelConfig:
     )
     engine: str | None = option(
         None, "A model (catalog name or HF folder) that the run serves as the judge with `noria serve` (frozen weights; "
-        "the engine.* keys of the run), beside the rollout engine."
+        "the engine.* keys of the run), beside the rollout engine; a sequence-classification folder for kind scalar. "
+        "kind judge also takes `shared`: the judge's requests go to the rollout engines at `priority` (the judge is then "
+        "the policy itself, at its current weights)."
+    )
+    in_process: bool = option(
+        False, "kind scalar: load the `engine` reward model in the trainer's process (on engine_device, else model.device) "
+        "and score there, without a server."
+    )
+    priority: int = option(
+        -1, "engine shared: the judge's request priority on the rollout engines (SGLang's `priority`: larger is admitted "
+        "first; rollout requests have 0), so judging never delays rollout admission."
+    )
+    scale: Literal["raw", "sigmoid"] = option(
+        "raw", "kind scalar: the reward from the model's logit: raw (the logit, as TRL, verl and OpenRLHF use it; GRPO "
+        "standardizes it within each group) or sigmoid (in (0, 1): mixes with a 0/1 rule and agreement_threshold 0.5)."
     )
     engine_device: str | None = option(None, "Torch device of the judge's `noria serve` (e.g. cuda:1); null uses model.device.")
     api: Literal["sglang", "openai"] = option(
         "sglang",
-        "sglang: POST /generate with the chat prompt rendered by the judge's tokenizer and a request id (rid) the answer "
+        "kind judge: sglang: POST /generate with the chat prompt rendered by the judge's tokenizer and a request id (rid) the answer "
         "must echo (a mismatch is refused); openai: POST /v1/chat/completions (an X-Request-Id header; refused when the "
-        "server echoes another).",
+        "server echoes another). kind scalar always speaks SGLang's POST /classify (input_ids, rid; the reward is "
+        "embedding[0]).",
     )
     api_key_env: str | None = option(
         None, "Name of the environment variable holding the judge server's API key (never the key itself); null: none, "
@@ -51,8 +69,8 @@ class RewardModelConfig:
     )
     served_model: str | None = option(None, "api openai: the `model` field of each request; null: the server's first model.")
     tokenizer: str | None = option(
-        None, "api sglang: the judge's tokenizer (catalog name or folder) whose chat template renders the prompt; null: "
-        "the `engine` model, else the tokenizer_path the server reports (/model_info)."
+        None, "api sglang (and kind scalar): the judge's tokenizer (catalog name or folder) whose chat template renders "
+        "the prompt; null: the `engine` model, else the tokenizer_path the server reports (/model_info)."
     )
     template: str = option(
         "",
@@ -100,6 +118,10 @@ class RewardModelConfig:
         p = "reward.model"
         if (self.url is None) == (self.engine is None):
             raise ConfigError(f"{p}.kind {self.kind}: set exactly one of {p}.url (a running server) or {p}.engine (a model to serve)")
+        if self.kind == "scalar" and self.engine == "shared":
+            raise ConfigError(f"{p}.engine shared is for kind judge: a scalar reward model is its own model; give its folder")
+        if self.in_process and (self.kind != "scalar" or self.engine is None):
+            raise ConfigError(f"{p}.in_process needs kind scalar and {p}.engine (the reward model's folder)")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"{p}.url must be a base URL http://HOST:PORT, got {self.url!r}")
         if self.timeout_s <= 0 or self.retries < 0 or self.max_concurrency < 1 or self.max_new_tokens < 1:

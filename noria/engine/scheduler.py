@@ -7,7 +7,9 @@ this request", in this order:
 1. decode: every running request whose prompt is fully computed gets its next token (n = 1);
 2. prefill: running requests still prefilling get their next chunk (``chunked_prefill_size``);
 3. admission: waiting requests join at the front of the queue first, each with a prefix-cache
-   match and a first chunk, while ``max_running_requests`` and ``max_batch_tokens`` allow. A
+   match and a first chunk, while ``max_running_requests`` and ``max_batch_tokens`` allow. The queue
+   is ordered by ``GenerateRequest.priority`` (higher first; FIFO among equals), so a judge sharing
+   the engine at a lower priority is admitted only when no rollout request waits. A
    match is token-granular (``noria.engine.radix``): when it ends inside a block, the matched
    slots of that block are copied into the request's first new block before its first chunk runs
    (``KVCache.copy_prefix``, on the engine thread, queued before the step's forward).
@@ -19,7 +21,8 @@ marked ``pending``, and ``process`` drops the result of a pending chunk whose re
 Memory. Blocks are allocated as sequences grow. When the allocator runs dry, the prefix cache
 evicts unreferenced blocks first; if that is not enough, the most recently admitted running
 request not yet scheduled this step is RETRACTED: its KV is offered to the prefix cache, its blocks
-are released, and it goes back to the front of the queue keeping its output so far. Re-admitted,
+are released, and it goes back to the front of the queue (of its priority) keeping its output so far; a
+request of the lowest priority is retracted before any of a higher one. Re-admitted,
 it prefills prompt + output and continues, so its final output is one uninterrupted sequence.
 Admission never retracts anyone. The oldest running request can always make progress, because
 no request larger than the whole cache is accepted (the engine checks at submit).
@@ -239,7 +242,19 @@ class Scheduler:
     # ------------------------------------------------------------------------------ queue
 
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        """Queue ``req`` behind every waiting request of its priority or higher (FIFO among equals)."""
+        self._enqueue(req, front=False)
+
+    def _enqueue(self, req: Req, front: bool) -> None:
+        """Put ``req`` at the back (``front``: the front) of its priority's place in the queue: higher
+        priorities first. With one priority (every request 0) this is append / appendleft."""
+        p, waiting = req.request.priority, self.waiting
+        if front and (not waiting or waiting[0].request.priority <= p):
+            waiting.appendleft(req)
+        elif not front and (not waiting or waiting[-1].request.priority >= p):
+            waiting.append(req)
+        else:  # before the first of its priority or lower (front), or of lower priority (back)
+            waiting.insert(next((i for i, w in enumerate(waiting) if w.request.priority < p + front), len(waiting)), req)
 
     def abort(self, rid: str, message: str) -> Req | None:
         """Finish ``rid`` with reason abort, releasing its blocks; None if it is not in flight."""
@@ -303,7 +318,7 @@ class Scheduler:
         need = self._blocks_needed(req, n)
         while not self._allocate_into(req, need):
             victims = [r for r in self.running if id(r) not in scheduled]
-            victim = max(victims, key=lambda r: r.admitted_order)
+            victim = max(victims, key=lambda r: (-r.request.priority, r.admitted_order))  # lowest priority, then newest
             if victim is req and not may_retract_self:
                 return False  # a prefill waits for decodes to free blocks rather than thrash
             self._retract(victim)
@@ -415,7 +430,7 @@ class Scheduler:
         self._release(req)
         self.running.remove(req)
         req.state = ReqState.WAITING
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self.retractions += 1
 
     def _finish(self, req: Req, reason: dict[str, Any]) -> Req:

@@ -1,5 +1,5 @@
-"""Rewards served by a model (``reward.model``): the generative judge's scorer, its endpoint, its
-cache, and the judge engine a run starts.
+"""Rewards served by a model (``reward.model``): the generative judge's and the scalar reward model's
+scorer, its endpoint, its cache, and the engine a run starts for it.
 
 What this module owns: ``ModelReward`` (scores rows of (prompt, response, label, metadata) with one
 judge: every request of a call sent at once, at most ``max_concurrency`` in flight, so the judge
@@ -9,6 +9,9 @@ hash of everything that changes a verdict: server or model, template, parser, ru
 and the scorers in use by judge name (``bind_judge`` for a judge the run started, else built from
 ``reward.model.url`` on first use). ``start_judge_engine`` serves ``reward.model.engine`` with
 ``noria serve`` (``noria.engine.child``: the run's ``engine.*`` keys, weight version 0, never synced).
+A scalar reward model (``kind: scalar``, ``noria.rewards.scalar``) goes through the same scorer, one
+``/classify`` request per row, or is loaded in this process (``in_process``); ``engine: shared``
+sends the judge's requests to the run's rollout engines (``noria.rewards.shared``).
 
 Failure: a row whose judge request fails or whose verdict does not parse comes back as a
 ``JudgeFailure`` (the runner marks its sample failed, counted by kind); nothing here raises for one
@@ -65,6 +68,10 @@ class ModelReward:
     def __init__(self, cfg: RewardModelConfig, client: JudgeClient) -> None:
         self.cfg = cfg
         self.client = client
+        if cfg.kind == "scalar":  # one classify request per row instead of a verdict (noria.rewards.scalar)
+            from noria.rewards.scalar import scalar_score_fn
+
+            self._judge = scalar_score_fn(cfg, client)  # type: ignore[method-assign]
         self.version = judge_version(cfg, client.url)
         self.cache: OrderedDict[str, float] = OrderedDict()
         self.asking: dict[str, asyncio.Future] = {}
@@ -137,7 +144,7 @@ class ModelReward:
 def judge_version(cfg: RewardModelConfig, url: str) -> str:
     """A hash of what changes a verdict: the server (or served model), the prompt, the parser, the sampling."""
     fields = asdict(cfg)
-    for volatile in ("timeout_s", "retries", "max_concurrency", "cache", "agreement_threshold", "weight", "api_key_env"):
+    for volatile in ("timeout_s", "retries", "max_concurrency", "cache", "agreement_threshold", "weight", "api_key_env", "priority", "in_process"):
         fields.pop(volatile)
     fields["url"] = cfg.engine or url  # a judge the run starts is its model, wherever it listens
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -149,8 +156,17 @@ _SCORERS: dict[str, ModelReward] = {}
 
 
 def bind_judge(cfg: RewardModelConfig, url: str, api_key: str | None, tokenizer: Any = None) -> ModelReward:
-    """Use the judge server at ``url`` for ``cfg.name`` from now on (a judge this process started)."""
-    scorer = ModelReward(cfg, JudgeClient(cfg, url, api_key, tokenizer))
+    """Use the judge server (or scalar reward model server) at ``url`` for ``cfg.name`` from now on."""
+    if cfg.kind == "scalar":
+        from noria.rewards.scalar import ClassifyClient
+
+        return bind_client(cfg, ClassifyClient(cfg, url, api_key, tokenizer))
+    return bind_client(cfg, JudgeClient(cfg, url, api_key, tokenizer))
+
+
+def bind_client(cfg: RewardModelConfig, client: JudgeClient) -> ModelReward:
+    """Score ``cfg.name`` through ``client`` from now on (a server, the rollout engines, this process)."""
+    scorer = ModelReward(cfg, client)
     _SCORERS[cfg.name] = scorer
     return scorer
 
@@ -174,7 +190,7 @@ def model_reward(cfg: RewardModelConfig) -> ModelReward:
             "from code, start it with noria.rewards.model.start_judge_engine or give reward.model.url"
         )
     key = api_key_from_env(cfg)
-    tokenizer = judge_tokenizer(cfg, cfg.url, key) if cfg.api == "sglang" else None
+    tokenizer = judge_tokenizer(cfg, cfg.url, key) if cfg.api == "sglang" or cfg.kind == "scalar" else None
     return bind_judge(cfg, cfg.url, key, tokenizer)
 
 
@@ -204,7 +220,7 @@ def judge_tokenizer(cfg: RewardModelConfig, url: str, api_key: str | None) -> An
 
         return teacher_tokenizer(url, api_key)[0]
     tokenizer = load_tokenizer(model_path(name))
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and cfg.kind != "scalar":  # a reward model reads prompt + response as text
         raise NoriaError(f"reward.model: the judge's tokenizer {name} has no chat template; set reward.model.tokenizer or api: openai")
     return tokenizer
 
@@ -219,21 +235,48 @@ def start_judge_engine(config: Any, folder: Path) -> tuple[Any, ModelReward]:
     path = model_path(cfg.engine)
     child, url, key = start_engine_server(path, config, folder, cfg.engine_device or engine_device(config), "judge.log")
     try:
-        scorer = bind_judge(cfg, url, key, judge_tokenizer(cfg, url, key) if cfg.api == "sglang" else None)
+        scorer = bind_judge(cfg, url, key, judge_tokenizer(cfg, url, key) if cfg.api == "sglang" or cfg.kind == "scalar" else None)
     except BaseException:
         child.stop()
         raise
     return child, scorer
 
 
-def start_judge(config: Any, folder: Path) -> list[Any]:
+def start_judge(config: Any, folder: Path, rollout: Any = None, tokenizer: Any = None) -> list[Any]:
     """At a run's start: forget the judge scorers of earlier runs in this process (the cache is a
-    run's), and start the judge engine of ``reward.model.engine`` if any; the children to stop."""
+    run's), and start the judge engine of ``reward.model.engine`` if any; the children to stop.
+    ``engine: shared`` binds the judge to ``rollout`` (the run's engine client, the policy's
+    ``tokenizer``); a scalar reward model ``in_process`` is loaded here."""
     cfg = config.reward.model
     unbind_judge(cfg.name)
     if cfg.kind == "none" or cfg.engine is None:
         return []
+    if cfg.engine == "shared":
+        if rollout is None or tokenizer is None:
+            raise NoriaError("reward.model.engine shared: the judge needs the run's rollout engines (start it from noria train)")
+        from noria.rewards.shared import SharedJudgeClient
+
+        bind_client(cfg, SharedJudgeClient(cfg, rollout, tokenizer))
+        return []
     from noria.console import phase
 
+    if cfg.in_process:
+        with phase(f"loading the reward model {cfg.name!r} ({cfg.engine}) in this process"):
+            start_local_reward_model(config)
+        return []
     with phase(f"starting the judge engine {cfg.name!r} with {cfg.engine}"):
         return [start_judge_engine(config, folder)[0]]
+
+
+def start_local_reward_model(config: Any) -> ModelReward:
+    """``reward.model.in_process``: the scalar reward model loaded here (on ``engine_device``, else
+    ``model.device``), bound as the run's scorer."""
+    from noria.engine.server.classifier import SequenceClassifier
+    from noria.models.catalog import model_path
+    from noria.rewards.scalar import LocalClassifyClient
+
+    cfg = config.reward.model
+    classifier = SequenceClassifier.from_path(model_path(cfg.engine), config.model.dtype, cfg.engine_device or config.model.device)
+    if classifier.tokenizer is None:
+        raise NoriaError(f"reward.model.engine {cfg.engine}: the reward model's folder has no tokenizer")
+    return bind_client(cfg, LocalClassifyClient(cfg, classifier, judge_tokenizer(cfg, "", None)))

@@ -49,6 +49,7 @@ from aiohttp import web
 
 from noria.config import ConfigError, EngineConfig, ModelConfig, option
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
+from noria.engine.server.classify_api import ClassifyApi
 from noria.engine.server.native_api import NativeApi
 from noria.engine.server.openai_api import OpenAIApi
 from noria.engine.server.parsing import INVALID, HttpError, maybe_await
@@ -151,7 +152,7 @@ class EngineServer:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard], client_max_size=BODY_BYTES)
         app.on_response_prepare.append(self._stamp_version)
-        for api in (NativeApi(self), WeightApi(self), OpenAIApi(self)):
+        for api in (NativeApi(self), WeightApi(self), OpenAIApi(self), ClassifyApi(self)):
             api.register(app.router)
         return app
 
@@ -353,8 +354,11 @@ def engine_loader(config: ServeConfig, weight_version: int | None = None) -> tup
 
     def load() -> tuple[Any, str]:
         from noria.engine.engine import Engine
+        from noria.engine.server.classifier import SequenceClassifier, is_sequence_classifier
 
         folder = model_path(name)  # a catalog entry is imported here on first use
+        if is_sequence_classifier(folder):  # a scalar reward model: /classify only (noria.engine.server.classify_api)
+            return SequenceClassifier.from_path(folder, config.model.dtype, config.model.device), str(_abspath(str(folder)))
         kwargs = {} if weight_version is None else {"weight_version": weight_version}
         engine = Engine.from_path(str(folder), config.engine, dtype=config.model.dtype, device=config.model.device, **kwargs)
         return engine, str(_abspath(str(folder)))

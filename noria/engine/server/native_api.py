@@ -59,7 +59,7 @@ class NativeApi:
 
     GENERATE_FIELDS = {
         "text", "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "stream",
-        "return_text_in_logprobs", "routing_key", "return_routed_experts", "logprob_start_len", "image_data",
+        "return_text_in_logprobs", "routing_key", "return_routed_experts", "logprob_start_len", "image_data", "priority",
     }  # fmt: skip
 
     def __init__(self, server: EngineServer) -> None:
@@ -121,6 +121,7 @@ class NativeApi:
         key = want(body, "routing_key", str) or None
         routed = per_item(body.get("return_routed_experts"), n, "return_routed_experts", bool)
         starts = per_item(body.get("logprob_start_len"), n, "logprob_start_len", int)
+        priority = want(body, "priority", int, 0)  # SGLang's: larger is admitted first
         images: list[list] = [[] for _ in prompts]
         if body.get("image_data") is not None:
             prompts, images = self.image_prompts(body, prompts, batched)
@@ -133,7 +134,7 @@ class NativeApi:
                 input_ids=ids, sampling=sampling, rid=rids[i] or "",
                 return_logprob=True if logprobs[i] is None else logprobs[i],
                 top_logprobs_num=top_k, routing_key=key, return_routed_experts=bool(routed[i]),
-                logprob_start_len=-1 if starts[i] is None else starts[i], images=images[i],
+                logprob_start_len=-1 if starts[i] is None else starts[i], images=images[i], priority=priority,
             ))  # fmt: skip
         return reqs, batched
 
