@@ -130,6 +130,10 @@ class LoraConfig:
         factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         help="Linear layers that get adapters.",
     )
+    vision: bool = option(
+        False, "Vision-language models: also put adapters on the vision tower and connector layers that match "
+        "target_modules; by default only the language model is adapted.",
+    )
     sync: Literal["merged", "adapter"] = option("merged", "Send the engine merged weights, or the adapters alone.")
     adapter_path: str | None = option(
         None, "Start from an existing peft adapter folder (adapter_config.json + adapter_model.safetensors) of the same "
@@ -169,6 +173,10 @@ class TrainConfig:
     optim: OptimConfig = option(factory=OptimConfig, help="Optimizer.")
     loss: LossConfig = option(factory=LossConfig, help="RL objective.")
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA.")
+    freeze: list[Literal["vision", "connector"]] = option(
+        factory=list, help="Vision-language models: parts kept frozen (never updated): vision (the vision tower), "
+        "connector (the projection of image features into the language model). Refused for a text-only model.",
+    )
     critic: CriticConfig = option(factory=CriticConfig, help="Value model for PPO with GAE.")
     megatron: MegatronConfig = option(factory=MegatronConfig, help="megatron-core parallelism (backend: megatron).")
     max_nonfinite_skips: int = option(0, "Consecutive steps with a non-finite loss or grad norm to skip before stopping.")

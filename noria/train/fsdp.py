@@ -81,6 +81,7 @@ from noria.config import TrainConfig, ensure_valid
 from noria.models import DecoderLM, load_model
 from noria.train.backend import LossFn, LossInputs, TokenLogprobs, TrainError, Which, step_totals
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
+from noria.train.freeze import freeze_parts
 from noria.train.lora import adapter_tensors, apply_lora, load_adapter, lora_scaling, merge_lora, save_adapter
 from noria.train.moe import aux_loss_term, micro_batch_routing, route_metrics
 from noria.train.optim import build_optimizer, lr_at, set_lr
@@ -247,6 +248,7 @@ class FSDPBackend:
             lm = apply_lora(lm, self.cfg.lora)
             if self.cfg.lora.adapter_path:
                 load_adapter(lm, self.cfg.lora.adapter_path, self.cfg.lora)
+        freeze_parts(lm, self.cfg.freeze)  # train.freeze: a vision-language model's tower or connector
         self.skip_names = tied_duplicates(lm)
         self.lm = lm
         self.policy = self._wrap(lm, train=True)

@@ -23,6 +23,7 @@ DoRA, rsLoRA scaling, and dropout > 0 with bitwise-reproducible resumes (dropout
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,13 +38,30 @@ _A = f".lora_A.{ADAPTER}.weight"
 _B = f".lora_B.{ADAPTER}.weight"
 
 
+LM_ONLY = r".*\.(vision_model|connector)\..*"
+"""Modules a vision-language model's adapters leave out unless ``train.lora.vision`` (its vision tower
+and connector: their attention and MLP layers share the language model's names)."""
+
+
+def excluded(cfg: LoraConfig, vision_language: bool) -> str | None:
+    """peft's ``exclude_modules`` for a model: a vision-language model's tower and connector unless
+    ``train.lora.vision``; None for a text model."""
+    return LM_ONLY if vision_language and not getattr(cfg, "vision", False) else None
+
+
+def _has_vision(base: str) -> bool:
+    config = Path(base) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place; every other parameter is frozen."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
     peft_cfg = PeftLoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
+        exclude_modules=excluded(cfg, any(n.split(".")[-1] == "vision_model" for n, _ in model.named_modules())),
     )
     model = inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER)
     if not any(_A in name for name, _ in model.named_parameters()):
@@ -104,7 +122,7 @@ def save_adapter(tensors: Iterator[tuple[str, torch.Tensor]], cfg: LoraConfig, f
     folder.mkdir(parents=True, exist_ok=True)
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
-        base_model_name_or_path=base, task_type="CAUSAL_LM",
+        exclude_modules=excluded(cfg, _has_vision(base)), base_model_name_or_path=base, task_type="CAUSAL_LM",
     )  # fmt: skip
     peft_cfg.save_pretrained(str(folder))
     save_file({n: t.contiguous() for n, t in adapter_tensors(tensors, torch.float32)}, str(folder / ADAPTER_WEIGHTS))
@@ -114,7 +132,6 @@ def save_adapter(tensors: Iterator[tuple[str, torch.Tensor]], cfg: LoraConfig, f
 def load_adapter(model: nn.Module, folder: str | Path, cfg: LoraConfig) -> None:
     """Start the injected adapters from an existing peft adapter folder (``train.lora.adapter_path``);
     its rank, alpha and target modules must be the config's, and it must hold every adapter."""
-    import json
 
     from safetensors.torch import load_file
 

@@ -61,3 +61,26 @@ def test_deterministic_trainer_logprobs_with_images_equal_the_engines_bitwise(fo
     before = tower.detach().clone()
     backend.train_step(batch)
     assert not torch.equal(before, tower.detach())  # the step reached the connector through the image tokens
+
+
+def test_freeze_keeps_the_vision_tower_and_lora_adapts_the_language_model_only(folder):
+    samples, pixels = rollout(folder)
+    batch = pack_samples(samples, [1.0, -1.0, 0.5], pixel_values=pixels)
+    backend = trainer(folder, deterministic=False, freeze=["vision"])
+    body = backend.lm.model
+    tower, connector = body.vision_model.embeddings.patch_embedding.weight, body.connector.modality_projection.proj.weight
+    before = tower.detach().clone(), connector.detach().clone()
+    backend.train_step(batch)
+    assert torch.equal(before[0], tower.detach()) and not torch.equal(before[1], connector.detach())
+    assert not any(p is tower for group in backend.optimizer.param_groups for p in group["params"])
+
+    from noria.config.train import LoraConfig
+
+    names = [n for n, _ in trainer(folder, deterministic=False, lora=LoraConfig(enabled=True, rank=4)).lm.named_parameters() if ".lora_A." in n]
+    assert names and all(".text_model." in n for n in names)  # the vision tower's q_proj etc. are left alone
+    both = [n for n, _ in trainer(folder, deterministic=False, lora=LoraConfig(enabled=True, rank=4, vision=True)).lm.named_parameters() if ".lora_A." in n]
+    assert any(".vision_model." in n for n in both)
+    with pytest.raises(ValueError, match="train.freeze: 'vision'"):
+        from noria.train.freeze import freeze_parts
+
+        freeze_parts(torch.nn.Linear(2, 2), ["vision"])
