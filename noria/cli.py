@@ -105,6 +105,12 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     return serve(config, options)
 
 
+def _service(args: argparse.Namespace, overrides: list[str]) -> int:
+    from noria.service.cli import run_service
+
+    return run_service(args, overrides)
+
+
 def _machine_report() -> dict:
     """What ``noria info`` prints: versions, the CPU, the dtype ``auto`` picks, kernel builds, GPUs."""
     import torch
@@ -352,6 +358,9 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="plain log lines even on a terminal")
     p.set_defaults(handler=_train, takes_overrides=True)
     _add_serve_command(sub)
+    from noria.service.cli import add_service_parser
+
+    add_service_parser(sub, _service)
 
 
 def _add_serve_command(sub: argparse._SubParsersAction) -> None:

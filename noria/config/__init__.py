@@ -18,6 +18,7 @@ Modules::
     sync.py       sync         eval.py     eval         log.py       log
     opd.py        opd (on-policy distillation)          ray.py       ray (launch: ray)
     diffusion.py  diffusion (an image model run)
+    service.py    ServiceConfig: `noria service` (model + service), not part of RunConfig
 
 A config is loaded once (``load_config``; the machinery is ``noria.config.schema``): YAML plus
 dotted overrides -> typed sections (closed: an unknown key names the closest valid one) ->
@@ -59,6 +60,7 @@ from noria.config.schema import (
     save_config,
     to_dict,
 )
+from noria.config.service import ServiceConfig, ServiceSection
 from noria.config.sync import SyncConfig
 from noria.config.train import (
     CriticConfig,
@@ -71,7 +73,8 @@ from noria.config.train import (
 __all__ = [
     "DEVICE", "BufferConfig", "ConfigError", "CriticConfig", "DataConfig", "DiffusionConfig", "EngineConfig",
     "EvalConfig", "LogConfig", "LoraConfig", "LossConfig", "MegatronConfig", "ModelConfig", "OpdConfig",
-    "OptimConfig", "RayConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SyncConfig", "TrainConfig",
+    "OptimConfig", "RayConfig", "RewardConfig", "RolloutConfig", "RunConfig", "ServiceConfig", "ServiceSection",
+    "SyncConfig", "TrainConfig",
     "check_device", "check_sampling", "ensure_valid", "field_docs", "from_dict", "load", "load_config",
     "option", "parse_overrides", "resolve_batch", "resolve_dtypes", "save_config", "to_dict",
 ]  # fmt: skip

@@ -1,0 +1,57 @@
+"""The config of ``noria service``: the base model and the ``service`` section (tenants, quotas,
+saved state). Owner: ``noria.service``. Not part of ``RunConfig``: the service is its own process,
+configured by ``--model.*`` and ``--service.*`` overrides (or a YAML file with those two sections).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from noria.config.model import ModelConfig
+from noria.config.schema import ConfigError, option
+
+
+@dataclass
+class ServiceSection:
+    """Tenants, their default quotas, the LoRA defaults and where saved states live. Owner: ``noria.service``."""
+
+    keys_file: str = option(
+        "",
+        "YAML or JSON file of tenants: {tenants: {NAME: {key: KEY, max_adapters: N, tokens_per_minute: N, "
+        "queue_depth: N}}} (quotas optional, the defaults below otherwise). Empty: one tenant, 'default', "
+        "with a key generated and printed at start.",
+    )
+    state_dir: str = option(
+        "service-state", "Folder of saved states and sampler weights, one subfolder per tenant (tinker:// paths point here)."
+    )
+    max_adapters: int = option(4, "Default quota: LoRA adapters (training clients) a tenant may hold at once.")
+    tokens_per_minute: int = option(
+        200_000, "Default quota: tokens (forward_backward inputs and sampled tokens) a tenant may send in any 60 s."
+    )
+    queue_depth: int = option(16, "Default quota: a tenant's calls waiting or running at once; one more is answered 429.")
+    max_rank: int = option(64, "Largest LoRA rank a training client may ask for.")
+    lora_alpha: float = option(32.0, "LoRA alpha of every adapter (peft scales B @ A by alpha / rank).")
+    seed: int = option(0, "Seed of each adapter's initialisation (with the adapter's own seed added).")
+
+    def validate(self) -> None:
+        for key in ("max_adapters", "tokens_per_minute", "queue_depth", "max_rank"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"service.{key} must be >= 1, got {getattr(self, key)}")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"service.lora_alpha must be > 0, got {self.lora_alpha}")
+
+
+@dataclass
+class ServiceConfig:
+    """What ``noria service`` reads: the frozen base model and the ``service`` section."""
+
+    model: ModelConfig = option(factory=ModelConfig, help="The frozen base model every adapter sits on.")
+    service: ServiceSection = option(factory=ServiceSection, help="Tenants, quotas, LoRA defaults, saved state.")
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.service.validate()
+
+    def resolve(self) -> None:
+        """``model.dtype: auto`` becomes this machine's dtype (``ModelConfig.resolve_dtype``)."""
+        self.model.resolve_dtype()

@@ -1,0 +1,196 @@
+"""The service's primitives, one method each: check the request, then queue its work as a future.
+
+``Service`` ties the parts together: the base model and its adapters (``MultiLora``), the tenants
+(``TenantRegistry``), the worker (``Scheduler``) and the saved states (``noria.service.state``).
+Each method runs on the HTTP server's event loop, answers at once and does only cheap work there:
+it finds the tenant's model (``NotFound`` for another tenant's), reads the body (``BadRequest``),
+takes the quota (``QuotaExceeded``), then submits a closure that the worker thread runs.
+
+Models are known by id from the moment ``create_model`` is accepted; their adapter exists once the
+worker has run that call, and since a tenant's calls run in order, a ``forward_backward`` sent right
+after ``create_model`` finds it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from noria.config import ServiceSection
+from noria.errors import NoriaError
+from noria.service import state, step
+from noria.service.adapters import AdapterSpec, MultiLora, target_modules
+from noria.service.scheduler import Scheduler
+from noria.service.state import NotFound, check_name
+from noria.service.tenants import Tenant, TenantRegistry
+from noria.service.wire import BadRequest, read_data
+
+
+@dataclass
+class Model:
+    """A training client: its id (also its adapter's name), owner and spec."""
+
+    model_id: str
+    tenant: str
+    spec: AdapterSpec
+
+
+class Service:
+    """The primitives of the training API over one base model."""
+
+    def __init__(self, lora: MultiLora, registry: TenantRegistry, cfg: ServiceSection, base_model: str) -> None:
+        self.lora = lora
+        self.registry = registry
+        self.cfg = cfg
+        self.base_model = base_model
+        self.state_dir = Path(cfg.state_dir)
+        self.scheduler = Scheduler(registry)
+        self.models: dict[str, Model] = {}
+        self.vocab = int(lora.model.get_input_embeddings().weight.shape[0])
+
+    def model(self, tenant: Tenant, model_id: object) -> Model:
+        """The tenant's model ``model_id``; ``NotFound`` for any other (another tenant's included)."""
+        model = self.models.get(model_id) if isinstance(model_id, str) else None
+        if model is None or model.tenant != tenant.name:
+            raise NotFound(f"model {model_id!r}: no such model of tenant {tenant.name}")
+        return model
+
+    def _adapter(self, model: Model):
+        adapter = self.lora.adapters.get(model.model_id)
+        if adapter is None:
+            raise NotFound(f"model {model.model_id}: its adapter was not created (see the create_model future) or was unloaded")
+        return adapter
+
+    def create_model(self, tenant: Tenant, body: dict) -> str:
+        base = body.get("base_model", self.base_model)
+        if base != self.base_model:
+            raise BadRequest(f"base_model {base!r}: this service trains {self.base_model!r} only")
+        lora_config = body.get("lora_config") or {}
+        if not isinstance(lora_config, dict):
+            raise BadRequest("lora_config: needs an object")
+        rank = lora_config.get("rank", 32)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= self.cfg.max_rank:
+            raise BadRequest(f"lora_config.rank: needs an integer in [1, {self.cfg.max_rank}], got {rank!r}")
+        seed = lora_config.get("seed") or 0
+        if not isinstance(seed, int):
+            raise BadRequest(f"lora_config.seed: needs an integer, got {seed!r}")
+        try:
+            targets = target_modules(lora_config)
+        except NoriaError as e:
+            raise BadRequest(str(e)) from None
+        spec = AdapterSpec(rank=rank, alpha=float(self.cfg.lora_alpha), target_modules=targets, seed=self.cfg.seed + seed)
+        self.registry.take_adapter(tenant)
+        model = Model(model_id="m" + uuid.uuid4().hex[:20], tenant=tenant.name, spec=spec)
+        self.models[model.model_id] = model
+
+        def work() -> dict:
+            try:
+                self.lora.add(model.model_id, tenant.name, spec)
+            except Exception:
+                self._forget(tenant, model)
+                raise
+            return {"type": "create_model", "model_id": model.model_id}
+
+        return self._submit(tenant, "create_model", work)
+
+    def _forget(self, tenant: Tenant, model: Model) -> None:
+        self.models.pop(model.model_id, None)
+        self.registry.release_adapter(tenant)
+
+    def _submit(self, tenant: Tenant, kind: str, work, tokens: int = 0) -> str:
+        return self.scheduler.submit(tenant, kind, work, tokens)
+
+    def forward_backward(self, tenant: Tenant, body: dict, backward: bool = True) -> str:
+        key = "forward_backward_input" if backward else "forward_input"
+        model = self.model(tenant, body.get("model_id"))
+        fb = body.get(key)
+        if not isinstance(fb, dict):
+            raise BadRequest(f"{key}: needs an object with data and loss_fn")
+        from noria.service.losses import get_loss
+
+        _, needs = get_loss(fb.get("loss_fn"))
+        data = read_data(fb.get("data"), self.vocab, needs)
+        config = fb.get("loss_fn_config") or {}
+        if not isinstance(config, dict):
+            raise BadRequest(f"{key}.loss_fn_config: needs an object")
+        run = step.forward_backward if backward else step.forward
+        tokens = sum(len(d.tokens) for d in data)
+        return self._submit(tenant, key.removesuffix("_input"), lambda: run(self.lora, self._adapter(model), data, fb["loss_fn"], config), tokens)
+
+    def optim_step(self, tenant: Tenant, body: dict) -> str:
+        model = self.model(tenant, body.get("model_id"))
+        adam = step.read_adam(body.get("adam_params"))
+        return self._submit(tenant, "optim_step", lambda: step.optim_step(self._adapter(model), adam))
+
+    def save_weights(self, tenant: Tenant, body: dict, kind: str = "weights") -> str:
+        """``save_state`` (kind ``weights``) or ``save_weights_for_sampler`` (``sampler_weights``)."""
+        model = self.model(tenant, body.get("model_id"))
+        name = body.get("path") or f"step-{uuid.uuid4().hex[:8]}"
+        try:
+            check_name(name, "path")
+        except NoriaError as e:
+            raise BadRequest(str(e)) from None
+        folder = self.state_dir / tenant.name / model.model_id / kind / name
+        path = f"{state.SCHEME}{model.model_id}/{kind}/{name}"
+
+        def work() -> dict:
+            adapter = self._adapter(model)
+            if kind == "weights":
+                state.save_state(adapter, folder, self.base_model)
+            else:
+                self.lora.save_peft(adapter, folder)
+            return {"type": "save_weights" if kind == "weights" else "save_weights_for_sampler", "path": path}
+
+        return self._submit(tenant, f"save_{kind}", work)
+
+    def load_weights(self, tenant: Tenant, body: dict) -> str:
+        model = self.model(tenant, body.get("model_id"))
+        try:
+            folder, _, kind = state.folder_of(self.state_dir, tenant.name, body.get("path"))
+        except NotFound:
+            raise
+        except NoriaError as e:
+            raise BadRequest(str(e)) from None
+        if kind != "weights":
+            raise BadRequest(f"path {body.get('path')}: load_weights takes a saved state (/weights/), not sampler weights")
+        with_optimizer = body.get("optimizer", True)
+        if not isinstance(with_optimizer, bool):
+            raise BadRequest("optimizer: needs true or false")
+
+        def work() -> dict:
+            state.load_state(self._adapter(model), folder, with_optimizer)
+            return {"type": "load_weights", "path": body["path"]}
+
+        return self._submit(tenant, "load_weights", work)
+
+    def unload_model(self, tenant: Tenant, body: dict) -> str:
+        model = self.model(tenant, body.get("model_id"))
+        self.models.pop(model.model_id)
+
+        def work() -> dict:
+            try:
+                if model.model_id in self.lora.adapters:
+                    self.lora.remove(model.model_id)
+            finally:
+                self.registry.release_adapter(tenant)
+            return {"type": "unload_model", "model_id": model.model_id}
+
+        return self._submit(tenant, "unload_model", work)
+
+    def get_info(self, tenant: Tenant, body: dict) -> dict:
+        model = self.model(tenant, body.get("model_id"))
+        adapter = self.lora.adapters.get(model.model_id)
+        return {
+            "type": "get_info", "model_id": model.model_id, "model_data": {"model_name": self.base_model},
+            "lora_rank": model.spec.rank, "target_modules": list(model.spec.target_modules),
+            "optimizer_steps": adapter.steps if adapter else 0,
+        }  # fmt: skip
+
+    def saved_spec(self, tenant: Tenant, path: object) -> dict:
+        """The LoRA config a saved state was made with (to create a training client that loads it)."""
+        folder, _, kind = state.folder_of(self.state_dir, tenant.name, path)
+        if kind != "weights":
+            raise BadRequest(f"path {path}: not a saved training state (/weights/)")
+        spec, steps, base = state.read_spec(folder)
+        return {"rank": spec.rank, "target_modules": list(spec.target_modules), "seed": spec.seed - self.cfg.seed, "steps": steps, "base_model": base}
