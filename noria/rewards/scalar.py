@@ -79,7 +79,9 @@ class ClassifyClient(JudgeClient):
         return one_logit(self.name, data["embedding"])
 
 
-class _NoHttp:
+class NoHttp:
+    """An async context with no HTTP client: for clients that reach their model without one."""
+
     async def __aenter__(self) -> None:
         return None
 
@@ -96,7 +98,7 @@ class LocalClassifyClient(JudgeClient):
         self.name = f"reward model {cfg.name!r} in process"
 
     def http(self) -> Any:
-        return _NoHttp()
+        return NoHttp()
 
     async def _request(self, http: Any, ids: Any, rid: str) -> float:
         try:

@@ -29,7 +29,7 @@ from noria.config.reward import RewardModelConfig
 from noria.engine.protocol import GenerateRequest, SamplingParams
 from noria.errors import EngineFailure
 from noria.rewards.judge import JudgeClient, JudgeFailure
-from noria.rewards.scalar import _NoHttp
+from noria.rewards.scalar import NoHttp
 
 
 class SharedJudgeClient(JudgeClient):
@@ -41,7 +41,7 @@ class SharedJudgeClient(JudgeClient):
         self.name = f"judge {cfg.name!r} on the rollout engines ({self.url})"
 
     def http(self) -> Any:
-        return _NoHttp()
+        return NoHttp()
 
     async def _request(self, http: Any, messages: Sequence[dict[str, str]], rid: str) -> str:
         cfg, tok = self.cfg, self.tokenizer
