@@ -13,6 +13,8 @@ Modules, one concern each::
     weights_api.py  weight updates (SGLang's endpoints and Noria's stage / commit / checksum ones)
     openai_api.py   /v1/models, /v1/completions, /v1/chat/completions
     parsing.py      request parsing: closed, typed fields; errors name the field
+    classify_api.py SGLang's /classify (reward models): the logits of a sequence-classification model
+    classifier.py   SequenceClassifier: what noria serve runs for a *ForSequenceClassification folder
 
 Every response carries the engine's weight version in the ``X-Weight-Version`` header, and
 generation results carry the version that produced their tokens in the body.
