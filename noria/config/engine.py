@@ -79,6 +79,12 @@ class EngineConfig:
         "channel) or int4 (CPU: weight-only, a scale and offset per 32 input channels). Quantized weights are "
         "re-made at every weight update; pair them with train.loss.off_policy: tis."
     )
+    lora_max_adapters: int = option(
+        8, "LoRA adapters served at once (slots; a request names one, or none for the base model). Loading one more "
+        "evicts the least recently used adapter that no request is using; with every slot in use the load is refused. "
+        "Each slot holds rank x (in + out) values per targeted layer, in the model's dtype (docs/engines.md, Serving "
+        "many LoRA adapters)."
+    )
     speculative: SpeculativeConfig = option(
         factory=SpeculativeConfig, help="Speculative decoding (off by default; see docs/engines.md)."
     )
@@ -93,7 +99,7 @@ class EngineConfig:
     def validate(self) -> None:
         if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 1:
             raise ConfigError(f"engine.onednn_cache_capacity must be >= 1 or null, got {self.onednn_cache_capacity}")
-        for key in ("max_running_requests", "max_batch_tokens", "chunked_prefill_size", "block_size"):
+        for key in ("max_running_requests", "max_batch_tokens", "chunked_prefill_size", "block_size", "lora_max_adapters"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:

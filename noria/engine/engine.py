@@ -70,6 +70,8 @@ from noria import hardware
 from noria.config import EngineConfig, ensure_valid
 from noria.engine import scoring, vision
 from noria.engine.kv_cache import KVCache, zeroed_pools
+from noria.engine.lora import LoraRegistry
+from noria.engine.lora_engine import AdapterMethods
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.radix import RadixCache
 from noria.engine.runner import ModelRunner
@@ -86,8 +88,9 @@ log = logging.getLogger(__name__)
 _THROUGHPUT_WINDOW_S = 10.0
 
 
-class Engine:
-    """Continuous-batching generation over a paged KV cache; see the module docstring."""
+class Engine(AdapterMethods):
+    """Continuous-batching generation over a paged KV cache; see the module docstring. LoRA
+    adapters: ``load_adapter`` and the rest of ``noria.engine.lora_engine``."""
 
     def __init__(
         self,
@@ -117,6 +120,8 @@ class Engine:
             model, self.kv, self.device, config.attention, config.deterministic, max_batch=config.max_running_requests,
             max_positions=self.max_context, quantization=config.quantization,
         )
+        self.lora = self.runner.lora = LoraRegistry(model, config.lora_max_adapters, config.deterministic)
+        """The served LoRA adapters (``noria.engine.lora``)."""
         self._generator = torch.Generator(self.device).manual_seed(seed)
         spec = config.speculative
         self.speculator = Speculator(spec, self.scheduler, config.max_batch_tokens) if spec.method != "none" else None
@@ -434,7 +439,11 @@ class Engine:
         return res.token_ids.tolist(), res.logprobs.tolist(), top
 
     def _enqueue(self, req: Req) -> None:
-        if req.request.sampling.max_new_tokens == 0 and req.scoring_from is None:
+        gone = self._pin_adapter(req)
+        if gone is not None:
+            req.finish_reason = {"type": "abort", "message": gone}
+            self._notify([req])
+        elif req.request.sampling.max_new_tokens == 0 and req.scoring_from is None:
             req.finish_reason = {"type": "length", "length": 0}
             self._notify([req])
         else:
@@ -444,6 +453,7 @@ class Engine:
         for req in reqs:
             text = self._decode(req.output_ids)
             if req.finish_reason is not None:
+                self._unpin_adapter(req)
                 with self._live_lock:
                     self._live.discard(req.rid)
             try:
@@ -480,6 +490,7 @@ class Engine:
         if not isinstance(req.top_logprobs_num, int) or not 0 <= req.top_logprobs_num <= vocab:
             raise RequestError(f"top_logprobs_num must be in [0, {vocab}], got {req.top_logprobs_num!r}")
         self._check_scoring(req)
+        self._check_adapter(req)
         vision.check_request(self.model, req)
         needed = self._max_total(req)
         if needed > self.kv.capacity_tokens:

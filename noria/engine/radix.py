@@ -27,6 +27,11 @@ right after the copy. A node is evictable when it is a leaf and the tree's refer
 one left; eviction is least-recently-used first, and freeing a leaf can make its parent a leaf in
 turn. So eviction never frees a block a running request reads.
 
+Namespaces. Each namespace has a tree of its own (``match_prefix`` / ``insert`` take one; None is
+the base model's): the engine keys a LoRA adapter's requests by the adapter's key, new at every
+load and update, so KV computed with one adapter (or one version of it) is never served to another
+request's tokens (the same reason image placeholders are keyed by content, ``vision.cache_ids``).
+
 Staleness. KV computed under old weights must not be served after a weight update, so ``flush``
 drops every node and bumps ``epoch``; a request admitted under an older epoch may hold blocks
 computed (partly) with old weights, and ``insert`` refuses them.
@@ -106,6 +111,8 @@ class RadixCache:
         self.token_match = True
         self.epoch = 0
         self._root = _Node(key=(), block=-1, parent=None)
+        self._roots: dict[object, _Node] = {None: self._root}
+        """The root of each namespace's tree (None: the base model's)."""
         self._clock = itertools.count(1)
         self.num_cached_blocks = 0
         self.evictions = 0
@@ -117,14 +124,17 @@ class RadixCache:
 
     # ------------------------------------------------------------------------------- lookups
 
-    def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> PrefixMatch:
-        """Longest cached prefix of ``tokens`` (at most ``max_tokens``, never all of them), locked."""
+    def match_prefix(self, tokens: list[int], max_tokens: int | None = None, namespace: object = None) -> PrefixMatch:
+        """Longest cached prefix of ``tokens`` (at most ``max_tokens``, never all of them) in
+        ``namespace``'s tree, locked."""
         limit = len(tokens) - 1
         if max_tokens is not None:
             limit = min(limit, max_tokens)
         if not self.enabled or limit <= 0:
             return PrefixMatch(blocks=[], tokens=0)
-        node, blocks, pos, bs = self._root, [], 0, self.block_size
+        node, blocks, pos, bs = self._roots.get(namespace), [], 0, self.block_size
+        if node is None:
+            return PrefixMatch(blocks=[], tokens=0)
         now = next(self._clock)
         while pos + bs <= limit:
             child = node.children.get(tuple(tokens[pos : pos + bs]))
@@ -166,7 +176,7 @@ class RadixCache:
 
     # ------------------------------------------------------------------------------- updates
 
-    def insert(self, tokens: list[int], blocks: list[int], epoch: int) -> None:
+    def insert(self, tokens: list[int], blocks: list[int], epoch: int, namespace: object = None) -> None:
         """Cache ``tokens`` (whose KV is in ``blocks``, in order) for later requests: every full
         block, and the partial last one (with ``token_match``).
 
@@ -178,7 +188,10 @@ class RadixCache:
             return
         bs = self.block_size
         n_full = min(len(tokens) // bs, len(blocks))
-        node, now = self._root, next(self._clock)
+        node = self._roots.get(namespace)
+        if node is None:
+            node = self._roots[namespace] = _Node(key=(), block=-1, parent=None)
+        now = next(self._clock)
         for i in range(n_full):
             node = self._child(node, tuple(tokens[i * bs : (i + 1) * bs]), blocks[i], now)
         tail = tuple(tokens[n_full * bs : (n_full + 1) * bs])
@@ -194,7 +207,7 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             parent = self._remove_leaf(node)
             freed += 1
-            if parent is not self._root and not parent.children and self._unreferenced(parent):
+            if parent.parent is not None and not parent.children and self._unreferenced(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         self.evictions += freed
         return freed
@@ -207,6 +220,7 @@ class RadixCache:
             dropped += 1
         self._root.children.clear()
         self._root.by_first.clear()
+        self._roots = {None: self._root}
         self.num_cached_blocks = 0
         self.epoch += 1
         return dropped
@@ -232,7 +246,7 @@ class RadixCache:
         return self.allocator.refcount(node.block) == 1
 
     def _iter_nodes(self):
-        stack = list(self._root.children.values())
+        stack = [n for root in self._roots.values() for n in root.children.values()]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
@@ -246,4 +260,6 @@ class RadixCache:
         parent.remove(node)
         self.allocator.decref([node.block])
         self.num_cached_blocks -= 1
+        if parent.parent is None and parent is not self._root and not parent.children:
+            self._roots = {ns: r for ns, r in self._roots.items() if r is not parent}  # an emptied namespace
         return parent

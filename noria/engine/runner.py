@@ -27,6 +27,12 @@ On CUDA (``noria.engine.cuda``): decode attention is the Triton paged kernel whe
 the whole forward (``DecodeGraphs``; outside deterministic mode). Prefill chunks run eagerly,
 through SDPA per sequence.
 
+LoRA adapters (``noria.engine.lora``): a step with a row on an adapter sets the row -> adapter
+mapping (``LoraRegistry.begin``) around its forward; the targeted layers add each row's delta,
+through the model's modules or the fast decoder's packed layers (``lora_ops.LoraPackedLayer``).
+Such a step never replays a CUDA graph (it runs eagerly; steps of base rows alone still do): the
+graphs capture the base forward only.
+
 ``engine.quantization: fp8``: the model's decoder-block linears carry FP8 copies of their weights
 (``noria.engine.fp8``; re-made by ``refresh_weights``) and every path (eager, graphs, the fused
 decoder) multiplies with them; the CPU packed path is off.
@@ -55,6 +61,7 @@ import torch
 
 from noria.engine import attention_ref, fp8, inference, kernels, quant, vision
 from noria.engine.kv_cache import KVCache
+from noria.engine.lora_ops import LoraPackedLayer
 from noria.engine.paged_context import DecodeFn, DecodeMeta, PagedAttentionContext, PrefillMeta
 from noria.engine.scheduler import Chunk
 from noria.models.attention import attention_scale
@@ -116,6 +123,9 @@ class LaunchedStep:
 
 class ModelRunner:
     """Runs the native model over a step's chunks and returns the sampling rows' logits."""
+
+    lora = None
+    """The engine's ``noria.engine.lora.LoraRegistry`` (set by the engine), or None."""
 
     def __init__(
         self,
@@ -193,7 +203,7 @@ class ModelRunner:
             self.images.clear()
 
     def _graph_step(self, chunks: list[Chunk]) -> bool:
-        return (self.graphs is not None and all(c.n == 1 and c.sample for c in chunks)
+        return (self.graphs is not None and all(c.n == 1 and c.sample and c.req.lora is None for c in chunks)
                 and self.graphs.bucket(len(chunks)) is not None and not (self.images and self.images.touches(chunks)))
 
     def samples_in_graph(self, chunks: list[Chunk]) -> bool:
@@ -243,11 +253,23 @@ class ModelRunner:
     def _forward(self, chunks: list[Chunk], routing: Routing | None, extra_rows: list[int] = ()) -> torch.Tensor:
         if self._graph_step(chunks) and not extra_rows:
             return self.graphs.forward(chunks)
+        adapters = self.lora is not None and any(c.req.lora is not None for c in chunks)
+        if not adapters:
+            return self._eager(chunks, routing, extra_rows)
+        self.lora.begin([-1 if c.req.lora is None else c.req.lora.slot for c in chunks for _ in range(c.n)])
+        try:
+            return self._eager(chunks, routing, extra_rows, lora=True)
+        finally:
+            self.lora.end()
+
+    def _eager(self, chunks: list[Chunk], routing: Routing | None, extra_rows: list[int], lora: bool = False) -> torch.Tensor:
         ids, positions, slots, ctx = self._prepare(chunks)
         rows = self._to_device(self._last_rows(chunks) + list(extra_rows), torch.long)
         embeds = self.images.embeds(chunks, ids) if self.images is not None else None  # None without image rows
         packed = self.fast.packed if self.fast is not None else None  # None while re-packing after an update
         if packed is not None:
+            if lora:  # the packed layers add the adapters' deltas too
+                packed = packed._replace(layers=[LoraPackedLayer(p, self.lora, i) for i, p in enumerate(packed.layers)])
             hidden = self.fast.hidden_states(ids, positions, ctx, packed, embeds)[0]
             return self.fast.lm_head(hidden.index_select(0, rows), packed)
         extra = {} if embeds is None else {"inputs_embeds": embeds}

@@ -96,6 +96,11 @@ class Req:
     """Prefill scoring (``logprob_start_len``; ``noria.engine.scoring``): logprobs of the input
     tokens from that position on, filled in position order."""
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    lora: Any = None
+    """The request's LoRA adapter (``noria.engine.lora.Adapter``, pinned by the engine while the
+    request lives), or None for the base model."""
+    namespace: int | None = None
+    """Prefix-cache namespace at admission (the adapter's ``key``; None: the base model's)."""
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.request.input_ids)
@@ -150,6 +155,8 @@ class Req:
             input_logprobs=None if self.input_logprobs is None else list(self.input_logprobs),
             input_top_logprobs=None if self.input_top_logprobs is None else list(self.input_top_logprobs),
             routed_experts=torch.stack(self.routes) if self.routes else None,
+            adapter=self.request.adapter,
+            adapter_version=None if self.lora is None else self.lora.version,
         )
 
 
@@ -330,7 +337,8 @@ class Scheduler:
         chunks = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            match = self.radix.match_prefix(req.cache_ids(), self._match_limit(req))
+            namespace = None if req.lora is None else req.lora.key  # adapters never share KV
+            match = self.radix.match_prefix(req.cache_ids(), self._match_limit(req), namespace)
             req.block_table, req.num_computed = list(match.blocks), match.tokens
             shared = self._share_partial(req, match)
             n = self._chunk_len(req, budget)
@@ -344,6 +352,7 @@ class Scheduler:
                 self.kv.allocator.decref([match.partial_block])
             self.waiting.popleft()
             self._start(req, match.tokens)
+            req.namespace = namespace
             chunks.append(Chunk(req, req.num_computed, n))
             budget -= n
         return chunks
@@ -420,7 +429,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Offer the computed KV to the prefix cache, then drop the request's block references."""
-        self.radix.insert(req.cache_ids()[: req.num_computed], req.block_table, req.epoch)
+        self.radix.insert(req.cache_ids()[: req.num_computed], req.block_table, req.epoch, req.namespace)
         if self._appending:
             self._appending.difference_update(req.block_table)
         self.kv.allocator.decref(req.block_table)

@@ -125,7 +125,16 @@ class Linear(nn.Linear):
         if _drawn(self.weight):
             super().reset_parameters()
 
+    lora = None
+    """Set by the engine (``noria.engine.lora``) on its own model's targeted layers: called as
+    ``lora(x, y)`` with this layer's output ``y``, it adds the LoRA deltas of the current batch's
+    rows. Never set on a model that trains."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        return y if self.lora is None else self.lora(x, y)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8(x, self.bias)
         if self.exact_dtype is None:

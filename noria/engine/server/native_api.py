@@ -6,7 +6,8 @@ SGLang's ``image_data``: data URLs or base64, never fetched; optional streaming 
 ``/get_load``, ``/metrics`` (Prometheus text), ``/get_weight_version``, ``/flush_cache``,
 ``/pause_generation`` / ``/continue_generation``, ``/abort_request``, and SGLang's
 ``/release_memory_occupation`` / ``/resume_memory_occupation`` (free and re-allocate the KV cache).
-The weight-update endpoints are :mod:`noria.engine.server.weights_api`.
+The weight-update endpoints are :mod:`noria.engine.server.weights_api`; the LoRA adapter ones
+:mod:`noria.engine.server.lora_api` (``/generate`` names a request's adapter with ``lora_path``).
 
 Responses follow SGLang's shapes (``text``, ``output_ids``, ``meta_info`` with the engine id and the
 weight version that produced the tokens; with ``return_routed_experts`` on a MoE model, SGLang's
@@ -27,6 +28,7 @@ from aiohttp import web
 
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from noria.engine.vision import ImagePrompts
+from noria.engine.server.lora_api import LoraApi
 from noria.engine.server.parsing import (
     HttpError,
     INERT_NATIVE,
@@ -60,6 +62,7 @@ class NativeApi:
     GENERATE_FIELDS = {
         "text", "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "stream",
         "return_text_in_logprobs", "routing_key", "return_routed_experts", "logprob_start_len", "image_data", "priority",
+        "lora_path",
     }  # fmt: skip
 
     def __init__(self, server: EngineServer) -> None:
@@ -89,6 +92,7 @@ class NativeApi:
             router.add_route(method, path, handler)
             # SGLang answers GET and POST on most control endpoints; clients use either.
             router.add_route("POST" if method == "GET" else "GET", path, handler)
+        LoraApi(self.s).register(router)
 
     # ------------------------------------------------------------------------------ /generate
 
@@ -122,6 +126,7 @@ class NativeApi:
         routed = per_item(body.get("return_routed_experts"), n, "return_routed_experts", bool)
         starts = per_item(body.get("logprob_start_len"), n, "logprob_start_len", int)
         priority = want(body, "priority", int, 0)  # SGLang's: larger is admitted first
+        adapters = per_item(body.get("lora_path"), n, "lora_path", str)  # SGLang's: the adapter's name
         images: list[list] = [[] for _ in prompts]
         if body.get("image_data") is not None:
             prompts, images = self.image_prompts(body, prompts, batched)
@@ -135,6 +140,7 @@ class NativeApi:
                 return_logprob=True if logprobs[i] is None else logprobs[i],
                 top_logprobs_num=top_k, routing_key=key, return_routed_experts=bool(routed[i]),
                 logprob_start_len=-1 if starts[i] is None else starts[i], images=images[i], priority=priority,
+                adapter=adapters[i] or None,
             ))  # fmt: skip
         return reqs, batched
 

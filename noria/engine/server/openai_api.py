@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from noria.engine.server.lora_api import adapter_of_model
 from noria.engine.server.native_api import NativeApi
 from noria.engine.vision import IMAGE_PLACEHOLDER
 from noria.engine.server.parsing import (
@@ -70,7 +71,9 @@ class OpenAIApi:
             "owned_by": "noria", "root": self.s.model_path, "max_model_len": engine_attr(self.s.engine, "max_context"),
             "weight_version": self.s.engine.weight_version,
         }  # fmt: skip
-        return web.json_response({"object": "list", "data": [card]})
+        names = getattr(getattr(self.s.engine, "lora", None), "names", None) or {}
+        adapters = [{**card, "id": name, "parent": card["id"], "adapter_version": v} for name, v in sorted(names.items())]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     # ------------------------------------------------------------------------------ parsing
 
@@ -100,6 +103,7 @@ class OpenAIApi:
             raise RequestError(f"n must be in [1, 128], got {n}")
         base = self.sampling(body)
         key = want(body, "routing_key", str) or None
+        adapter = adapter_of_model(self.s.engine, body.get("model"))  # vLLM's: the model names a LoRA adapter
         reqs = []
         for p, ids in enumerate(prompts):
             self.native.check_context(ids, base, "prompt" if len(prompts) == 1 else f"prompt[{p}]")
@@ -109,6 +113,7 @@ class OpenAIApi:
                     sampling.seed = base.seed + i
                 reqs.append(GenerateRequest(
                     ids, sampling, rid="", return_logprob=logprobs, top_logprobs_num=top_k, routing_key=key, images=list(images or []),
+                    adapter=adapter,
                 ))  # fmt: skip
         return reqs
 

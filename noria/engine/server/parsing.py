@@ -67,7 +67,7 @@ ANY = object()
 INERT_NATIVE = {
     "model": ANY, "log_metrics": ANY, "no_logs": ANY, "return_hidden_states": False, "background": False,
     "return_bytes": False, "return_entropy": False, "custom_logit_processor": None,
-    "lora_path": None, "session_params": None, "bootstrap_host": None,
+    "session_params": None, "bootstrap_host": None,
 }  # fmt: skip
 INERT_OPENAI = {
     "user": ANY, "no_stop_trim": False, "continue_final_message": False, "skip_special_tokens": True,

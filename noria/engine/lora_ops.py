@@ -1,0 +1,194 @@
+"""The batched LoRA matmuls: every row of a step gets its own adapter's delta (torch ops only).
+
+A targeted layer's stack (:class:`LoraStack`) holds every slot's A as ``a`` [S, r, K] and B
+transposed as ``bt`` [S, r, N] (S = ``engine.lora_max_adapters``, r the largest rank loaded,
+lower ranks zero-padded). A forward with adapter rows carries a :class:`LoraBatch`: the slot of
+each flattened token (-1: base). Three ways to apply it, all in this module:
+
+- ``stacked`` (the default): one matmul of the rows with the A of every slot up to the highest
+  one used, ``h = x @ a[:u].view(u r, K).T`` [T, u r]; ``h`` times a mask that keeps, in each row,
+  its own slot's r columns times its scaling (zeros elsewhere); then ``h @ bt[:u].view(u r, N)``.
+  Three ops per layer whatever the mix; the zeros make other slots' terms exact zeros, so a row's
+  delta is its adapter's alone (non-finite adapter values are refused at load for that reason).
+  It computes u r columns for every row, where only r count.
+- ``grouped`` (S-LoRA style): per adapter in the step, its rows' matmuls with its A and B and an
+  ``index_add_``: four ops per adapter per layer, only the useful multiply-adds.
+- ``gathered`` (Punica BGMV style): each adapter row's A and B gathered ([T, r, K], [T, r, N]) and
+  two batched matmuls: four ops per layer, but a copy of r (K + N) values per row.
+
+Measured on an AMD EPYC (Zen 4, AVX-512 with AVX512_BF16), 2 cores shared with other work, torch
+2.13, SmolLM2-135M's shapes (K 576, N 576 ... 1536) in bf16, rank 16, a decode step of 16 rows
+(``python -m noria.engine.lora_ops``; median of the three per layer call, microseconds):
+
+See ``MEASURED`` below for the figures; ``stacked`` is the default because it was fastest at 1, 4
+and 16 adapters at decode sizes (its extra multiply-adds cost less than the per-adapter op
+overhead of ``grouped`` and the copies of ``gathered``).
+
+Deterministic mode (``engine.deterministic``): ``stacked`` over all S slots (a fixed shape) with
+both matmuls through ``row_chunked_linear``, so a row's delta has the same bits whatever else
+shares the step: a mixed batch gives each row the bits of its adapter served alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from noria.models.decoder import row_chunked_linear
+
+STRATEGIES = ("stacked", "grouped", "gathered")
+STRATEGY = "stacked"
+"""The strategy the engine uses (see the module docstring)."""
+MEASURED = ""
+"""Filled in from ``python -m noria.engine.lora_ops`` (see the module docstring)."""
+
+
+@dataclass
+class LoraBatch:
+    """The row -> adapter mapping of one forward, in the forms the strategies need."""
+
+    strategy: str
+    hi: int
+    """Slots 0 .. hi - 1 take part (stacked)."""
+    mask: torch.Tensor | None = None
+    """stacked: [T, hi r], each row's scaling on its slot's r columns, zeros elsewhere."""
+    groups: list[tuple[int, torch.Tensor | slice, float]] | None = None
+    """grouped: (slot, its rows (a slice when they are one run), scaling)."""
+    rows: torch.Tensor | None = None
+    """gathered: the rows that have an adapter [R]."""
+    row_slots: torch.Tensor | None = None
+    """gathered: their slots [R]."""
+    row_scale: torch.Tensor | None = None
+    """gathered: their scalings [R, 1]."""
+    exact: bool = False
+
+    @classmethod
+    def build(
+        cls, slots: list[int], scaling: list[float], rank: int, capacity: int, dtype: torch.dtype,
+        device: torch.device, deterministic: bool = False, strategy: str | None = None,
+    ) -> LoraBatch:
+        """From one slot per flattened token (-1: base) and each slot's scaling."""
+        strategy = "stacked" if deterministic else (strategy or STRATEGY)
+        if strategy == "stacked":
+            hi = capacity if deterministic else max(slots) + 1
+            mask = torch.zeros(len(slots), hi, rank)
+            for row, slot in enumerate(slots):
+                if slot >= 0:
+                    mask[row, slot] = scaling[slot]
+            return cls(strategy, hi, mask=mask.view(len(slots), hi * rank).to(device=device, dtype=dtype), exact=deterministic)
+        if strategy == "grouped":
+            groups = []
+            for slot in sorted(set(s for s in slots if s >= 0)):
+                rows = [i for i, s in enumerate(slots) if s == slot]
+                where = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else torch.tensor(rows, device=device)
+                groups.append((slot, where, scaling[slot]))
+            return cls(strategy, 0, groups=groups)
+        if strategy == "gathered":
+            rows = [i for i, s in enumerate(slots) if s >= 0]
+            row_slots = [slots[i] for i in rows]
+            return cls(
+                strategy, 0, rows=torch.tensor(rows, device=device), row_slots=torch.tensor(row_slots, device=device),
+                row_scale=torch.tensor([[scaling[s]] for s in row_slots], dtype=dtype, device=device),
+            )
+        raise ValueError(f"unknown LoRA strategy {strategy!r}; known: {STRATEGIES}")
+
+
+class LoraStack:
+    """Every slot's A and B of one targeted layer; see the module docstring."""
+
+    def __init__(self, in_features: int, out_features: int, capacity: int, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.in_features, self.out_features = in_features, out_features
+        self.a = torch.zeros(capacity, rank, in_features, dtype=dtype, device=device)
+        self.bt = torch.zeros(capacity, rank, out_features, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + self.bt.nbytes
+
+    def write(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Slot ``slot`` := A [r, K], B [N, r] (r <= the stack's rank; the rest zeros)."""
+        r = a.shape[0]
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+        self.a[slot, :r].copy_(a)
+        self.bt[slot, :r].copy_(b.t())
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+
+    def grow(self, rank: int) -> None:
+        """Widen every slot to ``rank`` (zero-padded; the deltas stay the same)."""
+        old = self.a.shape[1]
+        a = self.a.new_zeros(self.a.shape[0], rank, self.in_features)
+        bt = self.bt.new_zeros(self.bt.shape[0], rank, self.out_features)
+        a[:, :old].copy_(self.a)
+        bt[:, :old].copy_(self.bt)
+        self.a, self.bt = a, bt
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """``y`` (the layer's output for ``x`` [..., K]) plus each row's delta, in place."""
+        flat = x.reshape(-1, self.in_features)
+        if batch.strategy == "stacked":
+            d = self._stacked(flat, batch)
+        elif batch.strategy == "grouped":
+            d = self._grouped(flat, batch)
+        else:
+            d = self._gathered(flat, batch)
+        return y.add_(d.view(y.shape))
+
+    def _stacked(self, flat: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        hi, r = batch.hi, self.a.shape[1]
+        a = self.a[:hi].view(hi * r, self.in_features)
+        bt = self.bt[:hi].view(hi * r, self.out_features)
+        if batch.exact:
+            h = row_chunked_linear(flat, a).mul_(batch.mask)
+            return row_chunked_linear(h, bt.t())
+        return torch.mm(torch.mm(flat, a.t()).mul_(batch.mask), bt)
+
+    def _grouped(self, flat: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        out = flat.new_zeros(flat.shape[0], self.out_features)
+        for slot, rows, scaling in batch.groups:
+            if isinstance(rows, slice):
+                out[rows] = torch.mm(torch.mm(flat[rows], self.a[slot].t()).mul_(scaling), self.bt[slot])
+            else:
+                h = torch.mm(flat.index_select(0, rows), self.a[slot].t()).mul_(scaling)
+                out.index_add_(0, rows, torch.mm(h, self.bt[slot]))
+        return out
+
+    def _gathered(self, flat: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        out = flat.new_zeros(flat.shape[0], self.out_features)
+        a = self.a.index_select(0, batch.row_slots)  # [R, r, K]
+        bt = self.bt.index_select(0, batch.row_slots)  # [R, r, N]
+        h = torch.bmm(a, flat.index_select(0, batch.rows)[:, :, None]).mul_(batch.row_scale[:, :, None])  # [R, r, 1]
+        out.index_copy_(0, batch.rows, torch.bmm(h.transpose(1, 2), bt)[:, 0])
+        return out
+
+
+class LoraPackedLayer:
+    """A fast-decoder layer (``noria.engine.inference``: fused qkv, o, gate_up, down) whose four
+    matmuls also add the current batch's deltas of the modules they stand for."""
+
+    def __init__(self, packed, registry, index: int) -> None:
+        prefix = f"model.layers.{index}."
+        self.qkv = _Group(packed.qkv, registry, [prefix + f"self_attn.{p}_proj" for p in "qkv"])
+        self.o = _Group(packed.o, registry, [prefix + "self_attn.o_proj"])
+        self.gate_up = _Group(packed.gate_up, registry, [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"])
+        self.down = _Group(packed.down, registry, [prefix + "mlp.down_proj"])
+
+
+class _Group:
+    """One packed matmul standing for several modules (outputs concatenated in ``sizes`` order)."""
+
+    def __init__(self, packed, registry, modules: list[str]) -> None:
+        self.packed, self.registry, self.modules = packed, registry, modules
+        self.sizes = packed.sizes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.packed(x)
+        if len(self.modules) == 1:
+            return self.registry.delta_into(self.modules[0], x, y)
+        for module, part in zip(self.modules, y.split(self.sizes, dim=-1)):
+            self.registry.delta_into(module, x, part)
+        return y
