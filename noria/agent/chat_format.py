@@ -124,7 +124,14 @@ class ChatFormat:
     """Token-in-token-out rendering for one tokenizer's (ChatML-family) chat template."""
 
     def __init__(self, tokenizer: Any, end_of_turn: str = "<|im_end|>") -> None:
-        template = getattr(tokenizer, "chat_template", None)
+        from noria.data.vision_chat import is_processor
+
+        self.processor = tokenizer if is_processor(tokenizer) else None
+        """A vision-language model's processor (given in place of the tokenizer): image parts render
+        as its image placeholder, which it expands into the image's tokens."""
+        if self.processor is not None:
+            tokenizer = self.processor.tokenizer
+        template = getattr(self.processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
         if not template:
             raise TemplateError("the tokenizer has no chat template; a chat session needs one")
         if end_of_turn not in template:
@@ -136,6 +143,7 @@ class ChatFormat:
             raise TemplateError(f"{end_of_turn!r} is not one token in this tokenizer (got {ids})")
         self.end_of_turn_id = ids[0]
         self.native_tools = "tools" in template
+        self.template = template
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool, **kwargs: Any) -> str:
         """The chat template's text; ``TemplateError`` when it cannot render these (the client's) messages."""
@@ -147,6 +155,8 @@ class ChatFormat:
                     messages = with_tools_in_system(messages, tools)
                     tools = None
             extra = {"tools": tools} if tools else {}
+            if self.processor is not None:  # the processor's template, which renders image parts
+                extra["chat_template"] = self.template
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra, **kwargs
             )
@@ -154,15 +164,31 @@ class ChatFormat:
             # classified: the messages are the client's, so the template failing on them is a bad request
             raise TemplateError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, images: list[str] | None = None) -> list[int]:
+        """Token ids of ``text``; with ``images`` (stored references, one per placeholder in ``text``)
+        each placeholder expanded by the processor into its image's tokens."""
+        if images:
+            return self._encode_images(text, images)
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         except (TypeError, ValueError, UnicodeEncodeError) as e:  # e.g. a lone surrogate in the client's text
             raise TemplateError(f"the text cannot be tokenized: {type(e).__name__}: {e}") from e
 
-    def first_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
-        """The first turn, rendered whole, ready for generation."""
-        return self.encode(self.render(messages, tools, True, **kwargs))
+    def _encode_images(self, text: str, images: list[str]) -> list[int]:
+        from noria.data.images import default_store
+        from noria.engine.vision import IMAGE_PLACEHOLDER
+
+        if self.processor is None:
+            raise TemplateError("the messages hold images but the model takes none (no image processor)")
+        if text.count(IMAGE_PLACEHOLDER) != len(images):
+            raise TemplateError(f"the chat template wrote {text.count(IMAGE_PLACEHOLDER)} image placeholders for {len(images)} images")
+        pictures = [default_store().get(ref).convert("RGB") for ref in images]
+        encoded = self.processor(text=[text], images=[pictures], add_special_tokens=False, do_image_splitting=False)
+        return [int(t) for t in encoded["input_ids"][0]]
+
+    def first_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, images: list[str] | None = None, **kwargs: Any) -> list[int]:
+        """The first turn, rendered whole, ready for generation (``images``: the messages' images)."""
+        return self.encode(self.render(messages, tools, True, **kwargs), images)
 
     def appended_text(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, **kwargs: Any) -> str:
         """Text of ``messages`` appended after an assistant turn's end-of-turn marker (+ generation prompt)."""
@@ -178,8 +204,8 @@ class ChatFormat:
             raise TemplateError("cannot find the stand-in assistant turn in the rendered template")
         return full[end + len(self.end_of_turn) :]
 
-    def appended_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
-        return self.encode(self.appended_text(messages, tools, **kwargs))
+    def appended_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, images: list[str] | None = None, **kwargs: Any) -> list[int]:
+        return self.encode(self.appended_text(messages, tools, **kwargs), images)
 
     def parse_assistant(self, text: str) -> ParsedAssistant:
         """Split decoded assistant text (end-of-turn marker removed) into reasoning, content, tool calls."""
@@ -223,7 +249,10 @@ def tool_as_user(message: dict[str, Any]) -> dict[str, Any]:
     """A ``tool`` message as the user turn a template without tool support should show."""
     if message.get("role") != "tool":
         return message
-    return {"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+    content = message.get("content") or ""
+    if isinstance(content, list):  # content parts (a tool's picture among them) keep their order inside the wrapper
+        return {"role": "user", "content": [{"type": "text", "text": "<tool_response>\n"}, *content, {"type": "text", "text": "\n</tool_response>"}]}
+    return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
 
 
 def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:

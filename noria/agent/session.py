@@ -73,7 +73,9 @@ from typing import Any, Literal
 from aiohttp import web
 
 from noria.agent.chat_format import ChatFormat, TemplateError
+from noria.agent.session_images import message_images
 from noria.agent.session_bounds import BadRequest, SessionCounters, SessionLimits, check_body, error_response, read_body
+from noria.data.vision_chat import image_data
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from noria.errors import NoriaError
 from noria.router.client import MissingRoutingKey, routing_headers
@@ -108,6 +110,8 @@ class Session:
     versions: list[int] = field(default_factory=list)
     routes: list[Any] = field(default_factory=list)
     """Per response token, its MoE route [L, k] (policy tokens, when the server asks for routes) or None."""
+    images: list[str] = field(default_factory=list)
+    """The record's images in the order of their tokens (a vision-language policy; ``noria.agent.session_images``)."""
     turns: int = 0
     last_finish: str | None = None
     cached_tokens: int = 0
@@ -144,25 +148,29 @@ class Session:
         if self.prompt_ids and (len(messages) <= known or not same_history(messages[:known], self.messages)):
             if self.on_mismatch == "error":
                 raise HistoryMismatch(history_diff(messages, self.messages))
-            first = self.fmt.first_ids(messages, tools, **kwargs)
+            refs = message_images(messages)
+            first = self.fmt.first_ids(messages, tools, images=refs, **kwargs)
             self.check_room(len(first))
             self.rerenders += 1
             self.dropped_policy_tokens += sum(self.loss_mask)
             self.response_ids, self.loss_mask, self.logprobs, self.versions, self.routes = [], [], [], [], []
-            self.prompt_ids, self.messages = first, [dict(m) for m in messages]
+            self.prompt_ids, self.messages, self.images = first, [dict(m) for m in messages], refs
             return self.ids
         if not self.prompt_ids:
-            first = self.fmt.first_ids(messages, tools, **kwargs)
+            refs = message_images(messages)
+            first = self.fmt.first_ids(messages, tools, images=refs, **kwargs)
             self.check_room(len(first))
-            self.prompt_ids, self.messages = first, [dict(m) for m in messages]
+            self.prompt_ids, self.messages, self.images = first, [dict(m) for m in messages], refs
             return self.ids
         appended = messages[known:]
-        ids = self.fmt.appended_ids(appended, tools, **kwargs)
+        refs = message_images(appended)
+        ids = self.fmt.appended_ids(appended, tools, images=refs, **kwargs)
         if not self.response_ids or self.response_ids[-1] != self.fmt.end_of_turn_id:
             ids = [self.fmt.end_of_turn_id, *ids]  # the last turn stopped without closing (length or stop string)
         self.check_room(len(self.ids) + len(ids))
         self.append(ids)
         self.messages.extend(dict(m) for m in appended)
+        self.images += refs
         return self.ids
 
     def check_room(self, tokens: int) -> None:
@@ -216,6 +224,7 @@ class Session:
         sample.weight_versions = list(self.versions)
         sample.routed_experts = self.routed_experts()
         sample.session_id = self.id
+        sample.images = list(self.images) or None
         sample.response_text = self.fmt.tokenizer.decode(self.response_ids, skip_special_tokens=False)
         sample.metadata.update({
             "turns": self.turns,
@@ -514,7 +523,8 @@ class SessionServer:
         kwargs = dict(body.get("chat_template_kwargs") or {})
         ids = session.input_ids(body["messages"], body.get("tools"), kwargs)
         sampling = session.request_sampling(body)
-        req = GenerateRequest(list(ids), sampling, routing_key=session.id, return_routed_experts=self.routes)
+        req = GenerateRequest(list(ids), sampling, routing_key=session.id, return_routed_experts=self.routes,
+                              image_data=image_data(session.images) if session.images else [])
         out = await session_generate(self.engine, req)
         return session.record(out), out
 

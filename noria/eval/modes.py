@@ -72,6 +72,8 @@ class EvalHost(Protocol):
     """The rollout engines (shared mode generates on them)."""
     tokenizer: Any
     """The policy's tokenizer (a transformers tokenizer; None for an image model)."""
+    processor: Any
+    """A vision-language policy's processor (agent sessions render images with it), else None."""
     test_prompts: list[tuple[Prompt, list[int]]]
     """The held-out prompts and their rendered token ids."""
     reward: RewardConfig
@@ -259,7 +261,8 @@ async def generate_on(job: EvalHost, client: Any, prompts: list[Any], first_grou
     from noria.rollout.generate import run_rollout
 
     e = job.config.eval
-    ctx = RolloutContext(client, job.tokenizer, eval_sampling(job.config), seed=e.seed, greedy=e.temperature == 0)
+    ctx = RolloutContext(client, job.tokenizer, eval_sampling(job.config), seed=e.seed, greedy=e.temperature == 0,
+                         processor=job.processor)
     from noria.rewards.registry import eval_reward
 
     result = await run_rollout(ctx, prompts, first_group_id, e.n_samples, eval_reward(job.reward))  # a judge's run: the rule

@@ -147,6 +147,9 @@ class LocalJob:
         self.engine_key: str | None = None
         """The API key of the ``noria serve`` child this job started (its ``/get_load`` feeds ``engine_metrics``)."""
         self.client: Any = None
+        self.processor: Any = None
+        """A vision-language model's processor (``load_data``): prompts with images, their pixels."""
+        self.pixels: Any = None
         self.backend: Any = None
         self.critic: Any = None
         self.sync: Any = None
@@ -172,7 +175,8 @@ class LocalJob:
         cfg = self.config
         get_reward(self.reward.name)  # an unknown reward or a bad import path fails here (PluginError)
         self.tokenizer = load_tokenizer(model_path(cfg.model.path))
-        renderer = load_processor(model_path(cfg.model.path)) or self.tokenizer  # a vision-language model's: prompts with images
+        self.processor = load_processor(model_path(cfg.model.path))  # a vision-language model's: prompts with images
+        renderer = self.processor or self.tokenizer
         self.pixels = SamplePixels(model_path(cfg.model.path), self.folder / IMAGES)  # their pixels for the trainer
         train = render_prompts(load_prompts(cfg.data, "train"), renderer, cfg.data.chat_template, cfg.data.system_prompt)
         kept, dropped = drop_long(train, cfg.data.max_prompt_tokens)
@@ -366,7 +370,7 @@ class LocalJob:
         r = self.config.rollout
         top = self.teacher.top_k if self.teacher else 0
         live = LiveRequests() if in_flight_policy(r, self.client)[0] == "continue" else None  # checkpoints stop requests with their tokens
-        ctx = RolloutContext(self.client, self.tokenizer, r, seed=self.config.seed, top_logprobs=top, live=live)
+        ctx = RolloutContext(self.client, self.tokenizer, r, seed=self.config.seed, top_logprobs=top, live=live, processor=self.processor)
         self.scheduler = RolloutScheduler(
             ctx, self.next_prompt, self.buffer, self.reward, n_samples=r.n_samples, groups_per_step=r.prompts_per_step,
             max_staleness=r.max_staleness, max_in_flight=r.max_in_flight or r.prompts_per_step * r.n_samples,

@@ -69,6 +69,8 @@ class RolloutContext:
     top_logprobs: int = 0
     """Record the engine's top-k logprobs of every sampled token (``Sample.rollout_top_logprobs``;
     ``opd.top_k``); 0 records none."""
+    processor: Any = None
+    """A vision-language model's processor (agent sessions render image parts with it); None for text."""
     live: LiveRequests | None = None
     """The gate a checkpoint closes to stop every request with its tokens (``noria.rollout.in_flight``;
     ``rollout.resume_in_flight`` continue); None: requests go straight to the engine."""
@@ -271,7 +273,8 @@ async def run_rollout(
     # One count per run: every call's server shares the context's counters (ctx.extra is shared by its copies).
     counters = ctx.extra.setdefault("session_counters", SessionCounters())
     limits = SessionLimits.from_rollout(cfg)
-    async with SessionServer(ctx.engine, ctx.tokenizer, base, on_mismatch, limits, counters, routes=routes) as server:
+    renderer = ctx.processor or ctx.tokenizer  # a vision-language model's processor renders images in sessions
+    async with SessionServer(ctx.engine, renderer, base, on_mismatch, limits, counters, routes=routes) as server:
         ctx.session_server = server
         return await rollout_groups(ctx, prompts, first_group_id, n_samples, reward, generate)
 
