@@ -23,6 +23,8 @@ engine reaches end to end (attention, sampling and scheduling included).
 integer decoder blocks, ``noria.engine.quant``), the peers once at the model dtype. Cases of a
 quantized engine carry the mode (``... int8 batch=N ...``) and list the unquantized engine of the
 same run as the peer ``noria_none``; their bound is the same matmul rate with the integer layers.
+
+``--lora N``: N LoRA adapters mixed in one batch against the base model (``noria.bench.engine_lora``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu (empty for none)")
     parser.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
     parser.add_argument("--quant", default="none", help="comma-separated engine.quantization values of the built-in engine: none, int8, int4")
+    parser.add_argument("--lora", type=int, default=0, help="N > 0: tokens/s with N LoRA adapters mixed in one batch against "
+                        "the base model in the same batch (noria.bench.engine_lora); peers: vllm_cpu only")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora adapters")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
@@ -60,6 +65,11 @@ def main(args) -> int:
     unknown = [q for q in quants if q not in QUANTS]
     if unknown or not quants:
         raise SystemExit(f"--quant: {','.join(unknown) or 'empty'} not supported; choose from {', '.join(QUANTS)}")
+    if args.lora > 0:
+        from noria.bench.engine_lora import run_lora
+
+        run_lora(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype, args.lora, args.lora_rank)
+        return 0
     run(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype, quants)
     return 0
 

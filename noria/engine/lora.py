@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from noria.engine.lora_ops import LoraBatch, LoraStack
+from noria.engine.lora_ops import GROUPS, GroupWeights, LoraBatch, LoraStack
 from noria.engine.protocol import RequestError
 from noria.models.decoder import DecoderLM, Linear
 
@@ -176,6 +176,15 @@ class LoraRegistry:
         self.batch: LoraBatch | None = None
         """The current forward's row -> slot mapping (set by the runner around a forward with adapter rows)."""
         self._next_key = 1
+        self._groups: dict[tuple[int, str], GroupWeights | None] = {}
+        """The fast decoder's group weights for the current ``hi`` (``lora_ops.GroupWeights``), dropped at every change."""
+        self._groups_hi = 0
+        self.packed = False
+        """Whether group weights are prepacked for oneDNN (the fast decoder's dtype packs here)."""
+        if self.device.type == "cpu":
+            from noria.hardware import packed_linear_ok
+
+            self.packed = packed_linear_ok(self.dtype)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -307,6 +316,23 @@ class LoraRegistry:
 
     def _publish(self) -> None:
         self.names = {n: a.version for n, a in self.adapters.items()}
+        self._groups.clear()
+
+    def group_weights(self, layer: int, kind: str, sizes: list[int]) -> GroupWeights | None:
+        """The current batch's :class:`GroupWeights` of fast-decoder matmul ``kind`` of ``layer``
+        (None when no adapter targets its modules), made on first use after a change."""
+        hi = self.batch.hi
+        if hi != self._groups_hi:
+            self._groups.clear()
+            self._groups_hi = hi
+        key = (layer, kind)
+        if key not in self._groups:
+            stacks = [self.stacks.get(f"model.layers.{layer}.{m}") for m in GROUPS[kind]]
+            made = None
+            if any(s is not None for s in stacks):
+                made = GroupWeights(stacks, sizes, hi, self.rank, self.packed)
+            self._groups[key] = made
+        return self._groups[key]
 
 
 class _Hook:

@@ -62,6 +62,18 @@ class LoraBatch:
     row_scale: torch.Tensor | None = None
     """gathered: their scalings [R, 1]."""
     exact: bool = False
+    slot_mask: torch.Tensor | None = None
+    """stacked: [T, hi], each row's scaling at its slot, zeros elsewhere."""
+    _group_masks: dict[int, torch.Tensor] | None = None
+
+    def group_mask(self, width: int) -> torch.Tensor:
+        """stacked: [T, hi width], each row's scaling on its slot's ``width`` columns (a group's)."""
+        masks = self._group_masks if self._group_masks is not None else {}
+        self._group_masks = masks
+        if width not in masks:
+            t, hi = self.slot_mask.shape
+            masks[width] = self.slot_mask[:, :, None].expand(t, hi, width).reshape(t, hi * width).contiguous()
+        return masks[width]
 
     @classmethod
     def build(
@@ -72,11 +84,14 @@ class LoraBatch:
         strategy = "stacked" if deterministic else (strategy or STRATEGY)
         if strategy == "stacked":
             hi = capacity if deterministic else max(slots) + 1
-            mask = torch.zeros(len(slots), hi, rank)
+            per_slot = torch.zeros(len(slots), hi)
             for row, slot in enumerate(slots):
                 if slot >= 0:
-                    mask[row, slot] = scaling[slot]
-            return cls(strategy, hi, mask=mask.view(len(slots), hi * rank).to(device=device, dtype=dtype), exact=deterministic)
+                    per_slot[row, slot] = scaling[slot]
+            per_slot = per_slot.to(device=device, dtype=dtype)
+            batch = cls(strategy, hi, exact=deterministic, slot_mask=per_slot)
+            batch.mask = batch.group_mask(rank)
+            return batch
         if strategy == "grouped":
             groups = []
             for slot in sorted(set(s for s in slots if s >= 0)):
@@ -166,27 +181,73 @@ class LoraStack:
         return out
 
 
+GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}  # fmt: skip
+"""The fast decoder's matmuls (``noria.engine.inference``) and the modules each stands for, in output order."""
+
+
+class GroupWeights:
+    """``stacked`` for one fast-decoder matmul standing for M modules (q, k, v: M = 3): one A of
+    every (slot, module) pair, [hi M r, K], and one B spreading each pair onto its module's output
+    columns, [hi M r, N_1 + ... + N_M] (zeros elsewhere), so the group costs two matmuls, a mask
+    product and an add, whatever M. Made from the layer stacks for a given ``hi`` and kept until an
+    adapter changes; prepacked for oneDNN where the fast decoder packs its own weights."""
+
+    def __init__(self, stacks: list[LoraStack | None], sizes: list[int], hi: int, rank: int, packed: bool) -> None:
+        first = next(s for s in stacks if s is not None)
+        k, m, width = first.in_features, len(stacks), sum(sizes)
+        a = first.a.new_zeros(hi, m, rank, k)
+        b = first.a.new_zeros(hi, m, rank, width)
+        start = 0
+        for i, (stack, n) in enumerate(zip(stacks, sizes)):
+            if stack is not None:
+                a[:, i] = stack.a[:hi]
+                b[:, i, :, start : start + n] = stack.bt[:hi]
+            start += n
+        self.width = m * rank
+        """Columns of one slot in the group's h."""
+        self.a, self.b = a.view(hi * m * rank, k), b.view(hi * m * rank, width).t().contiguous()  # b: [N, hi M r]
+        self.packed = packed
+        if packed:
+            rows = 64
+            self.a = torch.ops.mkldnn._reorder_linear_weight(self.a, rows)
+            self.b = torch.ops.mkldnn._reorder_linear_weight(self.b, rows)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
+        return torch.nn.functional.linear(x, w)
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        h = self._linear(flat, self.a).mul_(batch.group_mask(self.width))
+        return y.add_(self._linear(h, self.b).view(y.shape))
+
+
 class LoraPackedLayer:
     """A fast-decoder layer (``noria.engine.inference``: fused qkv, o, gate_up, down) whose four
-    matmuls also add the current batch's deltas of the modules they stand for."""
+    matmuls also add the current batch's deltas of the modules they stand for: each through its
+    :class:`GroupWeights` (``stacked``), or module by module (the other strategies)."""
 
     def __init__(self, packed, registry, index: int) -> None:
-        prefix = f"model.layers.{index}."
-        self.qkv = _Group(packed.qkv, registry, [prefix + f"self_attn.{p}_proj" for p in "qkv"])
-        self.o = _Group(packed.o, registry, [prefix + "self_attn.o_proj"])
-        self.gate_up = _Group(packed.gate_up, registry, [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"])
-        self.down = _Group(packed.down, registry, [prefix + "mlp.down_proj"])
+        for kind, modules in GROUPS.items():
+            names = [f"model.layers.{index}.{m}" for m in modules]
+            layer = getattr(packed, kind)
+            weights = registry.group_weights(index, kind, layer.sizes) if registry.batch.strategy == "stacked" else None
+            setattr(self, kind, _Group(layer, registry, names, weights))
 
 
 class _Group:
     """One packed matmul standing for several modules (outputs concatenated in ``sizes`` order)."""
 
-    def __init__(self, packed, registry, modules: list[str]) -> None:
-        self.packed, self.registry, self.modules = packed, registry, modules
+    def __init__(self, packed, registry, modules: list[str], weights: GroupWeights | None) -> None:
+        self.packed, self.registry, self.modules, self.weights = packed, registry, modules, weights
         self.sizes = packed.sizes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.packed(x)
+        if self.weights is not None:
+            return self.weights.add_delta(x, y, self.registry.batch)
         if len(self.modules) == 1:
             return self.registry.delta_into(self.modules[0], x, y)
         for module, part in zip(self.modules, y.split(self.sizes, dim=-1)):

@@ -218,3 +218,21 @@ def test_noria_serve_loads_and_serves_adapters(tiny_model_dir, folders, tmp_path
             assert r.status_code == 400 and "'a'" in r.text
     finally:
         proc.stop()
+
+
+def test_every_lora_strategy_gives_the_same_rows(model, folders, monkeypatch):
+    from noria.engine import lora_ops
+
+    engine = make_engine(model, prefix_cache=False)
+    try:
+        engine.load_adapter("a", folders["a"])
+        engine.load_adapter("b", folders["b"])
+        mix = ["b", None, "a", "b"]
+        want = scored(engine, mix)
+        for strategy in lora_ops.STRATEGIES[1:]:
+            monkeypatch.setattr(lora_ops, "STRATEGY", strategy)
+            for out, ref in zip(scored(engine, mix), want):
+                got, exp = out.input_logprobs + out.logprobs, ref.input_logprobs + ref.logprobs
+                assert max(abs(x - y) for x, y in zip(got, exp)) <= 1e-5, strategy
+    finally:
+        engine.shutdown()
