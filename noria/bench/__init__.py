@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fleet": ("fleet", "scale-out: launch local vs ray step time, 2 engines vs 1 tokens/s and busy fraction, a weight push to N engines vs the raw broadcast"),
     "diffusion": ("diffusion", "images/s of the diffusion engine vs diffusers' DiTPipeline loop on the same DiT, and the DiT trainer's samples/s"),
     "fuzz": ("fuzz", "every HTTP route of noria serve, the session server and the router front fuzzed (Hypothesis): 5xx, crashes, health, RSS"),
+    "reward": ("reward", "a generative judge's rows/s and p50/p99 latency, and its scoring hidden behind generation: per sample vs per group vs on the policy's engine, against the rule"),
     "soak": ("soak", "an async RL job (eval fleet, agent sessions) for N minutes: RSS, fds, threads, /dev/shm, KV blocks and buffer of its process tree; fails on growth"),
 }
 """``noria bench NAME`` -> (module of ``noria.bench``, one-line help)."""
