@@ -229,6 +229,10 @@ class ImagePrompts:
         encoded = self._process(images=[images])
         return self._inputs(ids, encoded, name)
 
+    def from_data(self, ids: list[int], image_data: list[str], name: str = "image_data") -> list[ImageInput]:
+        """The images' inputs of a request's ``image_data`` (base64 / data URLs) for ids already expanded."""
+        return self.from_ids(ids, self.decode(list(image_data), name), name)
+
     def _process(self, **kwargs: Any) -> Any:
         processor = self.processor()
         try:

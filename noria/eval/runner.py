@@ -45,6 +45,7 @@ class EvalResult:
 def run_eval(config: RunConfig, run_dir: str | None = None, output: str | None = None, progress: bool = True) -> EvalResult:
     """Evaluate ``config.model`` on ``config.data``'s ``config.eval.split``; print and save the result."""
     from noria.data import load_prompts
+    from noria.data.vision_chat import load_processor
     from noria.models import load_tokenizer
     from noria.models.catalog import model_path
 
@@ -54,7 +55,7 @@ def run_eval(config: RunConfig, run_dir: str | None = None, output: str | None =
         prompts = prompts[: cfg.limit]
     folder = model_path(config.model.path)
     tokenizer = load_tokenizer(folder)
-    prompt_ids, kept, dropped = _render(prompts, tokenizer, config)
+    prompt_ids, kept, dropped = _render(prompts, load_processor(folder) or tokenizer, config)  # a VLM's processor: images
     out_dir = _run_dir(config, run_dir)
     save_config(config, out_dir / "config.yaml")
 
@@ -104,13 +105,11 @@ def _run_dir(config: RunConfig, run_dir: str | None) -> Path:
 
 
 def _runs_on_engine(folder: Path, config: RunConfig) -> bool:
-    """The built-in engine serves native architectures; anything else goes through transformers."""
-    from noria.models.checkpoint import read_config
-    from noria.models.config import ModelArgs
+    """The built-in engine serves native architectures (vision-language ones too); anything else goes
+    through transformers."""
+    from noria.engine import serves_natively
 
-    if config.model.impl == "hf":
-        return False
-    return ModelArgs.from_hf_config(read_config(folder)) is not None
+    return serves_natively(folder, config.model.impl)
 
 
 def _generate_engine(folder: Path, tokenizer, prompt_ids: list[list[int]], prompts: list[Prompt], config: RunConfig, progress: bool):
@@ -121,6 +120,7 @@ def _generate_engine(folder: Path, tokenizer, prompt_ids: list[list[int]], promp
 
     cfg = config.eval
     engine = Engine.from_path(folder, config.engine, dtype=config.model.dtype, device=config.model.device)
+    images = _prompt_images(engine, folder, prompt_ids, prompts)
     done: queue.SimpleQueue = queue.SimpleQueue()
     jobs = [(g, k) for g in range(len(prompt_ids)) for k in range(cfg.n_samples)]
     try:
@@ -131,7 +131,7 @@ def _generate_engine(folder: Path, tokenizer, prompt_ids: list[list[int]], promp
                 top_p=cfg.top_p,
                 seed=None if cfg.temperature == 0 else cfg.seed * 1_000_003 + i,  # reproducible per answer
             )
-            req = GenerateRequest(input_ids=prompt_ids[g], sampling=params)
+            req = GenerateRequest(input_ids=prompt_ids[g], sampling=params, images=images(g))
             engine.submit(req, lambda out, i=i: done.put((i, out)))
         outputs: list = [None] * len(jobs)
         with Progress(len(jobs), "eval", "answer", progress) as bar:  # tqdm on a terminal, else plain lines
@@ -142,6 +142,23 @@ def _generate_engine(folder: Path, tokenizer, prompt_ids: list[list[int]], promp
     finally:
         engine.shutdown(drain_timeout_s=1.0)
     return [_engine_sample(prompt_ids[g], out, tokenizer, g, k, prompts[g]) for (g, k), out in zip(jobs, outputs)]
+
+
+def _prompt_images(engine, folder: Path, prompt_ids: list[list[int]], prompts: list[Prompt]):
+    """``g -> `` the engine's image inputs of prompt ``g`` (none for a text prompt), made once each."""
+    from functools import cache
+
+    from noria.data.vision_chat import image_data, prompt_images
+    from noria.engine.vision import ImagePrompts
+
+    inputs = ImagePrompts(engine.model, folder)
+
+    @cache
+    def images(g: int) -> list:
+        refs = prompt_images(prompts[g])
+        return inputs.from_data(list(prompt_ids[g]), image_data(refs)) if refs else []
+
+    return images
 
 
 def _engine_sample(prompt: list[int], out, tokenizer, group: int, index: int, record: Prompt) -> Sample:

@@ -90,8 +90,7 @@ class LocalEngineClient:
             if self.folder is None:
                 raise NoriaError(f"{self.name}: a request with images, but the client was given no model folder to process them with")
             self._images = ImagePrompts(self.engine.model, self.folder)
-        decoded = self._images.decode(list(req.image_data), "image_data")
-        return replace(req, images=self._images.from_ids(list(req.input_ids), decoded, "image_data"))
+        return replace(req, images=self._images.from_data(list(req.input_ids), req.image_data))
 
     async def pause(self, mode: str = "retract") -> None:
         await self.engine.pause(mode)

@@ -2,7 +2,7 @@
 data file go through the rollout (in-process engine, and a ``noria serve`` child over HTTP with
 SGLang's ``image_data``) and into the trainer, which sees the same images: in deterministic mode
 the trainer's logprobs equal the engine's bit for bit, before and after a weight sync. The run
-folder keeps each image once, by content hash."""
+folder keeps each image once, by content hash. ``noria eval`` answers the same rows as transformers does."""
 
 from __future__ import annotations
 
@@ -71,3 +71,33 @@ def test_vlm_rl_trains_on_the_images_the_engine_saw(vlm, data, tmp_path, placeme
     samples = [json.loads(line) for f in sorted((run / "rollouts").iterdir()) for line in f.read_text().splitlines()]
     with_images = [s for s in samples if s.get("images")]
     assert with_images and {ref[len("sha256:"):] + ".png" for s in with_images for ref in s["images"]} <= set(stored)
+
+
+def test_noria_eval_answers_image_prompts_as_transformers_does(vlm, data, tmp_path):
+    """``noria eval`` on a vision-language folder runs the built-in engine with the rows' images: its
+    greedy answers (fp32) equal transformers' generate on the same ids and pixels."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from noria.data import load_prompts
+    from noria.data.chat import render_prompt
+    from noria.data.vision_chat import load_processor, prompt_images, stored_pixels
+    from noria.eval.runner import run_eval
+
+    args = ["--model.path", str(vlm), "--model.dtype", "float32", "--data.path", str(data), "--data.test_path", str(data),
+            "--data.chat_template", TEMPLATE, "--reward.name", "toy_rewards:digits", "--eval.max_new_tokens", "6"]  # fmt: skip
+    config = load_config(None, args)
+    run_eval(config, run_dir=str(tmp_path / "eval"), progress=False)
+    answers = {r["group_id"]: r["response"] for r in map(json.loads, (tmp_path / "eval" / "samples.jsonl").read_text().splitlines())}
+    processor, hf = load_processor(vlm), AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
+    checked = 0
+    for g, prompt in enumerate(load_prompts(config.data, "test")):
+        refs = prompt_images(prompt)
+        if not refs:
+            continue
+        ids = torch.tensor([render_prompt(prompt, processor, TEMPLATE)])
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=stored_pixels(processor, refs)[None],
+                          max_new_tokens=6, do_sample=False)  # fmt: skip
+        assert processor.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == answers[g], g
+        checked += 1
+    assert checked == 5
