@@ -29,12 +29,16 @@ class ServiceSection:
         200_000, "Default quota: tokens (forward_backward inputs and sampled tokens) a tenant may send in any 60 s."
     )
     queue_depth: int = option(16, "Default quota: a tenant's calls waiting or running at once; one more is answered 429.")
+    batch_tokens: int = option(
+        16384, "forward / forward_backward calls of different tenants waiting at once run as one forward (each row with "
+        "its own adapter) of at most this many tokens; 1 runs every call alone.",
+    )
     max_rank: int = option(64, "Largest LoRA rank a training client may ask for.")
     lora_alpha: float = option(32.0, "LoRA alpha of every adapter (peft scales B @ A by alpha / rank).")
     seed: int = option(0, "Seed of each adapter's initialisation (with the adapter's own seed added).")
 
     def validate(self) -> None:
-        for key in ("max_adapters", "tokens_per_minute", "queue_depth", "max_rank"):
+        for key in ("max_adapters", "tokens_per_minute", "queue_depth", "max_rank", "batch_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"service.{key} must be >= 1, got {getattr(self, key)}")
         if self.lora_alpha <= 0:

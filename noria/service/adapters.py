@@ -8,8 +8,9 @@ as ``noria.train.lora.apply_lora`` does for the single adapter of a run). Each `
 - a torch ``AdamW`` over exactly those parameters, so an optimizer step can touch no other adapter;
 - its spec (rank, alpha, target modules, seed) and the count of optimizer steps applied.
 
-``use(name)`` makes one adapter the active one for the next forward (peft's ``set_adapter``); the
-others stay in the model but take no part in it and get no gradient. Only the service's worker
+``per_row(names)`` gives each row of a batch its own adapter (peft's mixed-batch forward: the base matmuls run once
+for the whole batch, each adapter's LoRA matmuls on its own rows), so one forward serves several
+tenants; rows never mix in a causal LM, so each adapter's gradient comes from its own rows only. Only the service's worker
 thread calls into this module, one call at a time: nothing here locks.
 
 Not supported: peft's DoRA and dropout (adapters are made with dropout 0, so a forward is
@@ -18,7 +19,9 @@ deterministic for a given adapter state).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,19 +107,27 @@ class MultiLora:
         adapter = self.adapters[name] = Adapter(name=name, tenant=tenant, spec=spec, params=params, optimizer=optimizer)
         return adapter
 
-    def use(self, name: str | None) -> None:
-        """Make ``name`` the one adapter of the next forward; None runs the base model alone."""
-        from peft.functional import set_adapter
+    @contextlib.contextmanager
+    def per_row(self, names: list[str | None]) -> Iterator[None]:
+        """Within: each batch row ``i`` of a forward runs with adapter ``names[i]`` (None: the base
+        alone), through peft's mixed-batch LoRA forward; every named adapter takes gradients."""
+        from functools import partial
 
-        if not self.adapters:
-            return
-        if name is None:
-            set_adapter(self.model, [])
-            return
-        set_adapter(self.model, name)
-        for adapter in self.adapters.values():  # set_adapter freezes the others; keep every adapter's flag ours
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        rows = [n if n is not None else "__base__" for n in names]
+        for adapter in self.adapters.values():
             for p in adapter.params.values():
-                p.requires_grad_(adapter.name == name)
+                p.requires_grad_(adapter.name in rows)
+        hooks = [
+            m.register_forward_pre_hook(partial(_inject_rows, rows=rows), with_kwargs=True)
+            for m in self.model.modules() if isinstance(m, BaseTunerLayer)
+        ]  # fmt: skip
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
 
     def remove(self, name: str) -> None:
         """Take an adapter out of the model; its parameters and optimizer state are dropped."""
@@ -144,6 +155,11 @@ class MultiLora:
 
         cfg = LoraConfig(enabled=True, rank=adapter.spec.rank, alpha=adapter.spec.alpha, target_modules=list(adapter.spec.target_modules))
         return save_adapter(self.peft_tensors(adapter), cfg, folder, self.model_path)
+
+
+def _inject_rows(module: nn.Module, args: tuple, kwargs: dict, rows: list[str]) -> tuple[tuple, dict]:
+    """peft's mixed-batch argument, added to a LoRA layer's forward (as peft's own hook does)."""
+    return args, {**kwargs, "adapter_names": rows}
 
 
 def _owner(param_name: str) -> str | None:

@@ -45,7 +45,7 @@ class Service:
         self.cfg = cfg
         self.base_model = base_model
         self.state_dir = Path(cfg.state_dir)
-        self.scheduler = Scheduler(registry)
+        self.scheduler = Scheduler(registry, self.run_batch, cfg.batch_tokens)
         self.models: dict[str, Model] = {}
         self.vocab = int(lora.model.get_input_embeddings().weight.shape[0])
 
@@ -114,9 +114,23 @@ class Service:
         config = fb.get("loss_fn_config") or {}
         if not isinstance(config, dict):
             raise BadRequest(f"{key}.loss_fn_config: needs an object")
-        run = step.forward_backward if backward else step.forward
         tokens = sum(len(d.tokens) for d in data)
-        return self._submit(tenant, key.removesuffix("_input"), lambda: run(self.lora, self._adapter(model), data, fb["loss_fn"], config), tokens)
+        payload = (model, data, fb["loss_fn"], config, backward)
+        return self.scheduler.submit(tenant, key.removesuffix("_input"), None, tokens, batch=payload)
+
+    def run_batch(self, payloads: list[tuple]) -> list[step.Outcome]:
+        """forward / forward_backward calls of several tenants as one forward (``step.run_calls``)."""
+        outcomes: list[step.Outcome | None] = [None] * len(payloads)
+        calls, where = [], []
+        for i, (model, data, loss_name, config, backward) in enumerate(payloads):
+            try:
+                calls.append(step.Call(self._adapter(model), data, loss_name, config, backward))
+                where.append(i)
+            except NotFound as e:
+                outcomes[i] = (None, e)
+        for i, outcome in zip(where, step.run_calls(self.lora, calls) if calls else []):
+            outcomes[i] = outcome
+        return outcomes
 
     def optim_step(self, tenant: Tenant, body: dict) -> str:
         model = self.model(tenant, body.get("model_id"))

@@ -2,9 +2,16 @@
 
 A route validates its request, is admitted by the tenant's quotas (``TenantRegistry.admit``), and
 ``submit`` queues the work on the tenant's own queue; the answer is a ``request_id`` at once
-(Tinker's futures). The worker thread runs one call at a time, visiting tenants round-robin: a
-tenant with 10 queued calls and one with 1 alternate, so no tenant waits behind another's backlog.
-Calls of one tenant run in the order they were sent. The model and its adapters are touched by this
+(Tinker's futures). The worker thread visits tenants round-robin: a tenant with 10 queued calls
+and one with 1 alternate, so no tenant waits behind another's backlog. Calls of one tenant run in
+the order they were sent.
+
+Batching: a call submitted with a ``batch`` payload (forward, forward_backward) is taken together
+with the BATCHABLE head calls of the other tenants, in turn order, up to ``batch_tokens`` tokens,
+and all of them run as one ``run_batch(payloads)`` (one forward over every tenant's rows, each with
+its own adapter: ``noria.service.step.run_calls``); each gets its own result or error. A tenant
+contributes at most one call to a batch, so its calls still run one after another. Other calls
+(optim_step, save, load, ...) run alone. The model and its adapters are touched by this
 thread only, so the training code needs no lock.
 
 ``retrieve`` answers a future of the calling tenant: pending, done (the result) or failed (the
@@ -30,6 +37,15 @@ KEEP = 4096
 
 
 @dataclass
+class _Item:
+    request_id: str
+    tenant: Tenant
+    work: Callable[[], Any] | None
+    batch: Any
+    tokens: int
+
+
+@dataclass
 class Future:
     tenant: str
     kind: str
@@ -42,8 +58,10 @@ class Future:
 class Scheduler:
     """Per-tenant queues drained round-robin by one worker thread."""
 
-    def __init__(self, registry: TenantRegistry) -> None:
+    def __init__(self, registry: TenantRegistry, run_batch: Callable[[list[Any]], list[tuple[Any, BaseException | None]]], batch_tokens: int) -> None:
         self.registry = registry
+        self.run_batch = run_batch
+        self.batch_tokens = batch_tokens
         self.queues: dict[str, deque] = {}
         self.turns: deque[str] = deque()
         self.futures: OrderedDict[str, Future] = OrderedDict()
@@ -60,8 +78,9 @@ class Scheduler:
             self._cond.notify_all()
         self._thread.join(timeout=60)
 
-    def submit(self, tenant: Tenant, kind: str, work: Callable[[], Any], tokens: int = 0) -> str:
-        """Queue ``work`` for ``tenant`` (``QuotaExceeded`` if its quotas refuse); the future's id."""
+    def submit(self, tenant: Tenant, kind: str, work: Callable[[], Any] | None, tokens: int = 0, batch: Any = None) -> str:
+        """Queue ``work`` (or a ``batch`` payload for ``run_batch``) for ``tenant`` (``QuotaExceeded``
+        if its quotas refuse); the future's id."""
         self.registry.admit(tenant, tokens)
         request_id = f"{kind}-{uuid.uuid4().hex}"
         with self._cond:
@@ -69,7 +88,7 @@ class Scheduler:
             queue = self.queues.setdefault(tenant.name, deque())
             if not queue and tenant.name not in self.turns:
                 self.turns.append(tenant.name)
-            queue.append((request_id, tenant, work))
+            queue.append(_Item(request_id, tenant, work, batch, tokens))
             self._cond.notify_all()
         return request_id
 
@@ -80,33 +99,47 @@ class Scheduler:
             raise NotFound(f"future {request_id!r}: no such request of tenant {tenant.name}")
         return future
 
-    def _next(self) -> tuple[str, Tenant, Callable[[], Any]] | None:
-        """The next call: the head of the tenant whose turn it is (under the condition's lock)."""
-        while self.turns:
-            name = self.turns.popleft()
+    def _next(self) -> list[_Item]:
+        """The next call, with the batchable heads of the other tenants if it is batchable (under
+        the condition's lock); empty when nothing is queued. Tenants passed over keep their place
+        ahead of those served, so none waits behind the others twice."""
+        taken: list[_Item] = []
+        tokens = 0
+        for name in list(self.turns):
+            if taken and taken[0].batch is None:
+                break
             queue = self.queues[name]
-            if queue:
-                item = queue.popleft()
-                if queue:
-                    self.turns.append(name)  # back of the line, behind the other tenants
-                return item
-        return None
+            head = queue[0] if queue else None
+            if head is not None and (not taken or (head.batch is not None and tokens + head.tokens <= self.batch_tokens)):
+                taken.append(queue.popleft())
+                tokens += head.tokens
+        served = [i.tenant.name for i in taken]
+        order = [n for n in self.turns if n not in served] + served
+        self.turns = deque(n for n in order if self.queues[n])
+        return taken
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                item = self._next()
-                while item is None and not self._stop:
+                items = self._next()
+                while not items and not self._stop:
                     self._cond.wait()
-                    item = self._next()
-                if item is None:
+                    items = self._next()
+                if not items:
                     return
-            request_id, tenant, work = item
+            for item, (result, error) in zip(items, self._outcomes(items)):
+                self._finish(item.request_id, item.tenant, result, error)
+
+    def _outcomes(self, items: list[_Item]) -> list[tuple[Any, BaseException | None]]:
+        if items[0].batch is not None:
             try:
-                result, error = work(), None
-            except Exception as e:  # noqa: BLE001 -- the call's failure is its future's answer
-                result, error = None, e
-            self._finish(request_id, tenant, result, error)
+                return self.run_batch([i.batch for i in items])
+            except Exception as e:  # noqa: BLE001 -- the batch's failure is each of its futures' answer
+                return [(None, e)] * len(items)
+        try:
+            return [(items[0].work(), None)]
+        except Exception as e:  # noqa: BLE001 -- the call's failure is its future's answer
+            return [(None, e)]
 
     def _finish(self, request_id: str, tenant: Tenant, result: Any, error: BaseException | None) -> None:
         with self._cond:

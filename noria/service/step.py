@@ -1,8 +1,11 @@
 """The training primitives on one adapter: forward, forward_backward, optim_step.
 
-``forward_backward`` runs one padded forward of the adapter's datums (right padding, so each
-datum's logprobs are those of a forward of that datum alone), takes the named loss, and computes
-the gradient of the adapter's parameters with ``torch.autograd.grad``. Only a FINITE loss with
+``run_calls`` runs forward and forward_backward calls of several adapters (one call per adapter)
+as ONE padded forward in which each row has its own adapter (``MultiLora.per_row``; right padding,
+so each datum's logprobs are those of a forward of that datum alone, up to float rounding), takes
+each call's named loss on its own rows, and computes the gradients of the adapters' parameters
+with one ``torch.autograd.grad`` over the sum of the finite losses (rows never mix in a causal LM,
+so each adapter's gradient is that of its own loss). Only a FINITE loss with
 FINITE gradients is added to the adapter's ``.grad``; otherwise the call fails with
 ``NonFiniteStep`` and nothing of any adapter changed (no gradient kept, no weight, no optimizer
 state): one tenant's NaN never reaches another's adapter, nor its own. Gradients of several calls
@@ -15,6 +18,7 @@ the tokens up to ``i``), in fp32, as Tinker's ``loss_fn_outputs[i]["logprobs"]``
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -51,14 +55,15 @@ def _outputs(lp: torch.Tensor, lengths: list[int]) -> list[dict]:
     return [{"logprobs": tensor_data(part)} for part in torch.split(lp.detach(), lengths)]
 
 
-def forward(lora: MultiLora, adapter: Adapter | None, data: list[Datum], loss_name: str, config: dict) -> dict:
-    """Logprobs and the loss of ``data`` under the adapter (the base model if None), no gradient."""
-    loss_fn, _ = get_loss(loss_name)
-    lora.use(adapter.name if adapter else None)
-    with torch.no_grad():
-        lp, seq_index, lengths = target_logprobs(lora, data)
-        _, metrics = loss_fn(lp, _inputs(data, lp.device), seq_index, config)
-    return {"loss_fn_output_type": loss_name, "loss_fn_outputs": _outputs(lp, lengths), "metrics": metrics}
+@dataclass
+class Call:
+    """One forward or forward_backward call of a batch: its adapter (None: the base model) and data."""
+
+    adapter: Adapter | None
+    data: list[Datum]
+    loss_name: str
+    config: dict
+    backward: bool
 
 
 def _inputs(data: list[Datum], device: torch.device) -> dict[str, torch.Tensor]:
@@ -68,26 +73,56 @@ def _inputs(data: list[Datum], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: torch.cat([d.inputs[k] for d in data]).to(device) for k in keys}
 
 
-def forward_backward(lora: MultiLora, adapter: Adapter, data: list[Datum], loss_name: str, config: dict) -> dict:
-    """Logprobs, loss and metrics of ``data``; the gradient is added to the adapter's only if finite."""
-    loss_fn, _ = get_loss(loss_name)
-    lora.use(adapter.name)
-    lp, seq_index, lengths = target_logprobs(lora, data)
-    loss, metrics = loss_fn(lp, _inputs(data, lp.device), seq_index, config)
-    if not math.isfinite(float(loss.detach())):
-        raise NonFiniteStep(f"forward_backward ({loss_name}): the loss is {float(loss.detach())}; nothing was applied to adapter {adapter.name}")
-    params = list(adapter.params.values())
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
-    if not math.isfinite(norm):
-        raise NonFiniteStep(f"forward_backward ({loss_name}): the gradient norm is {norm}; nothing was applied to adapter {adapter.name}")
-    with torch.no_grad():
-        for p, g in zip(params, grads):
-            p.grad = g.clone() if p.grad is None else p.grad + g
-    adapter.grad_calls += 1
-    metrics["grad_norm:mean"] = norm
-    return {"loss_fn_output_type": loss_name, "loss_fn_outputs": _outputs(lp, lengths), "metrics": metrics}
+Outcome = tuple[dict | None, BaseException | None]
+
+
+def run_calls(lora: MultiLora, calls: list[Call]) -> list[Outcome]:
+    """Several calls (at most one per adapter) in ONE forward, each row with its own adapter; then
+    one backward of the sum of the finite losses. Each call gets its result or its own error."""
+    names = [c.adapter.name if c.adapter else None for c in calls for _ in c.data]
+    with lora.per_row(names), torch.set_grad_enabled(any(c.backward for c in calls)):
+        lp, seq_index, lengths = target_logprobs(lora, [d for c in calls for d in c.data])
+    outcomes: list[Outcome] = []
+    losses: dict[int, torch.Tensor] = {}
+    tok0 = row0 = 0
+    for i, c in enumerate(calls):
+        rows = len(c.data)
+        n = sum(lengths[row0 : row0 + rows])
+        part, seqs = lp[tok0 : tok0 + n], seq_index[tok0 : tok0 + n] - row0
+        try:
+            loss, metrics = get_loss(c.loss_name)[0](part, _inputs(c.data, lp.device), seqs, c.config)
+            if c.backward and not math.isfinite(float(loss.detach())):
+                raise NonFiniteStep(f"forward_backward ({c.loss_name}): the loss is {float(loss.detach())}; nothing was applied to adapter {c.adapter.name}")
+            if c.backward:
+                losses[i] = loss
+            out = {"loss_fn_output_type": c.loss_name, "loss_fn_outputs": _outputs(part, lengths[row0 : row0 + rows]), "metrics": metrics}
+            outcomes.append((out, None))
+        except Exception as e:  # noqa: BLE001 -- this call's failure is its own answer, not the batch's
+            outcomes.append((None, e))
+        tok0, row0 = tok0 + n, row0 + rows
+    if losses:
+        _backward(calls, losses, outcomes)
+    return outcomes
+
+
+def _backward(calls: list[Call], losses: dict[int, torch.Tensor], outcomes: list[Outcome]) -> None:
+    """Gradients of the finite losses; each adapter's is added to its ``.grad`` only if finite."""
+    params = {i: list(calls[i].adapter.params.values()) for i in losses}
+    flat = [p for i in losses for p in params[i]]
+    grads = iter(torch.autograd.grad(sum(losses.values()), flat, allow_unused=True))
+    for i in losses:
+        adapter, mine = calls[i].adapter, [next(grads) for _ in params[i]]
+        mine = [torch.zeros_like(p) if g is None else g for p, g in zip(params[i], mine)]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in mine])))
+        if not math.isfinite(norm):
+            message = f"forward_backward ({calls[i].loss_name}): the gradient norm is {norm}; nothing was applied to adapter {adapter.name}"
+            outcomes[i] = (None, NonFiniteStep(message))
+            continue
+        with torch.no_grad():
+            for p, g in zip(params[i], mine):
+                p.grad = g.clone() if p.grad is None else p.grad + g
+        adapter.grad_calls += 1
+        outcomes[i][0]["metrics"]["grad_norm:mean"] = norm
 
 
 ADAM_KEYS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
