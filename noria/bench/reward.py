@@ -47,6 +47,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="policy tokens per answer")
     parser.add_argument("--judge-tokens", type=int, default=8, help="judge tokens per verdict")
     parser.add_argument("--rows", type=int, default=16, help="rows of the throughput cases")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each rollout case (interleaved); the fastest is reported")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
 
 
@@ -137,23 +138,33 @@ def _rollouts(args: Any, config: Any, engine: Any, tokenizer: Any, prompts: list
         ("rule", rule), ("judge_each", judge), ("judge_group", dataclasses.replace(judge, score_each_sample=False)),
         ("judge_shared", dataclasses.replace(judge, model=shared_cfg)),
     ]  # fmt: skip
-    _rollout(args, client, tokenizer, prompts[:1], rule)  # a first pass builds the engine's kernels, untimed
-    out = []
+    _rollout(args, client, tokenizer, prompts, rule)  # a first pass builds the engine's kernels for these batches, untimed
+    best: dict[str, tuple[float, dict[str, float]]] = {}
     try:
-        for case, reward in cases:
-            wall, m = _rollout(args, client, tokenizer, prompts, reward)
-            seconds, hidden = m.get("time/reward_s", 0.0), m.get("time/reward_hidden_s", 0.0)
-            out.append({
-                "case": case, "metric": "rollout wall s", "noria": round(wall, 3), "peers": {}, "bound": None,
-                "reward_s": round(seconds, 3), "reward_hidden_s": round(hidden, 3),
-                "hidden_frac": round(hidden / seconds, 3) if seconds > 0 else None,
-                "latency_p50_s": m.get("reward/model_latency_s_p50"), "latency_p99_s": m.get("reward/model_latency_s_p99"),
-                "scored": int(m.get("reward/scored", 0)), "failed": int(m.get("reward/failed", 0)),
-                "tokens": int(m.get("rollout/tokens", 0)), "groups_dropped": int(m["buffer/dropped"]), "agreement": m.get("reward/agreement"),
-            })  # fmt: skip
+        for _ in range(args.repeats):  # cases interleaved, so that a slow minute of the machine hits each
+            for case, reward in cases:
+                wall, m = _rollout(args, client, tokenizer, prompts, reward)
+                if case not in best or wall < best[case][0]:
+                    best[case] = (wall, m)
     finally:
         unbind_judge("shared")
+    out = [_case(case, *best[case]) for case, _ in cases]
+    for row in out:
+        row["vs_rule"] = round(row["noria"] / out[0]["noria"], 3)  # the rollout's wall time over the rule's
     return out
+
+
+def _case(case: str, wall: float, m: dict[str, float]) -> dict[str, Any]:
+    """One rollout case's JSON entry."""
+    seconds, hidden = m.get("time/reward_s", 0.0), m.get("time/reward_hidden_s", 0.0)
+    return {
+        "case": case, "metric": "rollout wall s", "noria": round(wall, 3), "peers": {}, "bound": None,
+        "reward_s": round(seconds, 3), "reward_hidden_s": round(hidden, 3),
+        "hidden_frac": round(hidden / seconds, 3) if seconds > 0 else None,
+        "latency_p50_s": m.get("reward/model_latency_s_p50"), "latency_p99_s": m.get("reward/model_latency_s_p99"),
+        "scored": int(m.get("reward/scored", 0)), "failed": int(m.get("reward/failed", 0)),
+        "tokens": int(m.get("rollout/tokens", 0)), "groups_dropped": int(m["buffer/dropped"]), "agreement": m.get("reward/agreement"),
+    }  # fmt: skip
 
 
 def _rollout(args: Any, client: Any, tokenizer: Any, prompts: list, reward: Any) -> tuple[float, dict[str, float]]:
@@ -197,7 +208,7 @@ def _print(throughput: list[dict], rollout: list[dict]) -> None:
     print()
     print_table(
         "rollout until every group is scored (wall s, lower is better); scoring hidden behind generation",
-        ["case", "wall s", "reward s", "hidden s", "hidden frac", "p50 s", "p99 s", "scored", "failed"],
-        [[r["case"], r["noria"], r["reward_s"], r["reward_hidden_s"], r["hidden_frac"], r["latency_p50_s"], r["latency_p99_s"],
+        ["case", "wall s", "vs rule", "reward s", "hidden s", "hidden frac", "p50 s", "p99 s", "scored", "failed"],
+        [[r["case"], r["noria"], r["vs_rule"], r["reward_s"], r["reward_hidden_s"], r["hidden_frac"], r["latency_p50_s"], r["latency_p99_s"],
           r["scored"], r["failed"]] for r in rollout],
     )  # fmt: skip
