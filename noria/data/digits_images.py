@@ -32,6 +32,8 @@ QUESTION = "What is the sum of the digits in the image?"
 DEFAULTS: dict[str, Any] = {"n_train": 2000, "n_test": 200, "seed": 0, "min_digits": 1, "max_digits": 4, "scale": 4, "n_test_digits": 297}
 """Every argument of ``data.task: digits_sum`` with its default."""
 POOL_SEED = 0
+DIGITS_TOTAL = 1797
+"""Pictures in scikit-learn's ``load_digits``."""
 MAX_DRAWS_PER_PROMPT = 50
 
 
@@ -42,7 +44,7 @@ def check_args(args: dict[str, Any]) -> None:
             raise ValueError(f"task 'digits_sum': {key} must be an integer >= {0 if key == 'seed' else 1}, got {args[key]!r}")
     if not args["min_digits"] <= args["max_digits"] <= 8:
         raise ValueError(f"task 'digits_sum': need 1 <= min_digits <= max_digits <= 8, got {args['min_digits']}, {args['max_digits']}")
-    if not args["n_test_digits"] < 1797 - 10:
+    if not args["n_test_digits"] < DIGITS_TOTAL - 10:
         raise ValueError(f"task 'digits_sum': n_test_digits must leave training pictures, got {args['n_test_digits']}")
 
 

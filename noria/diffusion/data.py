@@ -1,9 +1,9 @@
 """Image data for the diffusion runs: the handwritten digits that ship inside scikit-learn.
 
 ``sklearn.datasets.load_digits``: 1,797 grayscale 8x8 images (values 0..16) of the digits 0-9,
-read from scikit-learn's own package data (no download). ``digits_split`` cuts them once, by a
-fixed permutation, into a train and a test split (``n_test`` images, default 297), so the
-classifier behind the rewards and the DiT never see the test images in training.
+read from scikit-learn's own package data (no download). ``digits_split`` takes the one cut of them (the
+image task's, ``noria.data.digits_images.digit_pool``) into a train and a test split (``n_test`` images,
+default 297), so the classifier behind the rewards and the DiT never see the test images in training.
 
 Conditions (what a diffusion prompt is): one ``Prompt`` per class label, ``prompt`` = "digit 3",
 ``label`` = 3 (what the rewards compare against). ``condition_prompts`` repeats each class
@@ -26,7 +26,6 @@ from noria.types import Prompt
 
 DIGITS_ARGS: dict[str, Any] = {"n_test": 297, "prompts_per_class": 8}
 """Every argument of ``data.task: digits`` with its default."""
-SPLIT_SEED = 0
 NUM_CLASSES = 10
 
 
@@ -44,18 +43,15 @@ def digits_args(task_args: dict[str, Any]) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=4)
 def digits_split(split: str, n_test: int = DIGITS_ARGS["n_test"]) -> tuple[np.ndarray, np.ndarray]:
-    """(images uint8 [N, 8, 8, 1] scaled to 0..255, labels int64 [N]) of the ``train`` or ``test`` split."""
-    from sklearn.datasets import load_digits
+    """(images uint8 [N, 8, 8, 1] scaled to 0..255, labels int64 [N]) of the ``train`` or ``test`` split:
+    the pictures of ``noria.data.digits_images.digit_pool``, the one cut of the digits (the image
+    task's held-out pictures are these too)."""
+    from noria.data.digits_images import DIGITS_TOTAL, digit_pool
 
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be train or test, got {split!r}")
-    data = load_digits()
-    if not 0 < n_test < len(data.target):
-        raise NoriaError(f"data.task_args.n_test must be in [1, {len(data.target) - 1}], got {n_test}")
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(data.target))
-    idx = order[:n_test] if split == "test" else order[n_test:]
-    images = np.round(data.images[idx] * (255.0 / 16.0)).astype(np.uint8)[..., None]
-    return images, data.target[idx].astype(np.int64)
+    if not 0 < n_test < DIGITS_TOTAL:
+        raise NoriaError(f"data.task_args.n_test must be in [1, {DIGITS_TOTAL - 1}], got {n_test}")
+    pictures, labels = digit_pool(split, n_test)
+    return np.round(pictures * (255.0 / 16.0)).astype(np.uint8)[..., None], labels
 
 
 def condition_prompts(split: str, task_args: dict[str, Any]) -> list[Prompt]:

@@ -65,7 +65,7 @@ class LocalEngineClient:
         self._images: Any = None
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
-        if req.image_data and not req.images:  # decoding and processing images: off the event loop
+        if getattr(req, "image_data", None) and not req.images:  # decoding and processing images: off the event loop
             req = await asyncio.to_thread(self._with_images, req)
         try:
             return await asyncio.wait_for(self.engine.generate(req), self.timeout_s)
