@@ -1,12 +1,13 @@
 """The config of ``noria service``: the base model and the ``service`` section (tenants, quotas,
 saved state). Owner: ``noria.service``. Not part of ``RunConfig``: the service is its own process,
-configured by ``--model.*`` and ``--service.*`` overrides (or a YAML file with those two sections).
+configured by ``--model.*``, ``--service.*`` and ``--engine.*`` overrides (or a YAML file with those two sections).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from noria.config.engine import EngineConfig
 from noria.config.model import ModelConfig
 from noria.config.schema import ConfigError, option
 
@@ -35,6 +36,10 @@ class ServiceSection:
     )
     max_rank: int = option(64, "Largest LoRA rank a training client may ask for.")
     lora_alpha: float = option(32.0, "LoRA alpha of every adapter (peft scales B @ A by alpha / rank).")
+    sampler: bool = option(
+        True, "Start the built-in engine beside the trainer for sample (its own copy of the base model; the engine "
+        "section configures it). false: training only, sample is refused.",
+    )
     seed: int = option(0, "Seed of each adapter's initialisation (with the adapter's own seed added).")
 
     def validate(self) -> None:
@@ -47,14 +52,16 @@ class ServiceSection:
 
 @dataclass
 class ServiceConfig:
-    """What ``noria service`` reads: the frozen base model and the ``service`` section."""
+    """What ``noria service`` reads: the frozen base model, the ``service`` section and the sampling engine."""
 
     model: ModelConfig = option(factory=ModelConfig, help="The frozen base model every adapter sits on.")
     service: ServiceSection = option(factory=ServiceSection, help="Tenants, quotas, LoRA defaults, saved state.")
+    engine: EngineConfig = option(factory=EngineConfig, help="The built-in engine that samples (service.sampler).")
 
     def validate(self) -> None:
         self.model.validate()
         self.service.validate()
+        self.engine.validate()
 
     def resolve(self) -> None:
         """``model.dtype: auto`` becomes this machine's dtype (``ModelConfig.resolve_dtype``)."""

@@ -22,5 +22,5 @@ How data moves::
 Modules: ``tenants`` (keys, quotas), ``wire`` (Tinker's JSON records), ``losses`` (cross_entropy,
 importance_sampling, ppo on ``noria.train.objective``), ``client`` (the Python client).
 
-Not here yet: ``sample`` (through the built-in engine's per-row adapters).
+Sampling: ``sampler`` (the built-in engine, each request with its adapter).
 """

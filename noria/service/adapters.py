@@ -52,6 +52,8 @@ class Adapter:
     optimizer: torch.optim.AdamW
     steps: int = 0
     """Optimizer steps applied."""
+    version: int = 0
+    """Grows whenever the weights change (optim_step, load_state): the engine's copy is named by it."""
     grad_calls: int = 0
     """forward_backward calls whose gradient waits for the next optimizer step."""
     meta: dict = field(default_factory=dict)

@@ -29,13 +29,13 @@ def add_service_parser(sub: argparse._SubParsersAction, handler: Callable) -> No
 
 
 def load_service_config(config_file: str | None, model: str, overrides: list[str]):
-    """``--model`` plus ``--model.*`` / ``--service.*`` overrides (after the YAML file), validated."""
+    """``--model`` plus ``--model.*`` / ``--service.*`` / ``--engine.*`` overrides (after the YAML file), validated."""
     from noria.config import ConfigError, ServiceConfig, load_config
 
     for arg in overrides:
         key = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
-        if key and not key.startswith(("service.", "model.")):
-            raise ConfigError(f"noria service takes only --service.* and --model.* overrides, got --{key}")
+        if key and not key.startswith(("service.", "model.", "engine.")):
+            raise ConfigError(f"noria service takes only --service.*, --model.* and --engine.* overrides, got --{key}")
     return load_config(config_file, ["--model.path", model, *overrides], cls=ServiceConfig)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 
-__all__ = ["APIFuture", "RequestFailed", "ServiceClient", "ServiceError", "TrainingClient", "datum", "text_input"]
+__all__ = ["APIFuture", "RequestFailed", "SamplingClient", "ServiceClient", "ServiceError", "TrainingClient", "datum", "text_input"]
 
 
 class ServiceError(Exception):
@@ -72,6 +72,10 @@ class ServiceClient:
         created = self.submit("create_model", body).result()
         return TrainingClient(self, created["model_id"])
 
+    def create_sampling_client(self, model_path: str | None = None) -> SamplingClient:
+        """Sampling from weights saved by ``save_weights_for_sampler`` (None: the base model)."""
+        return SamplingClient(self, model_path=model_path)
+
     def create_training_client_from_state(self, path: str, with_optimizer: bool = True) -> TrainingClient:
         """A new training client with the LoRA config of a saved state, loaded from it (a restarted
         service included: saved states outlive it)."""
@@ -79,6 +83,24 @@ class ServiceClient:
         trainer = self.create_lora_training_client(rank=info["rank"], target_modules=info["target_modules"], seed=info["seed"])
         trainer.load_state(path, with_optimizer).result()
         return trainer
+
+
+class SamplingClient:
+    """Samples from saved sampler weights (``model_path``), or the base model (None)."""
+
+    def __init__(self, client: ServiceClient, model_path: str | None = None, model_id: str | None = None) -> None:
+        self.client, self.model_path, self.model_id = client, model_path, model_id
+
+    def sample(self, prompt: list[int], num_samples: int = 1, sampling_params: dict | None = None) -> APIFuture:
+        """``num_samples`` continuations of the prompt's token ids; the result's ``sequences`` hold
+        each one's ``tokens``, ``logprobs`` and ``stop_reason`` (Tinker's SampleResponse).
+        ``sampling_params``: max_tokens, temperature, top_p, top_k, seed, stop."""
+        body: dict[str, Any] = {"prompt": text_input(prompt), "num_samples": num_samples, "sampling_params": sampling_params or {}}
+        if self.model_path is not None:
+            body["model_path"] = self.model_path
+        if self.model_id is not None:
+            body["model_id"] = self.model_id
+        return self.client.submit("asample", body)
 
 
 class APIFuture:
@@ -134,6 +156,15 @@ class TrainingClient:
     def save_weights_for_sampler(self, name: str) -> APIFuture:
         """The adapter as a peft folder, ``tinker://<model_id>/sampler_weights/<name>``."""
         return self.client.submit("save_weights_for_sampler", {"model_id": self.model_id, "path": name})
+
+    def sampling_client(self) -> SamplingClient:
+        """Samples from this adapter's CURRENT weights (each call those of the latest optim_step
+        before it in this client's order)."""
+        return SamplingClient(self.client, model_id=self.model_id)
+
+    def save_weights_and_get_sampling_client(self, name: str) -> SamplingClient:
+        """Save the weights for the sampler and sample from that saved copy."""
+        return SamplingClient(self.client, model_path=self.save_weights_for_sampler(name).result()["path"])
 
     def get_info(self) -> dict:
         return self.client.post("get_info", {"model_id": self.model_id})

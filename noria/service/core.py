@@ -39,8 +39,10 @@ class Model:
 class Service:
     """The primitives of the training API over one base model."""
 
-    def __init__(self, lora: MultiLora, registry: TenantRegistry, cfg: ServiceSection, base_model: str) -> None:
+    def __init__(self, lora: MultiLora, registry: TenantRegistry, cfg: ServiceSection, base_model: str, sampler=None) -> None:
         self.lora = lora
+        self.sampler = sampler
+        """``noria.service.sampler.Sampler`` (the engine), or None: ``sample`` is refused."""
         self.registry = registry
         self.cfg = cfg
         self.base_model = base_model
@@ -208,3 +210,48 @@ class Service:
             raise BadRequest(f"path {path}: not a saved training state (/weights/)")
         spec, steps, base = state.read_spec(folder)
         return {"rank": spec.rank, "target_modules": list(spec.target_modules), "seed": spec.seed - self.cfg.seed, "steps": steps, "base_model": base}
+
+    def sample(self, tenant: Tenant, body: dict) -> str:
+        """Tinker's ``asample``: from the tenant's training client (``model_id``: its current weights),
+        a saved ``model_path`` (``save_weights_for_sampler``) or the base model; a future."""
+        from noria.service.sampler import sampling_params
+
+        if self.sampler is None:
+            raise BadRequest("this service runs without a sampler (service.sampler: false)")
+        prompt = read_prompt(body.get("prompt"), self.vocab)
+        params, n = sampling_params(body.get("sampling_params"), body.get("num_samples", 1))
+        model_id, path = body.get("model_id"), body.get("model_path")
+        if model_id is not None and path is not None:
+            raise BadRequest("sample: give model_id (the current weights) or model_path (saved ones), not both")
+        model = self.model(tenant, model_id) if model_id is not None else None
+        folder = self._sampler_folder(tenant, path) if path is not None else None
+        base = body.get("base_model")
+        if base is not None and base != self.base_model:
+            raise BadRequest(f"base_model {base!r}: this service serves {self.base_model!r} only")
+
+        def work():
+            name = None
+            if model is not None:
+                name = self.sampler.current(self.lora, self._adapter(model))
+            elif folder is not None:
+                name = self.sampler.saved(tenant.name, path, folder)
+            return self.sampler.sample(prompt, params, n, name)
+
+        return self._submit(tenant, "sample", work, tokens=len(prompt) + n * params["max_new_tokens"])
+
+    def _sampler_folder(self, tenant: Tenant, path: object) -> Path:
+        try:
+            folder, _, kind = state.folder_of(self.state_dir, tenant.name, path)
+        except NotFound:
+            raise
+        except NoriaError as e:
+            raise BadRequest(str(e)) from None
+        if kind != "sampler_weights":
+            raise BadRequest(f"model_path {path}: sample takes sampler weights (/sampler_weights/, save_weights_for_sampler)")
+        return folder
+
+
+def read_prompt(prompt: object, vocab: int) -> list[int]:
+    from noria.service.wire import read_tokens
+
+    return read_tokens(prompt, "prompt", vocab)

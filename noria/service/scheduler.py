@@ -11,7 +11,9 @@ with the BATCHABLE head calls of the other tenants, in turn order, up to ``batch
 and all of them run as one ``run_batch(payloads)`` (one forward over every tenant's rows, each with
 its own adapter: ``noria.service.step.run_calls``); each gets its own result or error. A tenant
 contributes at most one call to a batch, so its calls still run one after another. Other calls
-(optim_step, save, load, ...) run alone. The model and its adapters are touched by this
+(optim_step, save, load, sample, ...) run alone. A call whose work returns a
+``concurrent.futures.Future`` (sample: the engine generates on its own thread) is finished when
+that future is, and the worker goes on meanwhile. The model and its adapters are touched by this
 thread only, so the training code needs no lock.
 
 ``retrieve`` answers a future of the calling tenant: pending, done (the result) or failed (the
@@ -22,11 +24,13 @@ future gone.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from noria.service.state import NotFound
@@ -128,7 +132,14 @@ class Scheduler:
                 if not items:
                     return
             for item, (result, error) in zip(items, self._outcomes(items)):
-                self._finish(item.request_id, item.tenant, result, error)
+                if isinstance(result, concurrent.futures.Future):  # runs on elsewhere (the engine): finish when it does
+                    result.add_done_callback(partial(self._finish_later, item))
+                else:
+                    self._finish(item.request_id, item.tenant, result, error)
+
+    def _finish_later(self, item: _Item, done: concurrent.futures.Future) -> None:
+        error = done.exception()
+        self._finish(item.request_id, item.tenant, None if error else done.result(), error)
 
     def _outcomes(self, items: list[_Item]) -> list[tuple[Any, BaseException | None]]:
         if items[0].batch is not None:

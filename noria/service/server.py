@@ -11,6 +11,8 @@ it; ``Authorization: Bearer KEY`` is taken too): none is 401, an unknown one 403
     POST /api/v1/load_weights              {model_id, path: tinker://..., optimizer: true}
     POST /api/v1/save_weights_for_sampler  {model_id, path: NAME}  -> tinker://MODEL/sampler_weights/NAME (a peft folder)
     POST /api/v1/unload_model              {model_id}
+    POST /api/v1/asample                   {prompt, num_samples, sampling_params: {max_tokens, temperature, top_p, top_k, seed, stop},
+                                            model_id (current weights) | model_path (saved for the sampler) | neither (base)}
     POST /api/v1/retrieve_future           {request_id}
     POST /api/v1/get_info                  {model_id}                  (answered at once)
     POST /api/v1/saved_state_info          {path}                      (answered at once: the LoRA config of a saved state)
@@ -136,6 +138,7 @@ def build_app(service: Service) -> web.Application:
         web.post(f"{PREFIX}/save_weights_for_sampler", _future_route(lambda s, t, b: s.save_weights(t, b, "sampler_weights"))),
         web.post(f"{PREFIX}/load_weights", _future_route(Service.load_weights)),
         web.post(f"{PREFIX}/unload_model", _future_route(Service.unload_model)),
+        web.post(f"{PREFIX}/asample", _future_route(Service.sample)),
         web.post(f"{PREFIX}/retrieve_future", _retrieve),
         web.post(f"{PREFIX}/get_info", _now_route(Service.get_info)),
         web.post(f"{PREFIX}/saved_state_info", _now_route(lambda s, t, b: s.saved_spec(t, b.get("path")))),
@@ -146,6 +149,8 @@ def build_app(service: Service) -> web.Application:
 
     async def stop(app: web.Application) -> None:
         service.scheduler.stop()
+        if service.sampler is not None:
+            service.sampler.shutdown()
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
@@ -163,7 +168,12 @@ def serve_service(config, host: str = "127.0.0.1", port: int = 8000) -> int:
     folder = str(model_path(config.model.path))
     say(f"noria service: loading {folder} ({config.model.dtype} on {config.model.device}) ...")
     lora = MultiLora.load(folder, config.model.dtype, config.model.device)
-    service = Service(lora, registry, config.service, base_model=config.model.path)
+    sampler = None
+    if config.service.sampler:
+        from noria.service.sampler import Sampler
+
+        sampler = Sampler.load(folder, config.engine, config.model.dtype, config.model.device)
+    service = Service(lora, registry, config.service, base_model=config.model.path, sampler=sampler)
     if generated:
         say(f"noria service: tenant 'default' has the key {generated} (send it as X-API-Key)")
     say(f"noria service: {len(registry.tenants)} tenants; listening on http://{host}:{port}{PREFIX}")

@@ -99,6 +99,7 @@ def load_state(adapter: Adapter, folder: Path, with_optimizer: bool) -> None:
             p.copy_(tensors[n])
             p.grad = None
     adapter.grad_calls = 0
+    adapter.version += 1
     if with_optimizer:
         adapter.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location=adapter.optimizer.param_groups[0]["params"][0].device))
         adapter.steps = steps

@@ -158,4 +158,5 @@ def optim_step(adapter: Adapter, adam: dict[str, float]) -> dict:
     adapter.optimizer.zero_grad(set_to_none=True)
     adapter.grad_calls = 0
     adapter.steps += 1
+    adapter.version += 1
     return {"metrics": {"grad_norm:mean": float(norm), "step:max": float(adapter.steps)}}

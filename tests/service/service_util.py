@@ -19,11 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 class ServiceProcess:
     """``python -m noria.cli service`` on 127.0.0.1 with a keys file and a state folder (fp32)."""
 
-    def __init__(self, model_dir: Path, keys_file: Path, state_dir: Path, log_dir: Path) -> None:
+    def __init__(self, model_dir: Path, keys_file: Path, state_dir: Path, log_dir: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "noria.cli", "service", "--model", str(model_dir), "--port", str(self.port),
-               "--model.dtype", "float32", "--service.keys_file", str(keys_file), "--service.state_dir", str(state_dir)]  # fmt: skip
+               "--model.dtype", "float32", "--engine.kv_cache_tokens", "4096", "--service.keys_file", str(keys_file), "--service.state_dir", str(state_dir), *args]  # fmt: skip
         self.log_path = log_dir / f"noria-service-{self.port}.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115
         env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}

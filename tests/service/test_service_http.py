@@ -128,6 +128,30 @@ def test_importance_sampling_raises_a_positive_advantage_token(service):
     assert ppo["metrics"]["loss:sum"] == pytest.approx(-1.0, abs=1e-5)
 
 
+def test_samples_come_from_the_adapters_own_weights(service):
+    alice = client(service, "alice")
+    trainer = alice.create_lora_training_client(rank=4)
+    train(trainer, target_data(100), steps=2)
+    drawn = trainer.sampling_client().sample(PROMPT, num_samples=2, sampling_params={"max_tokens": 5, "seed": 7}).result()
+    for seq in drawn["sequences"]:
+        assert (len(seq["tokens"]), seq["stop_reason"]) == (5, "length") or seq["stop_reason"] == "stop"
+        tokens = PROMPT + seq["tokens"]
+        recomputed = logprobs(trainer, [datum(tokens[:-1], tokens[1:])])[0][len(PROMPT) - 1 :]
+        torch.testing.assert_close(torch.tensor(seq["logprobs"]), torch.tensor(recomputed), atol=1e-4, rtol=0)
+    greedy = {"max_tokens": 5, "temperature": 0.0}
+    now = trainer.sampling_client().sample(PROMPT, 1, greedy).result()["sequences"][0]
+    saved = trainer.save_weights_and_get_sampling_client("two-steps")
+    train(trainer, target_data(100), steps=1)  # the saved copy keeps the weights it was saved with
+    later = saved.sample(PROMPT, 1, greedy).result()["sequences"][0]
+    assert later["tokens"] == now["tokens"]
+    torch.testing.assert_close(torch.tensor(later["logprobs"]), torch.tensor(now["logprobs"]), atol=1e-5, rtol=0)
+    moved = trainer.sampling_client().sample(PROMPT, 1, greedy).result()["sequences"][0]
+    assert moved["logprobs"] != now["logprobs"]
+    with pytest.raises(ServiceError) as err:
+        client(service, "bob").create_sampling_client(saved.model_path).sample(PROMPT)
+    assert err.value.status == 404
+
+
 def test_another_tenants_adapter_is_not_found_and_keys_are_checked(service):
     alice, bob = client(service, "alice"), client(service, "bob")
     trainer = alice.create_lora_training_client(rank=2)
@@ -225,7 +249,8 @@ def test_save_and_load_state_round_trip_bit_for_bit(service):
 def test_a_restarted_service_resumes_from_the_saved_state(service):
     path, at_save, _ = service["resume"]
     service["proc"].stop()
-    service["proc"] = ServiceProcess(service["model"], service["keys"], service["state"], service["folder"]).wait_ready()
+    args = ("--service.sampler", "false")  # training only: the restart need not load the engine too
+    service["proc"] = ServiceProcess(service["model"], service["keys"], service["state"], service["folder"], *args).wait_ready()
     bob = client(service, "bob")
     trainer = bob.create_training_client_from_state(path)
     assert logprobs(trainer) == at_save
