@@ -16,13 +16,27 @@ each flattened token (-1: base). Three ways to apply it, all in this module:
 - ``gathered`` (Punica BGMV style): each adapter row's A and B gathered ([T, r, K], [T, r, N]) and
   two batched matmuls: four ops per layer, but a copy of r (K + N) values per row.
 
-Measured on an AMD EPYC (Zen 4, AVX-512 with AVX512_BF16), 2 cores shared with other work, torch
-2.13, SmolLM2-135M's shapes (K 576, N 576 ... 1536) in bf16, rank 16, a decode step of 16 rows
-(``python -m noria.engine.lora_ops``; median of the three per layer call, microseconds):
+On the CPU's fast decoder (``noria.engine.inference``, packed matmuls) ``stacked`` runs once per
+fused matmul rather than per module (:class:`GroupWeights`: q, k and v share one A matmul and one
+B matmul, as do gate and up), with the stacked weights prepacked for oneDNN like the base weights.
 
-See ``MEASURED`` below for the figures; ``stacked`` is the default because it was fastest at 1, 4
-and 16 adapters at decode sizes (its extra multiply-adds cost less than the per-adapter op
-overhead of ``grouped`` and the copies of ``gathered``).
+Why ``stacked`` is the default (``noria bench engine --lora N``, SmolLM2-135M in bf16, rank 16 on
+all seven projections, batch 16, 64 new tokens; AMD EPYC Zen 4 with AVX-512 and AVX512_BF16, 2
+cores shared with other work, so figures are noisy and only ratios within one run count): decode
+tokens/s with every row on an adapter, against the base model in the same batch:
+
+  =========  =====  =======  =======  ========
+  adapters   base   stacked  grouped  gathered
+  =========  =====  =======  =======  ========
+  1          320.9  216.6    175.2    90.8
+  4          293.4  179.9    35.7     88.3
+  16         316.4  140.4    47.2     70.1
+  =========  =====  =======  =======  ========
+
+At decode sizes a step is bound by the number of small matmuls, not their multiply-adds: the
+extra columns of ``stacked`` cost less than ``grouped``'s per-adapter calls and ``gathered``'s
+per-row weight copies. No hand kernel was written: these torch ops run on the CPU and CUDA alike;
+a fused kernel could cut the per-call cost that dominates here (not measured).
 
 Deterministic mode (``engine.deterministic``): ``stacked`` over all S slots (a fixed shape) with
 both matmuls through ``row_chunked_linear``, so a row's delta has the same bits whatever else
@@ -39,9 +53,7 @@ from noria.models.decoder import row_chunked_linear
 
 STRATEGIES = ("stacked", "grouped", "gathered")
 STRATEGY = "stacked"
-"""The strategy the engine uses (see the module docstring)."""
-MEASURED = ""
-"""Filled in from ``python -m noria.engine.lora_ops`` (see the module docstring)."""
+"""The strategy the engine uses (see the module docstring; ``noria bench engine --lora`` sets the others)."""
 
 
 @dataclass
@@ -159,7 +171,7 @@ class LoraStack:
         bt = self.bt[:hi].view(hi * r, self.out_features)
         if batch.exact:
             h = row_chunked_linear(flat, a).mul_(batch.mask)
-            return row_chunked_linear(h, bt.t())
+            return row_chunked_linear(h, bt.t().contiguous())  # exact_cuda's kernels read a contiguous weight
         return torch.mm(torch.mm(flat, a.t()).mul_(batch.mask), bt)
 
     def _grouped(self, flat: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
