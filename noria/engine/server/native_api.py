@@ -127,6 +127,8 @@ class NativeApi:
         starts = per_item(body.get("logprob_start_len"), n, "logprob_start_len", int)
         priority = want(body, "priority", int, 0)  # SGLang's: larger is admitted first
         adapters = per_item(body.get("lora_path"), n, "lora_path", str)  # SGLang's: the adapter's name
+        if any(adapters) and not hasattr(self.s.engine, "load_adapter"):
+            raise RequestError(f"lora_path: this engine ({type(self.s.engine).__name__}) serves no LoRA adapters")
         images: list[list] = [[] for _ in prompts]
         if body.get("image_data") is not None:
             prompts, images = self.image_prompts(body, prompts, batched)
