@@ -125,11 +125,11 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                items = self._next()
+                items = [] if self._stop else self._next()
                 while not items and not self._stop:
                     self._cond.wait()
                     items = self._next()
-                if not items:
+                if self._stop:  # queued calls are dropped: a stopping service answers no more futures
                     return
             for item, (result, error) in zip(items, self._outcomes(items)):
                 if isinstance(result, concurrent.futures.Future):  # runs on elsewhere (the engine): finish when it does

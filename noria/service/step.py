@@ -44,7 +44,8 @@ def target_logprobs(lora: MultiLora, data: list[Datum]) -> tuple[torch.Tensor, t
         ids[i, : lengths[i]] = torch.tensor(d.tokens, device=device)
         mask[i, : lengths[i]] = 1
         targets[i, : lengths[i]] = d.targets.to(device)
-    logits = lora.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+    padded = min(lengths) < width  # without padding no mask: attention takes its causal fast path
+    logits = lora.model(input_ids=ids, attention_mask=mask if padded else None, use_cache=False).logits.float()
     lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     keep = mask.bool()
     seq_index = torch.arange(len(data), device=device).unsqueeze(1).expand_as(ids)[keep]
