@@ -98,7 +98,10 @@ class MultiLora:
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*peft_config.*")  # several adapters is the point here
             torch.manual_seed(spec.seed)
-            inject_adapter_in_model(cfg, self.model, adapter_name=name)
+            try:
+                inject_adapter_in_model(cfg, self.model, adapter_name=name)
+            except ValueError as e:  # peft: no module matched the targets, and the like
+                raise NoriaError(f"lora_config.target_modules {list(spec.target_modules)}: {e}") from None
         params = {n: p for n, p in sorted(self.model.named_parameters()) if _owner(n) == name}
         if not params:
             self._drop(name)
