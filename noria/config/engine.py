@@ -110,10 +110,10 @@ class EngineConfig:
             raise ConfigError(f"engine.kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if self.chunked_prefill_size > self.max_batch_tokens:
             raise ConfigError("engine.chunked_prefill_size must not exceed engine.max_batch_tokens")
-        if self.quantization != "none" and self.deterministic:
+        if self.quantization == "fp8" and self.deterministic:
             raise ConfigError(
-                f"engine.quantization={self.quantization} cannot be combined with engine.deterministic (deterministic "
-                "mode runs the trainer's own numerics); use engine.quantization: none"
+                "engine.quantization=fp8 cannot be combined with engine.deterministic (deterministic mode runs the "
+                "trainer's own numerics; int8 and int4 can, with train.qat in the trainer); use engine.quantization: none"
             )
         self.speculative.validate()
         if self.speculative.method != "none" and self.speculative.num_tokens + 1 > self.max_batch_tokens:

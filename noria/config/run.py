@@ -69,6 +69,7 @@ class RunConfig:
         self.engine.check_model(self.model.device, self.model.impl, rollout_engine=self.rollout.engine)
         _check_opd(self)
         _check_overlong(self)
+        _check_qat(self)
         if self.diffusion is not None:
             self.diffusion.validate_run(self)
         elif self.train.algorithm == "sft":
@@ -190,6 +191,14 @@ def _check_overlong(config: RunConfig) -> None:
     if buffer and plugin:
         raise ConfigError(f"reward.overlong_buffer_tokens shapes single-turn rollouts of the built-in generation; rollout.{plugin} "
                           "is set (its episodes bound their own tokens): set it to 0")
+
+
+def _check_qat(config: RunConfig) -> None:
+    """QAT trains the recipe the rollout engine serves: the same integer quantization."""
+    qat, served = config.train.qat, config.engine.quantization
+    if qat != "none" and qat != served:
+        raise ConfigError(f"train.qat is {qat} but engine.quantization is {served}: set both to {qat} (the trainer "
+                          "fake-quantizes as the engine serves)")
 
 
 def _check_sft_data(data: DataConfig) -> None:

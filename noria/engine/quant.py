@@ -9,8 +9,8 @@ trainer compares against). Activations are never quantized: each product takes b
 dequantized inside the kernel: one recipe for every kernel and model dtype (torch's kernels are
 vectorized for bf16 activations only: fp32 and fp16 activations ran 30-90x slower).
 
-Recipes (the functions here are the one definition of each; a trainer that fake-quantizes must
-call them):
+Recipes (``noria.models.quantize`` holds the one definition of each, below the engine and the
+trainer, which fake-quantizes with them; re-exported here):
 
 - ``int8``: symmetric, one scale per output channel: ``scale = amax(|row|) / 127`` rounded to
   bf16, ``q = clamp(round_half_even(w / scale), -127, 127)``, ``w ~= q * scale``;
@@ -69,21 +69,28 @@ Re-quantization (int8, our kernel): one vectorized C++ pass per weight into the 
 SmolLM2-135M commit on the machine above.
 
 Not guaranteed: the same logprobs as the unquantized model (it is another policy, close to it:
-pair with ``train.loss.off_policy: tis``); bitwise-equal results across row counts with torch's
-kernels (int4, and int8 where ours does not serve; ours is batch-invariant within one path), hence
-no deterministic mode yet.
+pair with ``train.loss.off_policy: tis``, or train it as it is served with ``train.qat``);
+bitwise-equal results across row counts with torch's kernels (int4, and int8 where ours does not
+serve; ours is batch-invariant within one path).
+
+Deterministic mode and QAT (``engine.deterministic`` with int8 / int4, ``train.qat``): one recipe,
+two sides. :class:`FakeQuant` gives a layer the weight the integer matmul computes with
+(:func:`fake_quantize`: this module's quantizer on the weight held in the engine's dtype, then
+dequantized), with a straight-through gradient. The trainer's decoder-block linears compute with it
+(``train.qat``); the deterministic engine runs the same exact path with it instead of the integer
+kernels (whose accumulation order no trainer repeats). So rollout and trainer logprobs are equal
+bit for bit, and the trained policy is the quantized one; outside deterministic mode the engine's
+kernels compute the same quantized weights in another order (differences at rounding level).
 """
 
 from __future__ import annotations
 
 import torch
 
-MODES = ("int8", "int4")
-"""The values of ``engine.quantization`` this module serves."""
-INT4_GROUP = 32
-"""Input channels per int4 scale/offset group."""
-MIN_SCALE = 1e-8
-"""Floor of every scale (an all-zero row or group would otherwise divide by zero)."""
+from noria.models.quantize import (  # noqa: F401 - the recipes, re-exported: the engine's names for them
+    CHUNK_ROWS, INT4_GROUP, MIN_SCALE, MODES, PACK_BLOCK, FakeQuant, dequantize_int4, dequantize_int8, fake_quantize,
+    pack_int8, pack_int8_shape, quantize_int4, quantize_int8, set_fake_quant, unpack_int8,
+)
 
 
 def supported(model: torch.nn.Module, mode: str) -> str | None:
@@ -107,89 +114,6 @@ def supported(model: torch.nn.Module, mode: str) -> str | None:
                     return (f"model.layers.{i}.{name} has shape [{module.out_features}, {module.in_features}]; int4 "
                             f"needs output features a multiple of 16 and input features a multiple of {INT4_GROUP}")
     return None
-
-
-# ---------------------------------------------------------------------------------------- int8
-
-
-CHUNK_ROWS = 256
-"""Rows quantized at a time: the fp32 temporaries of a chunk stay in cache (and are not fresh pages)."""
-
-
-def quantize_int8(
-    weight: torch.Tensor, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None, packed: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (int8 [N, K], scales [N] in ``dtype``) with ``weight ~= q * scale[:, None]``;
-    written into ``out`` (codes, scales) when given. ``packed``: the codes in the layout of the C++
-    kernel (:func:`pack_int8`), written chunk by chunk."""
-    weight = weight.detach()
-    n = weight.shape[0]
-    if out is None:
-        shape = pack_int8_shape(weight.shape) if packed else weight.shape
-        out = (torch.empty(shape, dtype=torch.int8), torch.empty(n, dtype=dtype))
-    q, scale = out
-    for start in range(0, n, CHUNK_ROWS):  # a multiple of PACK_BLOCK: packed chunks are whole blocks
-        rows = slice(start, start + CHUNK_ROWS)
-        w = weight[rows].to(torch.float32, copy=True)  # divided in place below: never the caller's tensor
-        s = (w.abs().amax(dim=1) / 127).clamp_(min=MIN_SCALE).to(dtype)
-        scale[rows] = s
-        codes = w.div_(s.float()[:, None]).round_().clamp_(-127, 127)
-        if packed:
-            q[start // PACK_BLOCK : (start + codes.shape[0]) // PACK_BLOCK] = pack_int8(codes)
-        else:
-            q[rows] = codes
-    return q, scale
-
-
-PACK_BLOCK = 16
-"""Output channels per block of the C++ kernel's int8 layout."""
-
-
-def pack_int8_shape(shape) -> tuple[int, int, int]:
-    n, k = shape
-    return n // PACK_BLOCK, k // 2, 2 * PACK_BLOCK
-
-
-def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] -> the C++ kernel's layout [N / 16, K / 2, 32]: blocks of 16 output channels, each
-    pair of input channels (k, k + 1) as 16 x (q[n, k], q[n, k + 1]) (``kernels/int8_linear.cpp``)."""
-    n, k = q.shape
-    return q.reshape(n // PACK_BLOCK, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(pack_int8_shape(q.shape))
-
-
-def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
-    """The codes [N, K] of :func:`pack_int8`'s layout."""
-    blocks, pairs, _ = packed.shape
-    return packed.reshape(blocks, pairs, PACK_BLOCK, 2).permute(0, 2, 1, 3).reshape(blocks * PACK_BLOCK, pairs * 2)
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight the int8 matmul computes with."""
-    return q.float() * scale.float()[:, None]
-
-
-# ---------------------------------------------------------------------------------------- int4
-
-
-def quantize_int4(weight: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] -> (codes int32 [N, K] in 0..15, scales [N, K / group], zeros [N, K / group] in ``dtype``)
-    with ``weight ~= (q - 8) * scale + zero`` group by group."""
-    n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // group, group)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((hi - lo) / 15).clamp(min=MIN_SCALE).to(dtype)
-    zero = (lo + 8 * scale.float()).to(dtype)
-    lo_rounded = zero.float() - 8 * scale.float()  # the value code 0 stands for, after rounding scale and zero
-    q = torch.round((w - lo_rounded[..., None]) / scale.float()[..., None]).clamp_(0, 15).to(torch.int32)
-    return q.reshape(n, k), scale, zero
-
-
-def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight the int4 matmul computes with."""
-    n, k = q.shape
-    groups = scale.shape[1]
-    w = (q.float().reshape(n, groups, -1) - 8) * scale.float()[..., None] + zero.float()[..., None]
-    return w.reshape(n, k)
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,10 @@ decoder) multiplies with them; the CPU packed path is off.
 
 ``engine.quantization: int8 | int4`` (CPU): the fast decoder runs the integer layers of
 ``noria.engine.quant`` for every step, and ``refresh_weights`` re-quantizes them in place before
-the commit returns (``FastDecoder.requantize``), so the model's own modules never serve.
+the commit returns (``FastDecoder.requantize``), so the model's own modules never serve. In
+deterministic mode the integer layers do not run: each decoder-block linear computes with its
+weight quantized and dequantized by the same recipe (``quant.FakeQuant``, re-made when the weight
+changes) on the exact path, which is what a trainer with ``train.qat`` computes too.
 
 Deterministic mode: the model runs its own modules in exact numerics
 (``DecoderLM.set_exact_numerics``, switched on for the engine's model here: linear layers as 2-D
@@ -156,14 +159,14 @@ class ModelRunner:
                 raise ValueError("engine.quantization=fp8 cannot be combined with engine.deterministic")
             fp8.quantize_model(model)
         elif quantization in quant.MODES:
-            if deterministic:
-                raise ValueError(f"engine.quantization={quantization} cannot be combined with engine.deterministic")
             reason = quant.supported(model, quantization)
             if reason is not None:
                 raise ValueError(f"engine.quantization={quantization}: {reason}")
+            if deterministic:  # the exact path on the dequantized weights: a trainer with train.qat computes the same
+                quant.set_fake_quant(model, quantization, next(model.parameters()).dtype)
         elif quantization != "none":
             raise ValueError(f"engine.quantization must be none, fp8, int8 or int4, got {quantization!r}")
-        self.quantized = quantization in quant.MODES
+        self.quantized = quantization in quant.MODES and not deterministic
         """Integer weights (``noria.engine.quant``) in the fast decoder, re-quantized by :meth:`refresh_weights`."""
         # Deterministic mode runs exactly the trainer's modules; elsewhere packed (or integer) weights
         # on CPU (not with FP8: the model's layers then carry the FP8 matmuls).

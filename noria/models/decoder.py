@@ -130,6 +130,11 @@ class Linear(nn.Linear):
     ``lora(x, y)`` with this layer's output ``y``, it adds the LoRA deltas of the current batch's
     rows. Never set on a model that trains."""
 
+    fake_quant = None
+    """Set on the decoder blocks' layers of a trainer with ``train.qat`` and of a deterministic engine
+    with integer weights (``noria.models.quantize.FakeQuant``): called on the weight, it gives the
+    dequantized weight the integer engine computes with (straight-through gradient)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base(x)
         return y if self.lora is None else self.lora(x, y)
@@ -137,9 +142,10 @@ class Linear(nn.Linear):
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8(x, self.bias)
+        weight = self.weight if self.fake_quant is None else self.fake_quant(self.weight)
         if self.exact_dtype is None:
-            return super().forward(x)
-        return row_chunked_linear(x, _cast(self.weight, self.exact_dtype), _cast(self.bias, self.exact_dtype))
+            return F.linear(x, weight, self.bias)
+        return row_chunked_linear(x, _cast(weight, self.exact_dtype), _cast(self.bias, self.exact_dtype))
 
 
 class Embedding(nn.Embedding):

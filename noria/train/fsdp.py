@@ -79,6 +79,7 @@ from torch.utils.checkpoint import checkpoint
 from noria import hardware
 from noria.config import TrainConfig, ensure_valid
 from noria.models import DecoderLM, load_model
+from noria.models.quantize import set_fake_quant
 from noria.train.backend import LossFn, LossInputs, TokenLogprobs, TrainError, Which, step_totals
 from noria.train.checkpoint import load_checkpoint, save_checkpoint
 from noria.train.freeze import freeze_parts
@@ -249,6 +250,8 @@ class FSDPBackend:
             if self.cfg.lora.adapter_path:
                 load_adapter(lm, self.cfg.lora.adapter_path, self.cfg.lora)
         freeze_parts(lm, self.cfg.freeze)  # train.freeze: a vision-language model's tower or connector
+        if self.cfg.qat != "none" and not set_fake_quant(lm, self.cfg.qat, self.compute_dtype):  # as the integer engine serves
+            raise TrainError(f"train.qat {self.cfg.qat}: the model has no native decoder layers to quantize (model.impl: native)")
         self.skip_names = tied_duplicates(lm)
         self.lm = lm
         self.policy = self._wrap(lm, train=True)
