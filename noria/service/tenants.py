@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import secrets
 import threading
 import time
@@ -150,6 +151,8 @@ QUOTAS = ("max_adapters", "tokens_per_minute", "queue_depth")
 
 def _tenant(name: str, entry: object, cfg: ServiceSection, where: str) -> Tenant:
     """One tenant from its keys-file entry; quotas it leaves out are the section's defaults."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", name):
+        raise NoriaError(f"{where}: a tenant's name is letters, digits, '_' and '-' (it names its folder of saved states)")
     if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or len(entry["key"]) < 16:
         raise NoriaError(f"{where}: needs 'key', a string of at least 16 characters")
     unknown = sorted(set(entry) - {"key", *QUOTAS})

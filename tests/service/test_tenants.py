@@ -47,6 +47,7 @@ def test_keys_authenticate_their_tenant_only(tmp_path):
         ("tenants:\n  a: {key: tml-aaaaaaaaaaaaaaaa, max_adapters: 0}\n", "tenants.a.max_adapters: must be an integer >= 1"),
         ("tenants:\n  a: {key: tml-aaaaaaaaaaaaaaaa}\n  b: {key: tml-aaaaaaaaaaaaaaaa}\n", "keys must be unique"),
         ("tenants: []\n", "non-empty mapping"),
+        ("tenants:\n  ../up: {key: tml-aaaaaaaaaaaaaaaa}\n", "a tenant's name is letters"),
     ],
 )
 def test_bad_keys_files_name_the_field(tmp_path, text, message):
