@@ -6,7 +6,7 @@ What this module owns: ``is_sequence_classifier`` (a folder whose ``config.json`
 ``AutoModelForSequenceClassification`` of that folder, frozen, weight version 0): ``classify`` takes
 rows of token ids and answers each row's logits (one logit for a Bradley-Terry reward model).
 
-How it batches: one daemon thread runs the forwards. It takes the oldest waiting row, then every
+How it batches: one daemon thread loads the model and runs the forwards. It takes the oldest waiting row, then every
 other row already waiting (at most ``max_batch``), right-pads them with the model's pad id and runs
 one forward; rows that arrive meanwhile wait for the next one. So concurrent callers share forwards
 without a fixed waiting window. Results reach each caller's own event loop (any loop, any thread).
@@ -23,6 +23,7 @@ import asyncio
 import json
 import queue
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,30 @@ def is_sequence_classifier(folder: str | Path) -> bool:
 class SequenceClassifier:
     """A frozen ``AutoModelForSequenceClassification`` scoring rows of token ids in batches."""
 
-    def __init__(self, model: Any, tokenizer: Any, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, load: Callable[[], tuple[Any, Any]], max_batch: int = MAX_BATCH) -> None:
+        """``load`` returns (model, tokenizer); it runs on the forward thread, which then runs every
+        forward: one thread of the process does torch work, so no idle OpenMP team of another
+        thread (a loader's) adds workers beyond the cores (libgomp then stops spinning between ops;
+        see ``noria.diffusion.openmp``). On a busy 2-core machine a forward of the tiny model took
+        about 0.5 s on torch's 2 threads and 5 ms with ``OMP_NUM_THREADS=1``: small reward models
+        want one thread there."""
+        self.max_batch = max_batch
+        self.weight_version = 0
+        self.forwards = 0
+        """Forward passes run so far (``/metrics``: rows / forwards is the batching)."""
+        self.rows = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, args=(load,), name="noria-classifier", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _setup(self, model: Any, tokenizer: Any) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.weight_version = 0
-        self.max_batch = max_batch
         pad = getattr(model.config, "pad_token_id", None)
         if pad is None and tokenizer is not None:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -60,25 +80,23 @@ class SequenceClassifier:
         self.vocab_size = int(model.config.vocab_size)
         self.num_labels = int(model.config.num_labels)
         self.device = next(model.parameters()).device
-        self.forwards = 0
-        """Forward passes run so far (``/metrics``: rows / forwards is the batching)."""
-        self.rows = 0
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="noria-classifier", daemon=True)
-        self._thread.start()
 
     @classmethod
     def from_path(cls, path: str | Path, dtype: str = "auto", device: str = "cpu") -> SequenceClassifier:
         """Load the folder (``dtype`` ``auto``: this machine's, as the engine's) and its tokenizer."""
-        import torch
-        from transformers import AutoModelForSequenceClassification
 
-        from noria import hardware
-        from noria.engine.engine import try_tokenizer
+        def load() -> tuple[Any, Any]:
+            import torch
+            from transformers import AutoModelForSequenceClassification
 
-        dtype = hardware.resolve_dtype(dtype, device)
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device)
-        return cls(model, try_tokenizer(str(path)))
+            from noria import hardware
+            from noria.engine.engine import try_tokenizer
+
+            resolved = hardware.resolve_dtype(dtype, device)
+            model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=getattr(torch, resolved)).to(device)
+            return model, try_tokenizer(str(path))
+
+        return cls(load)
 
     # ------------------------------------------------------------------------------ scoring
 
@@ -110,7 +128,14 @@ class SequenceClassifier:
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
         return logits.float().cpu().tolist()
 
-    def _serve(self) -> None:
+    def _serve(self, load: Callable[[], tuple[Any, Any]]) -> None:
+        try:
+            self._setup(*load())
+        except BaseException as e:  # noqa: BLE001 -- raised by the constructor, on its thread
+            self._error = e
+            return
+        finally:
+            self._ready.set()
         while True:
             batch = [self._queue.get()]
             if batch[0] is None:
