@@ -21,7 +21,7 @@ LAYERS = [
     ("leaves", {"types", "errors", "hardware", "net", "console", "plugins", "config", "faults", "metric_names"}),
     ("base", {"models", "data", "metrics", "loop", "process"}),
     ("engine and trainer", {"engine", "train"}),
-    ("services", {"sync", "rollout", "router", "agent", "rewards", "eval", "distill", "run_folder", "runview", "preflight"}),
+    ("services", {"sync", "rollout", "router", "agent", "rewards", "eval", "distill", "run_folder", "runview", "preflight", "service"}),
     ("jobs", {"launch", "diffusion"}),
     ("top", {"bench", "cli", "__main__"}),
 ]

@@ -240,7 +240,9 @@ def parse_command(command: str) -> tuple[argparse.Namespace, list[str], type | N
         return args, [], None
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "serve":
+    if args.command == "service":
+        from noria.config import ServiceConfig as cls
+    elif args.command == "serve":
         from noria.engine.server.app import ServeConfig as cls
     else:
         from noria.config import RunConfig as cls
