@@ -7,6 +7,8 @@
 - ``model``, ``judge``, ``mixed``: a reward served by a model (``reward.model``): the generative
   judge's scorer, cache and engine; its prompt, request and verdict parsers; the rule and the judge
   weighted together, with each part, their agreement and the judge's latency counted.
+- ``scalar``: a scalar (sequence-classification) reward model's input, classify request and score;
+  ``shared``: a judge on the policy's own rollout engines, below rollout's priority.
 """
 
 from noria.rewards.registry import REWARDS, get_reward, register_reward, resolve_reward
