@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from noria.config import RunConfig, field_docs
+from noria.config.service import ServiceSection
 from noria.config.schema import optional_section
 from noria.metric_names import METRICS
 
@@ -30,8 +31,16 @@ def config_reference() -> str:
         "`noria config CONFIG` prints a config resolved; the run folder keeps it as `config.yaml`.",
         "",
     ]
-    rows = field_docs()
-    for title, prefix, cls in sections():
+    out += _tables(field_docs(), sections())
+    # noria service reads model and engine as a run does, and its own section (noria.config.service)
+    out += ["# `noria service`", "", "`noria service` reads `model` and `engine` as a run does (above), and its own section.", ""]
+    out += _tables(field_docs(ServiceSection, "service."), [("`service`", "service.", ServiceSection)])
+    return "\n".join(out)
+
+
+def _tables(rows: list, parts: list[tuple[str, str, type]]) -> list[str]:
+    out = []
+    for title, prefix, cls in parts:
         mine = [r for r in rows if (r[0].startswith(prefix) if prefix else "." not in r[0])]
         if not mine:
             continue
@@ -42,7 +51,7 @@ def config_reference() -> str:
                 continue  # nested section: listed under its own heading
             out.append(f"| `{key}` | {_cell(type_name)} | {_cell(repr(default))} | {_cell(help_text)} |")
         out.append("")
-    return "\n".join(out)
+    return out
 
 
 def sections(cls: type = RunConfig, prefix: str = "", title: str = "Top level") -> list[tuple[str, str, type]]:
