@@ -196,3 +196,16 @@ def test_classify_route_refuses_bad_rows():
         ClassifyApi.rows({"input_ids": [[1], [12]]}, Fake())
     with pytest.raises(RequestError, match="no tokenizer"):
         ClassifyApi.rows({"text": "hi"}, Fake())
+
+
+def test_generate_route_reads_sglang_priority():
+    from types import SimpleNamespace
+
+    from noria.engine.server.native_api import NativeApi
+
+    api = NativeApi(SimpleNamespace(engine=SimpleNamespace(vocab_size=100, max_context=512, tokenizer=None)))
+    reqs, batched = api.parse_generate({"input_ids": [[1, 2], [3]], "priority": -1})
+    assert batched and [r.priority for r in reqs] == [-1, -1]
+    assert api.parse_generate({"input_ids": [1, 2]})[0][0].priority == 0
+    with pytest.raises(RequestError, match="priority has the wrong type"):
+        api.parse_generate({"input_ids": [1], "priority": "low"})
