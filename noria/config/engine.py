@@ -85,6 +85,11 @@ class EngineConfig:
         "Each slot holds rank x (in + out) values per targeted layer, in the model's dtype (docs/engines.md, Serving "
         "many LoRA adapters)."
     )
+    lora_max_memory_mb: float | None = option(
+        None, "Memory the LoRA slots may take at most, in MB (every targeted layer's stacks: lora_max_adapters x the "
+        "largest rank x (in + out) values in the model's dtype); a load that would grow them past it is refused. "
+        "null: no bound beyond lora_max_adapters."
+    )
     speculative: SpeculativeConfig = option(
         factory=SpeculativeConfig, help="Speculative decoding (off by default; see docs/engines.md)."
     )
@@ -102,6 +107,8 @@ class EngineConfig:
         for key in ("max_running_requests", "max_batch_tokens", "chunked_prefill_size", "block_size", "lora_max_adapters"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
+        if self.lora_max_memory_mb is not None and self.lora_max_memory_mb <= 0:
+            raise ConfigError(f"engine.lora_max_memory_mb must be > 0 or null, got {self.lora_max_memory_mb}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ConfigError(f"engine.kv_cache_tokens must be >= engine.block_size, got {self.kv_cache_tokens}")
         if self.kv_job_tokens is not None and self.kv_job_tokens < self.block_size:

@@ -120,7 +120,7 @@ class Engine(AdapterMethods):
             model, self.kv, self.device, config.attention, config.deterministic, max_batch=config.max_running_requests,
             max_positions=self.max_context, quantization=config.quantization,
         )
-        self.lora = self.runner.lora = LoraRegistry(model, config.lora_max_adapters, config.deterministic)
+        self.lora = self.runner.lora = LoraRegistry(model, config.lora_max_adapters, config.deterministic, config.lora_max_memory_mb)
         """The served LoRA adapters (``noria.engine.lora``)."""
         self._generator = torch.Generator(self.device).manual_seed(seed)
         spec = config.speculative

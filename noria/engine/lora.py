@@ -26,7 +26,8 @@ another, nor to the base model.
 
 Memory. Stacks are made for a layer when the first adapter targeting it arrives, with
 ``engine.lora_max_adapters`` slots and the rank of the largest adapter loaded (grown, never
-shrunk); an adapter of lower rank is zero-padded, which leaves its delta exactly the same.
+shrunk); an adapter of lower rank is zero-padded, which leaves its delta exactly the same. A load
+that would grow them past ``engine.lora_max_memory_mb`` is refused.
 
 Threads: every mutation runs on the engine thread between steps (the engine posts them); the
 forward reads the stacks and :attr:`LoraRegistry.batch` on that thread too. ``names`` is read from
@@ -160,12 +161,13 @@ def _check_pair(name: str, module: str, ab: dict[str, torch.Tensor], rank: int, 
 class LoraRegistry:
     """The loaded adapters, their slots and the per-layer stacks; see the module docstring."""
 
-    def __init__(self, model: DecoderLM, max_adapters: int, deterministic: bool = False) -> None:
+    def __init__(self, model: DecoderLM, max_adapters: int, deterministic: bool = False, max_memory_mb: float | None = None) -> None:
         first = next(model.parameters())
         self.model = model
         self.dtype, self.device = first.dtype, first.device
         self.capacity = max_adapters
         self.deterministic = deterministic
+        self.max_memory_mb = max_memory_mb
         self.modules = lora_modules(model)
         self.stacks: dict[str, LoraStack] = {}
         self.adapters: dict[str, Adapter] = {}
@@ -179,12 +181,8 @@ class LoraRegistry:
         self._groups: dict[tuple[int, str], GroupWeights | None] = {}
         """The fast decoder's group weights for the current ``hi`` (``lora_ops.GroupWeights``), dropped at every change."""
         self._groups_hi = 0
-        self.packed = False
-        """Whether group weights are prepacked for oneDNN (the fast decoder's dtype packs here)."""
-        if self.device.type == "cpu":
-            from noria.hardware import packed_linear_ok
-
-            self.packed = packed_linear_ok(self.dtype)
+        self._relayout = False
+        """Stacks were made or widened since the group weights were: they are made again."""
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -197,6 +195,7 @@ class LoraRegistry:
             slot = old.slot
             del self.adapters[name]
         else:
+            self._check_memory(name, parsed)
             slot = self._free_slot(name)
         self._grow(parsed.rank)
         for stack in self.stacks.values():
@@ -204,7 +203,7 @@ class LoraRegistry:
         adapter = Adapter(name, slot, parsed.rank, parsed.scaling, tuple(parsed.pairs), version, self._take_key())
         self._write(adapter, parsed)
         self.adapters[name] = adapter
-        self._publish()
+        self._publish(slot)
         return adapter
 
     def update(self, name: str, parsed: ParsedAdapter, version: int) -> Adapter:
@@ -219,7 +218,7 @@ class LoraRegistry:
         self._write(adapter, parsed)
         adapter.version = version
         adapter.key = self._take_key()
-        self._publish()
+        self._publish(adapter.slot)
         return adapter
 
     def unload(self, name: str) -> None:
@@ -229,7 +228,7 @@ class LoraRegistry:
         for stack in self.stacks.values():
             stack.clear(adapter.slot)
         del self.adapters[name]
-        self._publish()
+        self._publish(adapter.slot)
 
     def get(self, name: str) -> Adapter:
         adapter = self.adapters.get(name)
@@ -277,6 +276,25 @@ class LoraRegistry:
 
     # ------------------------------------------------------------------------------ internals
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's stacks."""
+        return sum(s.nbytes for s in self.stacks.values())
+
+    def _check_memory(self, name: str, parsed: ParsedAdapter) -> None:
+        """``engine.lora_max_memory_mb``: refuse a load that would grow the stacks past it."""
+        if self.max_memory_mb is None:
+            return
+        rank = max(self.rank, parsed.rank)
+        modules = set(self.stacks) | set(parsed.pairs)
+        size = torch.empty((), dtype=self.dtype).element_size()
+        need = sum(self.capacity * rank * (self.modules[m].in_features + self.modules[m].out_features) * size for m in modules)
+        if need > self.max_memory_mb * 2**20:
+            raise AdapterError(
+                f"cannot load adapter {name!r}: the LoRA slots would take {need / 2**20:.1f} MB (rank {rank}, "
+                f"{len(modules)} layers, {self.capacity} slots), over engine.lora_max_memory_mb={self.max_memory_mb}"
+            )
+
     def _free_slot(self, name: str) -> int:
         used = {a.slot for a in self.adapters.values()}
         free = [s for s in range(self.capacity) if s not in used]
@@ -297,6 +315,7 @@ class LoraRegistry:
     def _grow(self, rank: int) -> None:
         if rank > self.rank:
             self.rank = rank
+            self._relayout = True
             for stack in self.stacks.values():
                 stack.grow(rank)
 
@@ -307,6 +326,7 @@ class LoraRegistry:
                 layer = self.modules[module]
                 stack = LoraStack(layer.in_features, layer.out_features, self.capacity, self.rank, self.dtype, self.device)
                 self.stacks[module] = stack
+                self._relayout = True
                 layer.lora = _Hook(self, module)
             stack.write(adapter.slot, a, b)
 
@@ -314,9 +334,15 @@ class LoraRegistry:
         key, self._next_key = self._next_key, self._next_key + 1
         return key
 
-    def _publish(self) -> None:
+    def _publish(self, slot: int) -> None:
+        """After a change of ``slot``: the names other threads read, and the group weights."""
         self.names = {n: a.version for n, a in self.adapters.items()}
-        self._groups.clear()
+        if self._relayout:
+            self._groups.clear()
+            self._relayout = False
+        for weights in self._groups.values():
+            if weights is not None:
+                weights.refresh(slot)
 
     def group_weights(self, layer: int, kind: str, sizes: list[int]) -> GroupWeights | None:
         """The current batch's :class:`GroupWeights` of fast-decoder matmul ``kind`` of ``layer``
@@ -330,7 +356,7 @@ class LoraRegistry:
             stacks = [self.stacks.get(f"model.layers.{layer}.{m}") for m in GROUPS[kind]]
             made = None
             if any(s is not None for s in stacks):
-                made = GroupWeights(stacks, sizes, hi, self.rank, self.packed)
+                made = GroupWeights(stacks, sizes, hi, self.rank)
             self._groups[key] = made
         return self._groups[key]
 

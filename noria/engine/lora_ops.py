@@ -18,7 +18,7 @@ each flattened token (-1: base). Three ways to apply it, all in this module:
 
 On the CPU's fast decoder (``noria.engine.inference``, packed matmuls) ``stacked`` runs once per
 fused matmul rather than per module (:class:`GroupWeights`: q, k and v share one A matmul and one
-B matmul, as do gate and up), with the stacked weights prepacked for oneDNN like the base weights.
+B matmul, as do gate and up).
 
 Why ``stacked`` is the default (``noria bench engine --lora N``, SmolLM2-135M in bf16, rank 16 on
 all seven projections, batch 16, 64 new tokens; AMD EPYC Zen 4 with AVX-512 and AVX512_BF16, 2
@@ -201,39 +201,42 @@ GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "
 class GroupWeights:
     """``stacked`` for one fast-decoder matmul standing for M modules (q, k, v: M = 3): one A of
     every (slot, module) pair, [hi M r, K], and one B spreading each pair onto its module's output
-    columns, [hi M r, N_1 + ... + N_M] (zeros elsewhere), so the group costs two matmuls, a mask
-    product and an add, whatever M. Made from the layer stacks for a given ``hi`` and kept until an
-    adapter changes; prepacked for oneDNN where the fast decoder packs its own weights."""
+    columns, [N_1 + ... + N_M, hi M r] (zeros elsewhere), so the group costs two matmuls, a mask
+    product and an add, whatever M. Made from the layer stacks for a given ``hi``; an adapter's
+    load or update rewrites its slot in place (:meth:`refresh`: an update copies one slot, where
+weights prepacked for oneDNN would be packed again whole). Not prepacked: in ``noria bench engine
+--lora 4`` (batch 16) prepacked group weights gave 0.61x of the base model's tokens/s and plain
+ones 0.66x, within the noise of the shared machine."""
 
-    def __init__(self, stacks: list[LoraStack | None], sizes: list[int], hi: int, rank: int, packed: bool) -> None:
+    def __init__(self, stacks: list[LoraStack | None], sizes: list[int], hi: int, rank: int) -> None:
         first = next(s for s in stacks if s is not None)
         k, m, width = first.in_features, len(stacks), sum(sizes)
-        a = first.a.new_zeros(hi, m, rank, k)
-        b = first.a.new_zeros(hi, m, rank, width)
-        start = 0
-        for i, (stack, n) in enumerate(zip(stacks, sizes)):
-            if stack is not None:
-                a[:, i] = stack.a[:hi]
-                b[:, i, :, start : start + n] = stack.bt[:hi]
-            start += n
+        self.stacks, self.sizes, self.hi, self.rank = stacks, sizes, hi, rank
         self.width = m * rank
         """Columns of one slot in the group's h."""
-        self.a, self.b = a.view(hi * m * rank, k), b.view(hi * m * rank, width).t().contiguous()  # b: [N, hi M r]
-        self.packed = packed
-        if packed:
-            rows = 64
-            self.a = torch.ops.mkldnn._reorder_linear_weight(self.a, rows)
-            self.b = torch.ops.mkldnn._reorder_linear_weight(self.b, rows)
+        self.a = first.a.new_zeros(hi * m * rank, k)
+        self.b = first.a.new_zeros(width, hi * m * rank)
+        for slot in range(hi):
+            self.refresh(slot)
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
-        return torch.nn.functional.linear(x, w)
+    def refresh(self, slot: int) -> None:
+        """Copy ``slot``'s A and B from the layer stacks (after a load, update or unload)."""
+        if slot >= self.hi:
+            return
+        m = len(self.stacks)
+        a = self.a.view(self.hi, m, self.rank, -1)
+        b = self.b.view(-1, self.hi, m, self.rank)
+        start = 0
+        for i, (stack, n) in enumerate(zip(self.stacks, self.sizes)):
+            if stack is not None:
+                a[slot, i] = stack.a[slot]
+                b[start : start + n, slot, i] = stack.bt[slot].t()
+            start += n
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        h = self._linear(flat, self.a).mul_(batch.group_mask(self.width))
-        return y.add_(self._linear(h, self.b).view(y.shape))
+        h = torch.nn.functional.linear(flat, self.a).mul_(batch.group_mask(self.width))
+        return y.add_(torch.nn.functional.linear(h, self.b).view(y.shape))
 
 
 class LoraPackedLayer:

@@ -147,7 +147,8 @@ def test_update_in_place_changes_outputs_and_bumps_the_version(model, folders):
         assert after.meta_info()["adapter_version"] == 5
         assert after.input_logprobs != before.input_logprobs
         engine.load_adapter("b", folders["b"])
-        assert scored(engine, ["b"])[0].input_logprobs == after.input_logprobs  # a now holds b's weights
+        as_b = scored(engine, ["b"])[0].input_logprobs  # a now holds b's weights (in another slot: not bitwise)
+        assert max(abs(x - y) for x, y in zip(as_b, after.input_logprobs)) <= 1e-5
         bad = {k: v[:, :2] if "lora_A" in k else v for k, v in load_file(str(folders["b"] / "adapter_model.safetensors")).items()}
         with pytest.raises(AdapterError, match="adapter 'a': module .* has A"):
             engine.update_adapter("a", bad, version=6)
@@ -169,17 +170,21 @@ def test_the_prefix_cache_never_hands_one_adapters_kv_to_another(model, folders)
         first = scored(engine, ["a"], score=False)[0]
         assert first.cached_tokens == 0
         again = scored(engine, ["a"], score=False)[0]
-        assert again.cached_tokens > 0 and again.logprobs == first.logprobs  # a's own KV is reused
+        assert again.cached_tokens > 0 and close(again.logprobs, first.logprobs)  # a's own KV is reused
         for name in ("b", None):
             out = scored(engine, [name], score=False)[0]
             assert out.cached_tokens == 0, name
-            assert out.logprobs == scored(fresh, [name], score=False)[0].logprobs
+            assert close(out.logprobs, scored(fresh, [name], score=False)[0].logprobs), name
         assert scored(engine, [None], score=False)[0].cached_tokens > 0  # the base model's own KV is kept too
         engine.update_adapter("a", engine_tensors(folders["c"]), version=1)
         assert scored(engine, ["a"], score=False)[0].cached_tokens == 0  # an update starts a new namespace
     finally:
         engine.shutdown()
         fresh.shutdown()
+
+
+def close(got: list[float], want: list[float]) -> bool:
+    return len(got) == len(want) and max(abs(x - y) for x, y in zip(got, want)) <= 1e-5
 
 
 def engine_tensors(folder):
@@ -234,5 +239,15 @@ def test_every_lora_strategy_gives_the_same_rows(model, folders, monkeypatch):
             for out, ref in zip(scored(engine, mix), want):
                 got, exp = out.input_logprobs + out.logprobs, ref.input_logprobs + ref.logprobs
                 assert max(abs(x - y) for x, y in zip(got, exp)) <= 1e-5, strategy
+    finally:
+        engine.shutdown()
+
+
+def test_a_load_past_the_memory_cap_is_refused(model, folders):
+    engine = make_engine(model, lora_max_adapters=2, lora_max_memory_mb=0.01)
+    try:
+        with pytest.raises(AdapterError, match=r"cannot load adapter 'a': the LoRA slots would take .* over engine.lora_max_memory_mb"):
+            engine.load_adapter("a", folders["a"])
+        assert engine.adapters() == {} and engine.lora.nbytes == 0
     finally:
         engine.shutdown()
