@@ -28,9 +28,9 @@ tokens/s with every row on an adapter, against the base model in the same batch:
   =========  =====  =======  =======  ========
   adapters   base   stacked  grouped  gathered
   =========  =====  =======  =======  ========
-  1          320.9  216.6    175.2    90.8
-  4          293.4  179.9    35.7     88.3
-  16         316.4  140.4    47.2     70.1
+  1          244.2  193.4    152.6    81.7
+  4          228.6  160.4    60.3     82.5
+  16         230.2  113.9    49.2     79.3
   =========  =====  =======  =======  ========
 
 At decode sizes a step is bound by the number of small matmuls, not their multiply-adds: the
