@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fuzz": ("fuzz", "every HTTP route of noria serve, the session server and the router front fuzzed (Hypothesis): 5xx, crashes, health, RSS"),
     "reward": ("reward", "a generative judge's rows/s and p50/p99 latency, and its scoring hidden behind generation: per sample vs per group vs on the policy's engine, against the rule"),
     "soak": ("soak", "an async RL job (eval fleet, agent sessions) for N minutes: RSS, fds, threads, /dev/shm, KV blocks and buffer of its process tree; fails on growth"),
+    "service": ("service", "N tenants each running the cookbook GRPO loop against one noria service: held-out accuracy per tenant, sampled + trained tokens/s for 1 vs 4 tenants"),
 }
 """``noria bench NAME`` -> (module of ``noria.bench``, one-line help)."""
 
