@@ -120,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (the group)")
     p.add_argument("--new-tokens", type=int, default=32, help="most tokens per answer")
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=5e-4, help="Adam learning rate of the adapter")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
     p.add_argument("--eval", type=int, default=50, help="held-out problems")
     p.add_argument("--reward", default="numeric", help="a reward of noria.rewards, or pkg.module:fn(response, label, metadata)")

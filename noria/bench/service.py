@@ -43,7 +43,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="most tokens per answer")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the training groups")
     parser.add_argument("--eval", type=int, default=50, help="held-out problems per evaluation")
-    parser.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate of each loop")
+    parser.add_argument("--lr", type=float, default=5e-4, help="Adam learning rate of each loop")
     parser.add_argument("--seed", type=int, default=0, help="every tenant's seed (prompts, held-out problems, initial adapter)")
     parser.add_argument("--async", dest="async_loop", action="store_true", help="run examples/service_grpo_async.py")
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds one N's loops may take")
