@@ -232,6 +232,7 @@ class Evaluations:
     def record(self, step: int, version: int, start: float, began: float, outcome: Outcome) -> None:
         """The row of a finished evaluation: ``seconds`` from ``began`` (its own work), lag from ``start``
         (the end of step ``step``)."""
+        from noria.eval.answer_grid import save_answer_grid
         from noria.eval.runner import accuracy, check_scored
 
         samples = outcome.samples
@@ -253,6 +254,7 @@ class Evaluations:
             **outcome.fields,
         }
         self.job.log.write_eval(row, samples)
+        save_answer_grid(samples, self.job.folder / "eval" / f"step-{step:06d}.png")  # a vision-language run's picture
 
 
 async def generate_on(job: EvalHost, client: Any, prompts: list[Any], first_group_id: int) -> list[Sample]:

@@ -423,9 +423,10 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
 
 
 def sample_grids(run: RunData, out: Path) -> list[tuple[str, bytes]]:
-    """Image runs: the first and the last evaluation's grid of images (``RUN_DIR/eval/step-N.png``,
-    ``noria.diffusion.evaluate``), copied next to the page as ``samples_first.png`` /
-    ``samples_last.png``; (caption, PNG) of each, none for a text run."""
+    """Image runs: the first and the last evaluation's grid of images (``RUN_DIR/eval/step-N.png``:
+    ``noria.diffusion.evaluate``, or ``noria.eval.answer_grid`` for a vision-language policy), copied
+    next to the page as ``samples_first.png`` / ``samples_last.png``; (caption, PNG) of each, none
+    for a text run."""
     pngs = sorted((run.folder / "eval").glob("step-*.png"))
     picked = [("first", pngs[0]), ("last", pngs[-1])] if len(pngs) > 1 else [("first", p) for p in pngs]
     grids = []
@@ -433,7 +434,8 @@ def sample_grids(run: RunData, out: Path) -> list[tuple[str, bytes]]:
         data = path.read_bytes()
         (out / f"samples_{which}.png").write_bytes(data)
         step = int(path.stem.split("-")[1])
-        grids.append((f"Evaluation images at step {step} (a row per condition, unseen seeds)", data))
+        what = "a row per condition, unseen seeds" if run.config.get("diffusion") else "held-out prompts' images and the answers, green where they scored"
+        grids.append((f"Evaluation images at step {step} ({what})", data))
     return grids
 
 

@@ -48,7 +48,7 @@ def vlm_args(model, data, **extra):
     base = {
         "data.task": None, "data.path": str(data), "data.chat_template": TEMPLATE, "rollout.prompts_per_step": 4,
         "rollout.n_samples": 4, "rollout.max_new_tokens": 6, "engine.deterministic": True, "rollout.temperature": 0.8,
-        "train.max_steps": 2,
+        "train.max_steps": 2, "data.test_path": str(data), "eval.every": 2, "eval.max_new_tokens": 6,
     }  # fmt: skip
     base.update(extra)
     args = rl_args(model, **base)
@@ -66,6 +66,8 @@ def test_vlm_rl_trains_on_the_images_the_engine_saw(vlm, data, tmp_path, placeme
     for row in rows:  # the trainer's logprobs equal the engine's: it saw the same images at the same positions
         assert row["rollout_logprob_abs_diff_max"] == 0.0, row
         assert row["train/samples"] > 0
+    grids = sorted(p.name for p in (run / "eval").glob("step-*.png"))  # the held-out images with their answers
+    assert grids == ["step-000000.png", "step-000002.png"]
     stored = sorted(p.name for p in (run / "images").iterdir())
     assert len(stored) == sum(i % 3 for i in range(8)) and all(p.endswith(".png") for p in stored)
     samples = [json.loads(line) for f in sorted((run / "rollouts").iterdir()) for line in f.read_text().splitlines()]
