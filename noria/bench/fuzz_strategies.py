@@ -170,6 +170,12 @@ def engine_specs(model_path: str = "/nonexistent", tensors: dict[str, list[int]]
         RouteSpec("/commit_weights", both, {"update_id": st.text(max_size=6), "weight_version": st.integers(0, 10)}, ("update_id",)),
         RouteSpec("/discard_weights", both, {"update_id": st.text(max_size=6)}),
         RouteSpec("/weights_checksum", both, {"names": st.lists(named, max_size=3), "algo": st.sampled_from(["sha256", "xxh64", "md5", "x"])}),
+        RouteSpec("/load_lora_adapter", ("POST",), {  # a folder that is no peft adapter (the served model's included): 400
+            "lora_name": st.text(max_size=8), "lora_path": st.sampled_from([model_path, "/nonexistent", "/", "/proc/self"]),
+            "version": st.integers(0, 5), "load_inplace": st.booleans(), "pinned": st.booleans(),
+        }, ("lora_name", "lora_path")),  # fmt: skip
+        RouteSpec("/unload_lora_adapter", ("POST",), {"lora_name": st.text(max_size=8)}, ("lora_name",)),
+        RouteSpec("/lora_adapters", ("GET",), body=False),
     ]
 
 
