@@ -37,7 +37,7 @@ from typing import Any
 
 from noria.console import say
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 """Raised whenever the built folder changes (the catalog rebuilds cached folders of other versions)."""
 IMAGE_SIZE = 64
 PATCH = 8
@@ -45,12 +45,12 @@ SCALE_FACTOR = 2
 IMAGE_SEQ_LEN = (IMAGE_SIZE // PATCH) ** 2 // SCALE_FACTOR**2
 VISION = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4}
 """The vision encoder's size (about 0.6M parameters)."""
-ALIGN_STEPS = 300
+ALIGN_STEPS = 600
 ALIGN_BATCH = 32
-SFT_STEPS = 60
+SFT_STEPS = 240
 SFT_BATCH = 8
-SFT_LR = 1e-4
-SFT_TOP_LAYERS = 8
+SFT_LR = 2e-4
+SFT_TOP_LAYERS = 16
 """The warm start trains the LM's top layers only (and its final norm): backward stops there."""
 SUM_SHARE = 0.3
 """Share of the warm start's sum questions answered with the sum (the others: the digits only)."""
