@@ -178,7 +178,11 @@ class RunLog:
         self.metrics = (folder / "metrics.jsonl").open("a")
         self.evals = (folder / "eval.jsonl").open("a")
         self.last_eval: tuple[float, int] | None = None
-        """(accuracy, step) of the newest evaluation: the step line shows it as ``eval 26.0% @0``."""
+        """(accuracy, step) of the newest evaluation: the step line shows it as ``eval 26.0% @0``
+        (a resumed run starts from the newest one the folder recorded)."""
+        done = [r for r in read_jsonl(folder / "eval.jsonl") if "accuracy" in r and r.get("step", 0) <= start_step] if start_step else []
+        if done:
+            self.last_eval = (done[-1]["accuracy"], done[-1]["step"])
         self.show_buffer = config is not None and getattr(config.rollout, "max_staleness", 0) > 0
         self.sinks = build_sinks(folder, config)
         tty = sys.stderr.isatty() if progress is None else progress

@@ -180,3 +180,13 @@ def test_the_bar_shows_the_latest_evaluation(tmp_path):
         assert "eval 75.0% @3" in log.bar.postfix  # the final bar carries the final evaluation, with its step
     finally:
         log.close()
+
+
+def test_a_resumed_run_shows_the_newest_evaluation_it_recorded(tmp_path):
+    rows = [{"step": 0, "accuracy": 0.25}, {"step": 10, "skipped": "x"}, {"step": 20, "accuracy": 0.42}, {"step": 30, "accuracy": 0.5}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = RunLog(tmp_path, total_steps=40, start_step=20, progress=False)
+    assert log.last_eval == (0.42, 20)  # not the row of step 30, which the resume sets aside
+    log.close()
+    (tmp_path / "fresh").mkdir()
+    assert RunLog(tmp_path / "fresh", total_steps=4, start_step=0, progress=False).last_eval is None
