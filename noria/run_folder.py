@@ -69,13 +69,13 @@ IMAGES = "images"
 """The run folder's image store: a vision-language run's images, each once, named by content hash."""
 
 
-def save_images(folder: Path) -> int:
-    """Write the images this process read (``noria.data.images.default_store``) not yet in the run
-    folder's ``images/``; returns how many were written (0 for a run without images)."""
+def save_images(folder: Path, refs: list[str]) -> int:
+    """Write the run's images ``refs`` (in this process's image store, ``noria.data.images``) not yet
+    in the run folder's ``images/``; returns how many were written (0 for a run without images).
+    Only the run's own: the store is the process's, and may hold other runs' images."""
     from noria.data.images import default_store
 
-    store = default_store()
-    return store.save(folder / IMAGES) if len(store) else 0
+    return default_store().save(folder / IMAGES, refs) if refs else 0
 
 
 def check_writable(folder: Path) -> None:

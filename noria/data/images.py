@@ -211,13 +211,15 @@ class ImageStore:
         """The decoded Pillow image of ``ref``."""
         return decode_image(self.encoded(ref), f"stored image {ref}")
 
-    def save(self, folder: str | Path) -> int:
-        """Write every image not yet in ``folder`` as ``<hex>.<format>``; returns how many were written."""
+    def save(self, folder: str | Path, refs: Any = None) -> int:
+        """Write every image (of ``refs`` only, when given) not yet in ``folder`` as ``<hex>.<format>``;
+        returns how many were written."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         present = {p.stem for p in folder.iterdir()}
         written = 0
-        for ref, data in list(self._data.items()):
+        items = list(self._data.items()) if refs is None else [(r, self.encoded(r)) for r in dict.fromkeys(refs)]
+        for ref, data in items:
             hexdigest = ref[len(REF_PREFIX) :]
             if hexdigest in present:
                 continue

@@ -150,6 +150,7 @@ class LocalJob:
         self.processor: Any = None
         """A vision-language model's processor (``load_data``): prompts with images, their pixels."""
         self.pixels: Any = None
+        self.image_refs: list[str] = []
         self.backend: Any = None
         self.critic: Any = None
         self.sync: Any = None
@@ -185,6 +186,7 @@ class LocalJob:
         check_fit(kept, context_limit(cfg), cfg.data.max_prompt_tokens)
         check_teacher_tokenizer(cfg, self.tokenizer)  # before any model loads
         self.prompt_ids = {r.prompt.index: r.ids for r in kept}
+        self.image_refs = [ref for r in kept for ref in r.images]  # its prompts' images (test prompts' added below)
         self.source = PromptSource.from_config([r.prompt for r in kept], cfg.data)
         if cfg.data.curriculum.enabled:  # difficulty pools over the same cursor (noria.data.curriculum)
             from noria.data.curriculum import Curriculum
@@ -198,13 +200,14 @@ class LocalJob:
             fit = drop_long(rendered, cfg.data.max_prompt_tokens)[0]
             check_fit(fit, context_limit(cfg), cfg.data.max_prompt_tokens)
             self.test_prompts = [(r.prompt, r.ids) for r in fit]
+            self.image_refs += [ref for r in fit for ref in r.images]
         self.total_steps = steps_of(cfg, len(kept), "training prompts")
 
     def start_parts(self, resume: bool) -> None:
         """Build every part through the hooks below, in this order (a job kind overrides the hooks it
         changes and copies none of this), restore the checkpoint when resuming, open the run's log."""
         make_run_folder(self.folder)
-        save_images(self.folder)  # a vision-language run's images, each once (trainer ranks in other processes read them)
+        save_images(self.folder, self.image_refs)  # a vision-language run's images, each once (trainer ranks in other processes read them)
         self.evals = self.build_evals()  # eval.mode fleet: its engines; checkpoint: its backend
         self.client, target = self.build_engine()
         self.teacher = self.build_teacher()
