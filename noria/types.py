@@ -169,14 +169,15 @@ class TrainBatch:
     """LongTensor [S]: index of each packed sequence in the step's list of samples."""
     weight_versions: Any = None
     """LongTensor [N] or None: weight version of each token (-1 for prompt and non-policy tokens)."""
-    prefix_lens: Any = None
-    """IntTensor [S] or None: shared-prefix packing (``noria.train.packing.share_prefixes``). Packed
-    sequence i is then a prefix of ``prefix_lens[i]`` tokens followed by the rest of each of several
-    original sequences, each attending to the prefix and to itself only (0: a plain sequence).
-    None: every packed sequence is plain."""
+    parents: Any = None
+    """LongTensor [N] or None: prefix-tree packing (``noria.train.prefix_tree``). Token t's parent is
+    token ``parents[t]`` of the same packed sequence (-1 for each packed sequence's first token): a
+    packed sequence is then a tree of several original sequences sharing prefixes, each token
+    attending to its ancestors and itself, predicted from its parent. None: every packed sequence
+    is plain (each token's parent is the token before it)."""
     seq_ids: Any = None
-    """LongTensor [N] or None: the original sequence each token belongs to (shared prefix tokens: the
-    first sequence of their block), non-decreasing; None means the packed sequence index."""
+    """LongTensor [N] or None (with ``parents``): the original sequence that brought each token (a
+    token shared by several sequences: the first of them); None means the packed sequence index."""
     routed_experts: Any = None
     """Integer tensor [N, L, k] (or [N, L * k]) or None: the engine's MoE routes of each policy token,
     aligned like every per-token tensor here to the token they PREDICTED (row t: the experts of

@@ -1,5 +1,5 @@
 """Helpers shared by the trainer tests: random samples (also grouped, and with rewards for the critic),
-a test loss, weight snapshots, a critic config."""
+a test loss, weight and gradient snapshots, a critic config."""
 
 from __future__ import annotations
 
@@ -58,6 +58,19 @@ def make_backend(model_dir, loss_fn=pg_loss, **overrides) -> FSDPBackend:
     backend = FSDPBackend(cfg, loss_fn=loss_fn)
     backend.init(model_dir)
     return backend
+
+
+def record_grads(backend: FSDPBackend) -> dict[str, torch.Tensor]:
+    """The gradients the optimizer steps on, recorded at its step (which then runs as usual)."""
+    grads: dict[str, torch.Tensor] = {}
+    step = backend.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in backend.policy.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    backend.optimizer.step = recording_step
+    return grads
 
 
 def weights(backend) -> dict[str, torch.Tensor]:

@@ -144,39 +144,42 @@ class PackedContext:
     of O(T^2), and each sequence goes through the same causal kernel as when run alone.
     ``deterministic``: attend through :func:`exact_causal_attention` (the engine's deterministic
     arithmetic; gradients from SDPA) instead of SDPA.
-    ``shared``: for each sequence, None (plain causal) or ``(prefix, rest_lens)``: the sequence is a
-    prefix of ``prefix`` tokens followed by several continuations of it (lengths ``rest_lens``), each
-    attending to the prefix and causally to itself only, as if it ran alone after the prefix
-    (``noria.train.packing.share_prefixes``). Its positions must continue from ``prefix``.
+    ``trees``: for each sequence, None (plain causal) or its tokens' parents (a prefix tree of
+    several sequences sharing prefixes, ``noria.train.prefix_tree``): token i's parent is token
+    ``trees[s][i]`` of the same packed sequence (-1 for its first token, ``0 <= parent < i`` for
+    the others), and it attends to its ancestors and itself only, as if its own root-to-token path
+    ran alone (:class:`TreeLayout`, :func:`tree_attention`). Its default positions are depths.
     """
 
     def __init__(
         self,
         seq_lens: Sequence[int] | torch.Tensor,
         deterministic: bool = False,
-        shared: Sequence[tuple[int, Sequence[int]] | None] | None = None,
+        trees: Sequence[Sequence[int] | None] | None = None,
     ) -> None:
         lens = [
             int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)
         ]
         if not lens or any(n <= 0 for n in lens):
             raise ValueError(f"seq_lens must be positive lengths, got {lens}")
-        shared = list(shared) if shared is not None else [None] * len(lens)
-        if len(shared) != len(lens):
-            raise ValueError(f"shared has {len(shared)} entries for {len(lens)} sequences")
-        for n, sh in zip(lens, shared):
-            if sh is not None and (sh[0] < 1 or sh[0] + sum(sh[1]) != n or any(r < 1 for r in sh[1])):
-                raise ValueError(f"shared prefix {sh} does not describe a sequence of {n} tokens")
+        trees = list(trees) if trees is not None else [None] * len(lens)
+        if len(trees) != len(lens):
+            raise ValueError(f"trees has {len(trees)} entries for {len(lens)} sequences")
+        for n, parents in zip(lens, trees):
+            if parents is not None and len(parents) != n:
+                raise ValueError(f"a tree of {len(parents)} parents for a sequence of {n} tokens")
         self.seq_lens = lens
         self.total = sum(lens)
         self.deterministic = deterministic
-        self.shared = shared
-        self._masks: dict[int, torch.Tensor] = {}  # built once per forward, shared by all layers
+        self.trees = [None if p is None else TreeLayout(p) for p in trees]
 
     def positions(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
         self.check_shape(batch, seq_len)
-        pos = torch.cat([torch.arange(n, device=device) for n in self.seq_lens])
-        return pos.unsqueeze(0)
+        pos = [
+            torch.arange(n, device=device) if tree is None else torch.tensor(tree.depths, device=device)
+            for n, tree in zip(self.seq_lens, self.trees)
+        ]
+        return torch.cat(pos).unsqueeze(0)
 
     def attend(  # kept out of torch.compile: keep_packing_out_of_compile
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -184,17 +187,15 @@ class PackedContext:
         self.check_shape(q.shape[0], q.shape[1])
         attend = exact_causal_attention if self.deterministic else _causal_sdpa
         outs, start = [], 0
-        for i, (n, sh) in enumerate(zip(self.seq_lens, self.shared)):
+        for n, tree in zip(self.seq_lens, self.trees):
             end = start + n
             qs, ks, vs = q[:, start:end], k[:, start:end], v[:, start:end]
-            if sh is None:
+            if tree is None:
                 outs.append(attend(qs, ks, vs))
             elif self.deterministic:
-                outs.append(exact_shared_prefix_attention(qs, ks, vs, sh[0], sh[1]))
+                outs.append(exact_tree_attention(qs, ks, vs, tree))
             else:
-                if i not in self._masks:
-                    self._masks[i] = shared_prefix_mask(sh[0], sh[1], q.device)
-                outs.append(_sdpa(qs, ks, vs, mask=self._masks[i]))
+                outs.append(tree_attention(qs, ks, vs, tree))
             start = end
         return torch.cat(outs, dim=1)
 
@@ -204,6 +205,62 @@ class PackedContext:
                 f"PackedContext expects one row of {self.total} tokens (sum of seq_lens), "
                 f"got a batch of shape {(batch, seq_len)}"
             )
+
+
+class TreeLayout:
+    """How one packed prefix tree attends, built once per forward and shared by every layer.
+
+    The tokens are cut into chains: maximal runs i, i+1, ... in which each token's parent is the
+    one before it. A chain's queries attend to its ancestors' keys (the root-to-chain path, in
+    order) and causally to its own, which are exactly the keys each query saw in its own unshared
+    sequence, in the same order. No [L, L] mask is built: a chain of n tokens below a path of m
+    costs an [n, m + n] attention, so the work is what the distinct root-to-token paths need."""
+
+    def __init__(self, parents: Sequence[int]) -> None:
+        parents = [int(p) for p in parents]
+        if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+            raise ValueError("a tree's parents must be -1 for its first token and 0 <= parent < i for token i")
+        self.parents = parents
+        self.depths = [0] * len(parents)
+        starts = [0] + [i for i, p in enumerate(parents) if i and p != i - 1]
+        ends = starts[1:] + [len(parents)]
+        chain_of, self.chains = [0] * len(parents), []  # (start, end, ancestors of start)
+        for c, (s, e) in enumerate(zip(starts, ends)):
+            p = parents[s]
+            above = [] if p < 0 else self.chains[chain_of[p]][2] + list(range(self.chains[chain_of[p]][0], p + 1))
+            self.chains.append((s, e, above))
+            for i in range(s, e):
+                chain_of[i], self.depths[i] = c, len(above) + i - s
+        self._plans: dict[torch.device, list] = {}
+
+    def plan(self, device: torch.device) -> list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]:
+        """Per chain: (start, end, its key rows [ancestors + own] or None for a root chain, its
+        bool [n, m + n] mask: query i sees the m ancestors and its own keys up to itself)."""
+        if device not in self._plans:
+            out = []
+            for s, e, above in self.chains:
+                if not above:
+                    out.append((s, e, None, None))
+                    continue
+                rows = torch.tensor(above + list(range(s, e)), dtype=torch.long, device=device)
+                n, m = e - s, len(above)
+                mask = torch.ones(n, m + n, dtype=torch.bool, device=device).tril(m)
+                out.append((s, e, rows, mask))
+            self._plans[device] = out
+        return self._plans[device]
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
+    """SDPA over a prefix tree (:class:`TreeLayout`): q [B, L, Hq, D], k/v [B, L, Hkv, D] ->
+    [B, L, Hq, D], each chain against its ancestors and itself; differentiable (a key shared by
+    several chains gets the sum of their gradients)."""
+    outs = []
+    for s, e, rows, mask in tree.plan(q.device):
+        if rows is None:
+            outs.append(_sdpa(q[:, s:e], k[:, s:e], v[:, s:e], causal=True))
+        else:
+            outs.append(_sdpa(q[:, s:e], k.index_select(1, rows), v.index_select(1, rows), mask=mask))
+    return torch.cat(outs, dim=1)
 
 
 def keep_packing_out_of_compile() -> None:
@@ -219,16 +276,6 @@ def keep_packing_out_of_compile() -> None:
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return _sdpa(q, k, v, causal=True)
-
-
-def shared_prefix_mask(prefix: int, rest_lens: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bool [L, L] (True = attend): causal, and a continuation sees the prefix and itself only."""
-    seg = torch.cat([torch.full((prefix,), -1, device=device)] + [
-        torch.full((int(r),), j, device=device) for j, r in enumerate(rest_lens)
-    ])
-    n = seg.numel()
-    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return causal & ((seg[None, :] == -1) | (seg[None, :] == seg[:, None]))
 
 
 # --------------------------------------------------------------------------- deterministic mode
@@ -361,36 +408,31 @@ class _ExactCausal(torch.autograd.Function):
         return torch.autograd.grad(out, (q, k, v), grad)
 
 
-def exact_shared_prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, rest_lens: Sequence[int]
-) -> torch.Tensor:
-    """:func:`exact_causal_attention` of a shared-prefix sequence (see :class:`PackedContext`): each
-    continuation's queries go through :func:`exact_attention` over [prefix keys, its own keys], the
-    very keys it would see packed alone, so every output row has the bits of the unshared run.
-    The backward is SDPA's with :func:`shared_prefix_mask`."""
-    return _ExactSharedPrefix.apply(q, k, v, prefix, tuple(int(r) for r in rest_lens))
+def exact_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
+    """:func:`exact_causal_attention` of a prefix tree (:class:`TreeLayout`): each chain's queries go
+    through :func:`exact_attention` over [its ancestors' keys, its own keys], the very keys it would
+    see in its own sequence packed alone, so every output row has the bits of the unshared run.
+    The backward is :func:`tree_attention`'s (SDPA, recomputed)."""
+    return _ExactTree.apply(q, k, v, tree)
 
 
-class _ExactSharedPrefix(torch.autograd.Function):
+class _ExactTree(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, prefix: int, rest_lens: tuple[int, ...]):
+    def forward(ctx, q, k, v, tree: TreeLayout):
         ctx.save_for_backward(q, k, v)
-        ctx.prefix, ctx.rest_lens = prefix, rest_lens
+        ctx.tree = tree
         out = torch.empty_like(q)
-        _exact_rows(q[:, :prefix], k[:, :prefix], v[:, :prefix], 0, out[:, :prefix])
-        start = prefix
-        for r in rest_lens:
-            end = start + r
-            keys = torch.cat([k[:, :prefix], k[:, start:end]], 1)
-            values = torch.cat([v[:, :prefix], v[:, start:end]], 1)
-            _exact_rows(q[:, start:end], keys, values, prefix, out[:, start:end])
-            start = end
+        for s, e, rows, _mask in tree.plan(q.device):
+            if rows is None:
+                _exact_rows(q[:, s:e], k[:, s:e], v[:, s:e], 0, out[:, s:e])
+            else:
+                offset = rows.numel() - (e - s)
+                _exact_rows(q[:, s:e], k.index_select(1, rows), v.index_select(1, rows), offset, out[:, s:e])
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
-        mask = shared_prefix_mask(ctx.prefix, ctx.rest_lens, q.device)
         with torch.enable_grad():
-            out = _sdpa(q, k, v, mask=mask)
-        return (*torch.autograd.grad(out, (q, k, v), grad), None, None)
+            out = tree_attention(q, k, v, ctx.tree)
+        return (*torch.autograd.grad(out, (q, k, v), grad), None)

@@ -9,6 +9,7 @@ Modules and what they own::
     weights_out.py rank 0's sync buckets and HF folder (FSDP2 and Megatron alike)
     megatron/      the megatron-core backend (train.backend: megatron; CUDA, optional extra)
     packing.py     samples / groups -> TrainBatch -> token-budget micro-batches (per rank)
+    prefix_tree.py a batch's token trie: tokens sequences share go through the model once
     logprobs.py    per-token logprobs and entropy from hidden states, in vocabulary-safe chunks
     checkpoint.py  DCP checkpoints committed by a marker; latest_checkpoint(run_dir)
     optim.py       AdamW and the LR schedule (a pure function of the step)

@@ -58,9 +58,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)  # V = 0 at the start: no made-up baseline
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False, prefix_lens=None, seq_ids=None, want=None):
-        hidden = packed_hidden(self.lm, input_ids, positions, cu_seqlens, prefix_lens, seq_ids)
-        src, dst = wanted_sources(cu_seqlens, positions, prefix_lens, want)
+    def forward(self, input_ids, positions, cu_seqlens, with_entropy: bool = False, parents=None, want=None):
+        hidden = packed_hidden(self.lm, input_ids, positions, cu_seqlens, parents)
+        src, dst = wanted_sources(cu_seqlens, positions, parents, want)
         values = self.value_head(hidden.index_select(0, src)).squeeze(-1).float()
         out = torch.zeros(input_ids.numel(), dtype=torch.float32, device=hidden.device)
         return out.index_copy(0, dst, values), None
@@ -148,8 +148,8 @@ def gae_targets(cfg: LossConfig, batch: TrainBatch, values: torch.Tensor, reward
     Each sequence's outcome reward sits on its last trained token; GAE (``cfg.gamma``, ``cfg.lam``)
     runs over trained tokens only; advantages are whitened over all trained tokens of the batch.
     Both are 0 where ``loss_mask`` is 0."""
-    if batch.prefix_lens is not None:
-        raise TrainError("gae_targets takes a plainly packed batch (pack_samples), not a shared-prefix one")
+    if batch.parents is not None:
+        raise TrainError("gae_targets takes a plainly packed batch (pack_samples), not a prefix-tree one")
     if len(rewards) != batch.n_sequences:
         raise TrainError(f"gae_targets: {len(rewards)} rewards for {batch.n_sequences} sequences")
     cu = batch.cu_seqlens.tolist()

@@ -18,12 +18,15 @@ weights to keep in step, matmuls in bf16, and autocast's fp32 ops (softmax, norm
 in fp32. The two are therefore close but not bitwise equal in bf16; in fp32 (``param_dtype:
 float32``) they agree to fp32 rounding.
 
-Shared prefixes (``train.share_prefix``, on by default): ``share_prefixes`` repacks consecutive
-sequences that begin with the same untrained tokens (a GRPO group's prompt) as one prefix followed
-by each continuation, with attention masked so every token sees exactly what it saw before. The
-losses and gradients are those of the plain packing (up to rounding order); a group of n samples
-runs its prompt through the model once instead of n times. Only trained tokens (``loss_mask`` > 0)
-go through the LM head in ``train_step``.
+Prefix trees (``train.share_prefix``, on by default): ``noria.train.prefix_tree.share_prefixes``
+packs the batch's sequences as token tries, so a token several sequences share (a group's prompt,
+a common start of their responses, earlier turns, the chat template's system message) goes through
+forward and backward once, attending to exactly what it saw in each sequence. Logprobs come back
+per original token, and each micro-batch's loss is computed on the original sequences its trees
+hold (``TreeParts``): every sequence keeps its own advantages, rollout and old logprobs, and the
+gradients of a shared token's loss terms add up. The losses and gradients are those of the plain
+packing (up to rounding order). Only trained tokens (``loss_mask`` > 0) go through the LM head in
+``train_step``.
 
 Gradient accumulation. Each micro-batch's loss is already divided by the step-wide counts
 (``LossInputs.total_tokens`` / ``total_seqs``), so the accumulated gradient is the full-batch
@@ -87,7 +90,8 @@ from noria.train.lora import adapter_tensors, apply_lora, load_adapter, lora_sca
 from noria.train.moe import aux_loss_term, micro_batch_routing, route_metrics
 from noria.train.optim import build_optimizer, lr_at, set_lr
 from noria.train.packed_forward import LogprobModel
-from noria.train.packing import batch_to, plan_for_rank, seq_index, share_prefixes, slice_batch
+from noria.train.packing import batch_to, plan_for_rank, seq_index, slice_batch
+from noria.train.prefix_tree import TreeParts, share_prefixes
 from noria.train.step_guard import step_or_skip
 from noria.train.step_metrics import accumulate_metrics, all_reduce_metrics, averaged
 from noria.train.weights_out import decoder_holding, export_hf, rank0_buckets
@@ -339,24 +343,27 @@ class FSDPBackend:
     def _forward(self, model: nn.Module, mb: TrainBatch, with_entropy: bool, trained_only: bool = False, routing=None):
         d = self.device
         want = (mb.loss_mask > 0).to(d) if trained_only else None
-        moe = {} if routing is None else {"routing": routing}  # heads of dense models (the critic's) take none
+        extra = {} if routing is None else {"routing": routing}  # heads of dense models (the critic's) take none
         if mb.pixel_values is not None:  # a vision-language model's images (noria.models.vlm)
-            moe["pixel_values"] = mb.pixel_values.to(d)
+            extra["pixel_values"] = mb.pixel_values.to(d)
+        if mb.parents is not None:  # a prefix-tree batch (only heads that attend through trees get one)
+            extra["parents"] = mb.parents
         with self._autocast():
-            return model(
-                mb.input_ids.to(d), mb.positions.to(d), mb.cu_seqlens.to(d), with_entropy, mb.prefix_lens, mb.seq_ids, want,
-                **moe,
-            )
+            return model(mb.input_ids.to(d), mb.positions.to(d), mb.cu_seqlens.to(d), with_entropy, want=want, **extra)
 
-    def _share(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
-        """``share_prefixes`` when ``train.share_prefix`` is on (the same losses, prompts computed once).
-        Only the native decoder attends through a shared prefix; the transformers wrapper
-        (``model.impl: hf``) runs each packed sequence whole, so it gets them unshared, and so does a
-        batch with images (each sequence's image tokens take its own images)."""
+    def _share(self, batch: TrainBatch, trained: bool = False) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
+        """``share_prefixes`` when ``train.share_prefix`` is on (the same losses, shared tokens computed
+        once), trees capped at ``train.micro_batch_tokens`` and, with several ranks, at a rank's share
+        of the batch's tokens (one tree is one rank's); ``trained``: trained tokens too (the
+        caller then computes losses per original token, ``TreeParts``). Only the native decoder
+        attends through a tree; the transformers wrapper (``model.impl: hf``) runs each packed
+        sequence whole, so it gets them unshared, and so does a batch with images (each sequence's
+        image tokens take its own images)."""
         if not self.cfg.share_prefix or not isinstance(self.lm, DecoderLM) or batch.pixel_values is not None:
             identity = torch.arange(batch.n_tokens)
             return batch, identity, identity
-        return share_prefixes(batch)
+        cap = min(self.cfg.micro_batch_tokens, -(-batch.n_tokens // self.world))  # ranks get trees to share out
+        return share_prefixes(batch, max_tokens=cap, trained=trained)
 
     @contextlib.contextmanager
     def _visiting(self, model: nn.Module):
@@ -386,7 +393,7 @@ class FSDPBackend:
         else:
             why = "loss.kl_coef is 0" if which == "reference" else "train.teacher is not set"
             raise TrainError(f"compute_logprobs(which={which!r}): no {which} model is loaded ({why})")
-        original, (batch, _keep, index) = batch, self._share(batch)
+        original, (batch, _keep, index) = batch, self._share(batch, trained=True)
         lp = torch.zeros(batch.n_tokens, dtype=torch.float32, device=self.device)
         ent = torch.zeros_like(lp) if with_entropy else None
         plan = plan_for_rank(batch, self.cfg.micro_batch_tokens, self.rank, self.world)
@@ -416,20 +423,20 @@ class FSDPBackend:
     ) -> dict[str, float]:
         """One optimizer step over ``batch`` (see the module docstring); returns averaged metrics."""
         t0 = time.perf_counter()
-        n_tokens = batch.n_tokens  # as given: a shared prefix counts once per sequence that holds it
-        batch, keep, _index = self._share(batch)  # the caller's per-token inputs move with ``keep``
-        old_logprobs = None if old_logprobs is None else old_logprobs[keep]
-        ref_logprobs = None if ref_logprobs is None else ref_logprobs[keep]
         if ref_logprobs is None and "reference" in self.frozen:
             ref_logprobs = self.compute_logprobs(batch, "reference", trained_only=True).logprobs
-        out = self._optimizer_step(batch, lambda *args: self._micro_step(*args, old_logprobs, ref_logprobs))
-        out.update(tokens=float(n_tokens), step_time_s=time.perf_counter() - t0)
+        tree, _keep, index = self._share(batch, trained=True)
+        parts = TreeParts(batch, tree, index)  # losses read the original sequences behind each micro-batch
+        out = self._optimizer_step(tree, lambda *args: self._micro_step(*args, parts, old_logprobs, ref_logprobs), step_totals(batch))
+        # as given: a shared token counts once per sequence that holds it
+        out.update(tokens=float(batch.n_tokens), step_time_s=time.perf_counter() - t0)
         return out
 
-    def _optimizer_step(self, batch: TrainBatch, micro_step) -> dict[str, float]:
+    def _optimizer_step(self, batch: TrainBatch, micro_step, totals: tuple[float, int] | None = None) -> dict[str, float]:
         """Zero grads, ``micro_step(batch, a, b, total_tokens, total_seqs) -> (loss, metrics)`` and
-        backward per micro-batch of this rank, clip, check finiteness on all ranks, step or skip."""
-        total_tokens, total_seqs = step_totals(batch)
+        backward per micro-batch of this rank, clip, check finiteness on all ranks, step or skip.
+        ``totals``: the step's (loss tokens, sequences), when ``batch`` is a tree of other sequences."""
+        total_tokens, total_seqs = totals if totals is not None else step_totals(batch)
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         plan = plan_for_rank(batch, self.cfg.micro_batch_tokens, self.rank, self.world)
@@ -452,17 +459,21 @@ class FSDPBackend:
         out.update(tokens=float(batch.n_tokens), loss_tokens=total_tokens)
         return out
 
-    def _micro_step(self, batch, a, b, total_tokens, total_seqs, old_logprobs, ref_logprobs):
+    def _micro_step(self, batch, a, b, total_tokens, total_seqs, parts: TreeParts, old_logprobs, ref_logprobs):
         mb = batch_to(slice_batch(batch, a, b), self.device)
-        lo, hi = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
         want_entropy = self.cfg.algorithm == "rl" and self.cfg.loss.entropy_coef > 0
         aux_coef = self.cfg.loss.router_aux_coef
         moe = micro_batch_routing(self.lm, mb, self.device, aux=aux_coef > 0)
         lp, ent = self._forward(self.policy, mb, want_entropy, trained_only=True, routing=moe and moe.routing)
         d = self.device
-        old = lp.detach() if old_logprobs is None else old_logprobs[lo:hi].to(d)
-        ref = None if ref_logprobs is None else ref_logprobs[lo:hi].to(d)
-        inputs = LossInputs(mb, lp, old, ref, ent, seq_index(mb).to(d), total_tokens, total_seqs)
+        own, rows, at = parts.part(a, b)  # the original sequences of these trees, per original token
+        if at is not None:
+            at = at.to(d)
+            lp, ent = lp[at], None if ent is None else ent[at]
+        own = batch_to(own, d)
+        old = lp.detach() if old_logprobs is None else old_logprobs[rows].to(d)
+        ref = None if ref_logprobs is None else ref_logprobs[rows].to(d)
+        inputs = LossInputs(own, lp, old, ref, ent, seq_index(own).to(d), total_tokens, total_seqs)
         loss, metrics = self.loss_fn(inputs)
         if moe is not None:
             metrics = {**metrics, **route_metrics(moe)}

@@ -157,141 +157,34 @@ def seq_lens(batch: TrainBatch) -> list[int]:
 def seq_index(batch: TrainBatch) -> torch.Tensor:
     """LongTensor [N]: index of each token's original sequence within the batch (0, 1, ...).
 
-    With shared prefixes (``batch.seq_ids``) the original sequences are renumbered from 0 in order,
-    so the values stay below N in any slice of the batch."""
+    With prefix trees (``batch.seq_ids``: the sequence that brought each token) the original
+    sequences are renumbered from 0 in order, so the values stay below N in any slice of the batch."""
     if batch.seq_ids is not None:
-        return torch.unique_consecutive(batch.seq_ids, return_inverse=True)[1]
+        return torch.unique(batch.seq_ids, return_inverse=True)[1]
     lens = torch.diff(batch.cu_seqlens).long()
     return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
 
 
-MIN_SHARED_PREFIX = 8
-"""Shortest common prefix worth sharing (below it a dense block mask costs more than it saves)."""
-
-
-def share_prefixes(batch: TrainBatch, min_prefix: int = MIN_SHARED_PREFIX) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
-    """Pack consecutive sequences that start with the same untrained tokens around one copy of them.
-
-    GRPO's samples of a prompt repeat the prompt n times; here a run of consecutive sequences whose
-    first P tokens are equal and untrained (``loss_mask`` 0, e.g. the prompt) becomes one packed
-    sequence ``[prefix, rest_1, rest_2, ...]``: ``rest_j`` keeps its positions (P, P+1, ...) and
-    attends to the prefix and to itself only (``TrainBatch.prefix_lens`` / ``seq_ids``), and the
-    first token of each rest is predicted from the prefix's last hidden state. Every trained token
-    sees exactly the tokens it saw before, so losses, logprobs and gradients are the same function;
-    the prefix just goes through the model once instead of n times.
-
-    Returns ``(shared, keep, index)``: ``shared`` holds tokens ``keep`` (LongTensor [M]) of ``batch``;
-    token t of ``batch`` is computed at ``shared`` position ``index[t]`` (copies of a prefix map to
-    its one copy). Per-token inputs move with ``x[keep]``, outputs come back with ``y[index]``.
-    A batch that is already shared, or has nothing to share, comes back as it is.
-    """
-    n = batch.n_tokens
-    identity = torch.arange(n)
-    if batch.prefix_lens is not None or batch.n_sequences < 2:
-        return batch, identity, identity
-    ids, untrained = batch.input_ids.tolist(), (batch.loss_mask == 0).tolist()
-    cu = batch.cu_seqlens.tolist()
-    blocks: list[tuple[int, int, int]] = []  # (first sequence, end sequence, prefix length)
-    i = 0
-    while i < batch.n_sequences:
-        j, prefix = i + 1, 0
-        while j < batch.n_sequences:
-            common = _common_untrained(ids, untrained, cu[i], cu[i + 1], cu[j], cu[j + 1])
-            if common < max(min_prefix, prefix, 1):
-                break
-            prefix = common if j == i + 1 else prefix
-            j += 1
-        blocks.append((i, j, prefix if j > i + 1 else 0))
-        i = j
-    if all(p == 0 for _, _, p in blocks):
-        return batch, identity, identity
-    keep, index, lens, seq_ids = [], [0] * n, [], []
-    for first, end, prefix in blocks:
-        start = len(keep)
-        for s in range(first, end):
-            skip = prefix if s > first else 0  # later sequences drop their copy of the prefix
-            for t in range(cu[s], cu[s + 1]):
-                if t - cu[s] < skip:
-                    index[t] = start + (t - cu[s])
-                else:
-                    index[t] = len(keep)
-                    keep.append(t)
-                    seq_ids.append(s)
-        lens.append(len(keep) - start)
-    keep_t = torch.tensor(keep, dtype=torch.long)
-    cu_new = torch.zeros(len(blocks) + 1, dtype=torch.int32)
-    cu_new[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
-
-    def take(t):
-        return None if t is None else t[keep_t]
-
-    shared = TrainBatch(
-        input_ids=take(batch.input_ids),
-        positions=take(batch.positions),
-        cu_seqlens=cu_new,
-        loss_mask=take(batch.loss_mask),
-        rollout_logprobs=take(batch.rollout_logprobs),
-        advantages=take(batch.advantages),
-        sample_ids=batch.sample_ids[[first for first, _, _ in blocks]],
-        weight_versions=take(batch.weight_versions),
-        prefix_lens=torch.tensor([p for _, _, p in blocks], dtype=torch.int32),
-        seq_ids=torch.tensor(seq_ids, dtype=torch.long),
-        routed_experts=take(batch.routed_experts),
-        replay_routes=batch.replay_routes,
-    )
-    return shared, keep_t, torch.tensor(index, dtype=torch.long)
-
-
-def _common_untrained(ids: list[int], untrained: list[bool], a0: int, a1: int, b0: int, b1: int) -> int:
-    """Length of the common prefix of sequences [a0, a1) and [b0, b1) made of untrained tokens,
-    stopping one short of either end (each sequence keeps at least its last token of its own)."""
-    limit = min(a1 - a0, b1 - b0) - 1
-    k = 0
-    while k < limit and ids[a0 + k] == ids[b0 + k] and untrained[a0 + k] and untrained[b0 + k]:
-        k += 1
-    return k
-
-
-def shared_layout(cu_seqlens: torch.Tensor, prefix_lens: torch.Tensor | None, seq_ids: torch.Tensor | None) -> list | None:
-    """Per packed sequence: None (plain) or ``(prefix, rest lengths)``, for ``PackedContext(shared=)``."""
-    if prefix_lens is None:
-        return None
-    cu, prefixes, ids = cu_seqlens.tolist(), prefix_lens.tolist(), seq_ids.tolist()
-    out = []
-    for i, p in enumerate(prefixes):
-        if not p:
-            out.append(None)
-            continue
-        rests, run, prev = [], 0, None
-        for s in ids[cu[i] + p : cu[i + 1]]:
-            if run and s != prev:
-                rests.append(run)
-                run = 0
-            run, prev = run + 1, s
-        out.append((p, rests + [run]))
-    return out
-
-
 def prediction_sources(
-    cu_seqlens: torch.Tensor, positions: torch.Tensor, prefix_lens: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(src, dst) LongTensors: token ``dst[i]`` is predicted by the logits at position ``src[i]``.
 
-    Plain sequences: ``src = dst - 1`` for every token but the first of each sequence. Shared
-    prefixes (``prefix_lens``): the first token after the prefix in each rest is predicted from the
-    prefix's last token (position P - 1 of its packed sequence)."""
+    Plain sequences: ``src = dst - 1`` for every token but the first of each sequence. Prefix
+    trees (``parents``, ``noria.train.prefix_tree``): every token but a root is predicted from its
+    parent, so the token after a branch point is predicted from the node all branches share."""
     pos = positions.long()
     n = pos.numel()
     cu = cu_seqlens.long().to(pos.device)
     lens = torch.diff(cu)
-    src = torch.arange(-1, n - 1, device=pos.device)
-    if prefix_lens is not None:
-        prefix = torch.repeat_interleave(prefix_lens.long().to(pos.device), lens)
-        start = torch.repeat_interleave(cu[:-1], lens)
-        opens = (prefix > 0) & (pos == prefix)
-        src = torch.where(opens, start + prefix - 1, src)
-    first = torch.zeros(n, dtype=torch.bool, device=pos.device)
-    first[cu[:-1][lens > 0]] = True
+    if parents is None:
+        src = torch.arange(-1, n - 1, device=pos.device)
+        first = torch.zeros(n, dtype=torch.bool, device=pos.device)
+        first[cu[:-1][lens > 0]] = True
+    else:
+        parents = parents.long().to(pos.device)
+        src = torch.repeat_interleave(cu[:-1], lens) + parents
+        first = parents < 0
     dst = (~first).nonzero().squeeze(-1)
     return src[dst], dst
 
@@ -331,12 +224,43 @@ def slice_batch(batch: TrainBatch, start: int, end: int) -> TrainBatch:
         advantages=cut(batch.advantages),
         sample_ids=batch.sample_ids[start:end],
         weight_versions=cut(batch.weight_versions),
-        prefix_lens=None if batch.prefix_lens is None else batch.prefix_lens[start:end],
+        parents=cut(batch.parents),
         seq_ids=cut(batch.seq_ids),
         routed_experts=cut(batch.routed_experts),
         replay_routes=batch.replay_routes,
         **_images_of(batch, start, end),
     )
+
+
+def take_sequences(batch: TrainBatch, seqs: torch.Tensor) -> tuple[TrainBatch, torch.Tensor]:
+    """Sequences ``seqs`` (LongTensor, in the order given) of a plainly packed batch as a batch of
+    their own, and the rows of their tokens in ``batch``."""
+    if batch.parents is not None or batch.image_counts is not None:
+        raise ValueError("take_sequences takes a plainly packed text batch")
+    cu = batch.cu_seqlens.long()
+    lens = (cu[1:] - cu[:-1])[seqs]
+    starts = torch.repeat_interleave(cu[:-1][seqs], lens)
+    offsets = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    rows = starts + torch.arange(int(lens.sum())) - offsets
+    new_cu = torch.zeros(len(seqs) + 1, dtype=batch.cu_seqlens.dtype)
+    new_cu[1:] = torch.cumsum(lens, 0)
+
+    def take(t):
+        return None if t is None else t[rows]
+
+    part = TrainBatch(
+        input_ids=take(batch.input_ids),
+        positions=take(batch.positions),
+        cu_seqlens=new_cu,
+        loss_mask=take(batch.loss_mask),
+        rollout_logprobs=take(batch.rollout_logprobs),
+        advantages=take(batch.advantages),
+        sample_ids=batch.sample_ids[seqs],
+        weight_versions=take(batch.weight_versions),
+        routed_experts=take(batch.routed_experts),
+        replay_routes=batch.replay_routes,
+    )
+    return part, rows
 
 
 def _images_of(batch: TrainBatch, start: int, end: int) -> dict[str, torch.Tensor]:
@@ -357,12 +281,12 @@ def batch_to(batch: TrainBatch, device: torch.device | str) -> TrainBatch:
 def replay_rows(batch: TrainBatch) -> torch.Tensor | None:
     """``routed_experts`` moved to the position whose forward each route belongs to: [N, ...], row t
     the route of the forward at position t (the one predicting ``prediction_sources``' target),
-    -1 where none was recorded. With shared prefixes, several tokens are predicted from a
-    prefix's last position; the first of them with a route gives it its route."""
+    -1 where none was recorded. In a prefix tree several tokens may be predicted from one node;
+    they carry the same route (``noria.train.prefix_tree`` shares a token only then)."""
     routes = batch.routed_experts
     if routes is None:
         return None
-    src, dst = prediction_sources(batch.cu_seqlens, batch.positions, batch.prefix_lens)
+    src, dst = prediction_sources(batch.cu_seqlens, batch.positions, batch.parents)
     src, dst = src.to(routes.device), dst.to(routes.device)
     has = routes.reshape(len(routes), -1)[dst, 0] >= 0
     src, order = torch.sort(src[has], stable=True)

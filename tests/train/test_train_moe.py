@@ -25,7 +25,8 @@ from noria.engine import Engine, GenerateRequest, SamplingParams
 from noria.models import load_model
 from noria.rollout.buffer import group_from_dict, group_to_dict
 from noria.train.fsdp import FSDPBackend, rank_process
-from noria.train.packing import pack_samples, replay_rows, share_prefixes
+from noria.train.packing import pack_samples, replay_rows
+from noria.train.prefix_tree import share_prefixes
 from noria.types import Group, Prompt, Sample
 
 PROMPT_LENS = [3, 11, 40, 40]
@@ -75,11 +76,14 @@ def test_packed_routes_sit_at_the_position_that_predicted_each_token():
     rows = replay_rows(batch)
     assert torch.equal(rows[2], routes[0]) and (rows[3] == -1).all() and torch.equal(rows[4], routes[2])
     assert (rows[:2] == -1).all() and torch.equal(rows[8:11], routes + 20)
-    # Shared prefix: the prompt's last position predicts both first tokens; the first sample's wins.
+    # Prefix tree: the prompt's last position routes differently in the two samples (their first
+    # tokens' rows), so the tree splits before it and each sample keeps its own route there.
     shared, keep, _ = share_prefixes(batch, min_prefix=2)
-    assert shared.prefix_lens is not None and torch.equal(shared.routed_experts, batch.routed_experts[keep])
+    assert shared.parents.tolist() == [-1, 0, 1, 2, 3, 4, 1, 6, 7, 8]  # [5, 6] shared, then 7 8 9 10 | 7 11 12 13
+    assert torch.equal(shared.routed_experts, batch.routed_experts[keep])
     srows = replay_rows(shared)
-    assert torch.equal(srows[2], routes[0]) and torch.equal(srows[6:8], (routes + 20)[1:])
+    assert torch.equal(srows[2], routes[0]) and (srows[3] == -1).all() and torch.equal(srows[4], routes[2])
+    assert torch.equal(srows[6:9], routes + 20) and (srows[:2] == -1).all()
 
 
 def test_routes_of_the_wrong_shape_are_refused_naming_the_sample():

@@ -1,15 +1,16 @@
-"""Shared-prefix packing: a group's prompt goes through the trainer once, with the same results."""
+"""Shared prompts (the prefix tree's simplest case): a group's prompt goes through the trainer once,
+with the same results."""
 
 from __future__ import annotations
 
 import torch
 
 from noria.config import TrainConfig
-from noria.models.attention import shared_prefix_mask
 from noria.train.fsdp import FSDPBackend
-from noria.train.packing import pack_samples, prediction_sources, seq_index, share_prefixes, slice_batch
+from noria.train.packing import pack_samples, prediction_sources, seq_index, slice_batch
+from noria.train.prefix_tree import packed_trees, share_prefixes
 from noria.types import Sample
-from train_util import grouped_samples, make_backend
+from train_util import grouped_samples, make_backend, record_grads
 
 
 def test_share_prefixes_layout_and_sources():
@@ -17,7 +18,10 @@ def test_share_prefixes_layout_and_sources():
     batch = pack_samples(samples, torch.linspace(-1, 1, len(samples)).tolist())
     shared, keep, index = share_prefixes(batch)
     # groups 0 and 1 share their prompt; group 2's 3-token prompt is too short, group 3 has one sample
-    assert shared.prefix_lens.tolist() == [12, 9, 0, 0, 0]
+    trees = packed_trees(shared.cu_seqlens, shared.parents)
+    assert [t is not None for t in trees] == [True, True, False, False, False]
+    # [prompt, rest_1, rest_2, ...]: every later rest hangs below the prompt's last token
+    assert [[p for i, p in enumerate(t) if i and p != i - 1] for t in trees[:2]] == [[11, 11, 11], [8, 8]]
     assert shared.n_tokens == batch.n_tokens - 3 * 12 - 2 * 9
     for name in ("input_ids", "positions", "loss_mask", "advantages", "rollout_logprobs"):
         assert torch.equal(getattr(shared, name)[index], getattr(batch, name)), name
@@ -25,7 +29,7 @@ def test_share_prefixes_layout_and_sources():
     assert torch.equal(keep[index[keep]], keep)  # kept tokens map to themselves
     # every token is predicted from a token with the same id and position as before
     src0, dst0 = prediction_sources(batch.cu_seqlens, batch.positions)
-    src1, dst1 = prediction_sources(shared.cu_seqlens, shared.positions, shared.prefix_lens)
+    src1, dst1 = prediction_sources(shared.cu_seqlens, shared.positions, shared.parents)
     pred = dict(zip(dst1.tolist(), src1.tolist()))
     trained = batch.loss_mask > 0
     for s, d in zip(src0.tolist(), dst0.tolist()):
@@ -49,18 +53,6 @@ def test_nothing_shared_when_the_common_start_is_trained_or_short():
         batch = pack_samples(samples)
         shared, keep, index = share_prefixes(batch)
         assert shared is batch and torch.equal(keep, index)
-
-
-def test_shared_prefix_mask():
-    mask = shared_prefix_mask(2, [2, 1])
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [1, 1, 1, 0, 0],
-        [1, 1, 1, 1, 0],
-        [1, 1, 0, 0, 1],
-    ], dtype=torch.bool)
-    assert torch.equal(mask, expected)
 
 
 def test_shared_and_plain_packing_train_the_same(tiny_model_dir):
@@ -88,19 +80,6 @@ def test_shared_and_plain_packing_train_the_same(tiny_model_dir):
     assert grads_plain.keys() == grads_shared.keys() and len(grads_plain) > 5
     for name, g in grads_plain.items():
         torch.testing.assert_close(grads_shared[name], g, atol=1e-6, rtol=1e-4)
-
-
-def record_grads(backend: FSDPBackend) -> dict[str, torch.Tensor]:
-    """The gradients the optimizer steps on, recorded at its step (which then runs as usual)."""
-    grads: dict[str, torch.Tensor] = {}
-    step = backend.optimizer.step
-
-    def recording_step(*args, **kwargs):
-        grads.update({n: p.grad.clone() for n, p in backend.policy.named_parameters() if p.grad is not None})
-        return step(*args, **kwargs)
-
-    backend.optimizer.step = recording_step
-    return grads
 
 
 def test_shared_prefix_is_bitwise_in_deterministic_mode(tiny_model_dir):

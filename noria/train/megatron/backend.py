@@ -64,10 +64,9 @@ class MegatronLogprobModel(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.temperature = temperature
 
-    def forward(self, input_ids, positions, cu_seqlens, with_entropy=False, prefix_lens=None, seq_ids=None, want=None,
-                routing=None):
-        if prefix_lens is not None or routing is not None:
-            raise TrainError("the Megatron backend runs neither shared-prefix batches nor replayed MoE routes")
+    def forward(self, input_ids, positions, cu_seqlens, with_entropy=False, parents=None, want=None, routing=None):
+        if parents is not None or routing is not None:
+            raise TrainError("the Megatron backend runs neither shared-prefix (prefix-tree) batches nor replayed MoE routes")
         hidden = packed_hidden(self.lm, input_ids, cu_seqlens)
         pairs = None if want is None else wanted_sources(cu_seqlens, positions, None, want)
         return token_logprobs(hidden, self.head, input_ids, cu_seqlens, self.chunk_tokens, with_entropy,
