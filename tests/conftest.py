@@ -10,8 +10,11 @@ so two run side by side on two cores. A test marked ``alone`` runs with no other
 each test takes a shared lock on this run's "room" for its whole run (set-up of the module
 fixtures it is first to need included), an ``alone`` test takes it exclusively, and a "gate" lock
 taken first makes a waiting ``alone`` test go before tests that come after it. Files are handed
-out longest first (those with a ``slow`` or ``alone`` test, then by their number of tests), so the
-run does not end on one long file while the other worker idles.
+out longest first, so the run does not end on one long file while the other worker idles: first
+those with a heavy test (:data:`HEAVY` markers, or a ``timeout`` above the suite's default: the
+longest declared first), then the others by their number of tests, and the files with an ``alone``
+test last (while one runs the other worker waits, wherever it comes; at the end it waits only for
+the short test it is running).
 """
 
 from __future__ import annotations
@@ -106,8 +109,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
 
-    def longest_first(tests: list) -> tuple[bool, int]:
-        heavy = any(t.get_closest_marker("slow") or t.get_closest_marker("alone") for t in tests)
-        return (not heavy, -len(tests))
+    def cost_order(tests: list) -> tuple[int, int, int]:
+        marked = {m.name for t in tests for m in t.iter_markers()}
+        declared = max((int(m.args[0]) for t in tests for m in t.iter_markers("timeout") if m.args), default=0)
+        if "alone" in marked:
+            return (2, 0, -len(tests))  # last: wherever it runs, the other worker waits; here only behind short files
+        heavy = bool(marked & HEAVY) or declared > float(config.getini("timeout") or 0)
+        return (0 if heavy else 1, -declared, -len(tests))
 
-    items[:] = [t for tests in sorted(files.values(), key=longest_first) for t in tests]
+    items[:] = [t for tests in sorted(files.values(), key=cost_order) for t in tests]
+
+
+HEAVY = {"slow", "chaos", "vllm", "ray", "router"}
+"""Markers of tests that take tens of seconds or more: a real model, kernels built anew, real runs killed, or
+several processes started (vLLM, Ray, the router and its engines; pyproject.toml says what each marks)."""
