@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "spec": ("spec", "tokens/s of the engine with speculative decoding (n-gram drafter) vs without, per batch size, and acceptance"),
     "prefix": ("prefix", "time to first token of multi-turn sessions with the prefix cache vs without, and vs session-blind routing"),
     "train": ("train", "tokens/s of one RL training step: Noria's trainer vs transformers on padded batches (and TRL)"),
+    "tree": ("tree", "prefix-tree training on a run's recorded step: tokens, FLOPs and trainer tokens/s, shared vs unshared"),
     "sync": ("sync", "seconds and GB/s of a weight push per transport (ipc, shared memory, gloo broadcast, disk) vs the raw primitive"),
     "gpu-engine": ("gpu_engine", "CUDA: decode tokens/s of the engine vs HF generate and the bandwidth bound"),
     "gpu-train": ("gpu_train", "CUDA: tokens/s and MFU of one RL step on a random Qwen3-shaped model"),
