@@ -178,3 +178,35 @@ def test_a_batch_submitted_together_runs_in_its_step_count_and_mixes_ode_with_sd
     for req, a, b in zip(requests, alone, crowd):
         assert torch.equal(a.latents, b.latents) and a.logprobs == b.logprobs
         assert (a.logprobs == [0.0] * 5) == (req.noise_level == 0.0)
+
+
+def test_noise_drawn_ahead_is_the_noise_drawn_step_by_step(dit, monkeypatch):
+    """A CPU batch draws each SDE image's noise for all its steps at once (``_draw_ahead``); an image
+    that leaves such a batch early (others joined) takes the rest along. Its images are bit for bit
+    those of one draw per step, whether no batch draws ahead or some do (a cap of 1000 values: the first
+    batch, 3 x 5 steps x 64 values, draws ahead and ends early; the larger one after the arrivals draws
+    per step unless the first batch had only two steps left, taking the first images' unused noise)."""
+    import asyncio
+
+    import noria.diffusion.engine as engine_module
+    from noria.diffusion.protocol import ImageRequest
+
+    first = [ImageRequest(label=c, seed=40 + c, steps=5, noise_level=0.7) for c in range(3)]
+    later = [ImageRequest(label=c, seed=50 + c, steps=4, noise_level=0.0 if c == 0 else 1.0) for c in range(3)]
+
+    async def arrivals(engine) -> list:
+        started = [asyncio.ensure_future(engine.generate(r)) for r in first]
+        while engine.metrics()["steps"] < 2:  # the first batch is under way: the others join it mid-way
+            await asyncio.sleep(0.005)
+        return await asyncio.gather(*started, *[engine.generate(r) for r in later])
+
+    def images(cap: int) -> list:
+        monkeypatch.setattr(engine_module, "AHEAD_MAX_ELEMENTS", cap)
+        engine = engine_for(dit)
+        try:
+            return [(o.latents, o.logprobs) for o in asyncio.run(arrivals(engine))]
+        finally:
+            engine.shutdown()
+
+    for (a, la), (b, lb) in zip(images(0), images(1000)):
+        assert torch.equal(a, b) and la == lb
