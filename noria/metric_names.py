@@ -148,12 +148,15 @@ METRICS: tuple[Metric, ...] = tuple(
         ("time/reward_hidden_s", "s", "Of time/reward_s: scoring done while the sample's group was still generating."),
         ("time/trainer_wait_s", "s", "Time the trainer waited for the step's batch of groups (the whole rollout when synchronous)."),
         ("time/train_s", "s", "Trainer: logprobs, loss, backward, optimizer step(s)."),
+        ("time/optimizer_offload_s", "s", "train.offload_optimizer: moving the optimizer state to host memory and back this step."),
         ("time/teacher_s", "s", "On-policy distillation with the teacher in the trainer: its scoring of the step's samples (part of time/train_s)."),
     ])
     + _table("memory", [
         ("memory/peak_rss_gb", "GB", "Peak resident memory so far of the run's processes (the job and its living children: engines, "
          "eval fleet, ranks, router), each process's peak (VmHWM) summed."),
         ("memory/gpu_peak_allocated_gb", "GB", "CUDA: peak memory allocated by torch in the job's process so far."),
+        ("memory/optimizer_offloaded_gb", "GB", "train.offload_optimizer: the optimizer state held in host memory while the "
+         "colocated engine generates (freed on the GPU)."),
     ])
     + _table("session", [
         ("session/open", "count", "Agent sessions holding a place (rollout.session_max_open) when the step's metrics were taken."),

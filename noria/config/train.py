@@ -165,6 +165,12 @@ class TrainConfig:
         "eager). The first steps compile (tens of seconds); not with engine.deterministic.",
     )
     micro_batch_tokens: int = option(4096, "Packed tokens per micro-batch (a sequence longer than this gets its own).")
+    offload_optimizer: bool = option(
+        False,
+        "CUDA, rollout.placement colocated: the optimizer state (Adam's moments, 8 bytes a parameter) moves to pinned "
+        "host memory while the engine generates and back for the trainer's turn (exact copies: the same training). "
+        "The engine's KV cache then has that memory to itself.",
+    )
     share_prefix: bool = option(
         True,
         "Pack consecutive sequences that start with the same untrained tokens (a group's prompt) around one copy "

@@ -89,6 +89,7 @@ from noria.rollout.buffer import DropStreak, build_buffer, resolve_filters
 from noria.rollout.generate import granularity, rollout_plugin
 from noria.rollout.in_flight import LiveRequests, in_flight_policy, plan_resume
 from noria.rollout.scheduler import RolloutScheduler
+from noria.train.offload import offload_for
 from noria.train.rl_step import on_device, rl_step
 from noria.types import Group, Prompt
 
@@ -152,6 +153,8 @@ class LocalJob:
         self.pixels: Any = None
         self.image_refs: list[str] = []
         self.backend: Any = None
+        self.offload: Any = None
+        """``train.offload_optimizer``: the optimizer state's mover (``noria.train.offload``), or None."""
         self.critic: Any = None
         self.sync: Any = None
         self.log: RunLog | None = None
@@ -247,6 +250,7 @@ class LocalJob:
             backend = build_backend(cfg.train, model_impl=cfg.model.impl, seed=cfg.seed, **backend_options(cfg))
             backend.init(path, total_steps=steps)
             disable_dropout(backend.lm)  # transformers' models (GPT-2...): train what the engine sampled from
+        self.offload = offload_for(cfg, backend)
         critic = None
         if cfg.train.loss.advantage == "gae":  # PPO: a value model gives per-token advantages
             from noria.train.critic import CriticBackend
@@ -449,8 +453,12 @@ class LocalJob:
         await self.client.pause()
         await self.client.release_memory()
         try:
+            if self.offload is not None:
+                self.offload.reload()
             yield
         finally:
+            if self.offload is not None:  # before the engine takes its KV cache back
+                self.offload.offload()
             await self.client.resume_memory()
             await self.client.resume()
             self.scheduler.hold(False)
@@ -459,7 +467,8 @@ class LocalJob:
         """``steps_per_rollout`` optimizer steps on the groups' trainable samples (``noria.train.rl_step``)."""
         cfg = self.config
         opd = cfg.opd if cfg.train.loss.opd_coef > 0 else None
-        return rl_step(self.backend, groups, cfg.train, self.weight_version, self.critic, cfg.rollout.routing_replay, opd, self.pixels)
+        metrics = rl_step(self.backend, groups, cfg.train, self.weight_version, self.critic, cfg.rollout.routing_replay, opd, self.pixels)
+        return metrics if self.offload is None else {**metrics, **self.offload.metrics()}
 
     async def sync_weights(self, advance: bool = True) -> dict[str, float]:
         """Push the trainer's weights to the engines as the next version (or, resuming, the current

@@ -14,6 +14,7 @@ from typing import Any
 
 from noria.config import RunConfig, ensure_valid
 from noria.errors import EngineFailure, NoriaError
+from noria.train.offload import check_offload
 from noria.types import Group
 
 
@@ -25,6 +26,7 @@ def check_supported(config: RunConfig) -> None:
         raise NoriaError("run_rl needs train.algorithm: rl")
     if config.train.world_size > 1:
         raise NoriaError("train.world_size > 1 for RL runs on noria.launch.scaled.ScaledJob (run_rl picks it), not LocalJob")
+    check_offload(config)
 
 
 def context_limit(config: RunConfig) -> int | None:

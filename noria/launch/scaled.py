@@ -41,6 +41,7 @@ from noria.launch.fleet_client import FleetClient
 from noria.launch.engine_figures import kv_usage
 from noria.launch.job import LocalJob
 from noria.launch.ranks import InProcessRanks, ProcessRanks, RankBackend, TrainerRank
+from noria.train.offload import check_offload
 from noria.types import Group
 
 
@@ -57,6 +58,7 @@ class ScaledJob(LocalJob):
         ensure_valid(config)
         if config.train.algorithm != "rl":
             raise NoriaError("run_rl needs train.algorithm: rl")
+        check_offload(config)
         if config.train.loss.advantage == "gae" and config.train.world_size > 1:
             raise NoriaError("train.loss.advantage gae (PPO with a critic) runs on one trainer rank; set train.world_size 1")
         if config.rollout.placement != "disaggregated" or config.rollout.engine_url is not None or config.rollout.engine != "noria":
