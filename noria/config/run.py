@@ -1,7 +1,7 @@
 """``RunConfig``: a whole job (every section), the checks across sections, the resolved values.
 
 ``validate()`` runs each section's own checks, then the rules that tie sections together (the
-launchers' placement needs, on-policy distillation's teacher, SFT's data, asynchronous RL's
+launchers' placement needs, on-policy distillation's teacher, SFT's and the reward model's data, asynchronous RL's
 off-policy correction); ``resolve()`` fills in derived values by named steps (``resolve_batch``,
 ``resolve_dtypes``). ``load_config`` is the one way a config file becomes a ``RunConfig``.
 """
@@ -32,7 +32,8 @@ from noria.config.train import TrainConfig
 @dataclass
 class RunConfig:
     """A whole job: every section, plus the checks across sections (``validate``) and the resolved
-    values (``resolve``). Read by the RL job (``noria.launch.job``) and the SFT job (``noria.launch.sft``)."""
+    values (``resolve``). Read by the RL job (``noria.launch.job``) and the SFT job (``noria.launch.sft``, which
+    also trains reward models)."""
 
     name: str = option("noria", "Run name; the default run folder is runs/<name>-<time>.")
     seed: int = option(0, "Global seed (torch, python, numpy).")
@@ -70,7 +71,9 @@ class RunConfig:
         _check_opd(self)
         _check_overlong(self)
         _check_qat(self)
-        if self.diffusion is not None:
+        if self.train.algorithm == "reward_model":
+            _check_reward_model(self)
+        elif self.diffusion is not None:
             self.diffusion.validate_run(self)
         elif self.train.algorithm == "sft":
             _check_sft_data(self.data)
@@ -92,7 +95,7 @@ class RunConfig:
         saved config holds their results): the batch (``resolve_batch`` for RL; SFT's default
         ``train.global_batch`` of 8), then the dtypes (``resolve_dtypes``), then for RL the KV tokens the
         job can use (``engine.kv_job_tokens``, ``noria.config.engine.job_kv_tokens``)."""
-        if self.train.algorithm == "sft":
+        if self.train.algorithm in ("sft", "reward_model"):
             if self.train.global_batch is None:
                 self.train.global_batch = 8
         else:
@@ -206,6 +209,34 @@ def _check_sft_data(data: DataConfig) -> None:
         raise ConfigError('train.algorithm sft trains on chat rows: set data.path to a JSONL file of {"messages": [...]} rows')
     if data.format not in ("auto", "jsonl") or (data.format == "auto" and not data.path.endswith(".jsonl")):
         raise ConfigError(f"train.algorithm sft reads JSONL chat rows; data.path {data.path!r} is not a .jsonl file")
+
+
+def _check_reward_model(config: RunConfig) -> None:
+    """A reward model trains every weight of a text model on one machine's trainer (single or fsdp2),
+    on pairs from a JSONL file or a task, and reads rows through the model's own chat template."""
+    t, data, what = config.train, config.data, "train.algorithm reward_model"
+    if config.diffusion is not None:
+        raise ConfigError(f"{what} trains a language model; remove the diffusion section")
+    if t.backend not in ("single", "fsdp2"):
+        raise ConfigError(f"{what} runs on train.backend single or fsdp2, not {t.backend}")
+    unsupported = {
+        "train.lora.enabled": t.lora.enabled, "train.qat": t.qat != "none", "train.freeze": bool(t.freeze),
+        "train.teacher": t.teacher is not None, "train.loss.opd_coef": t.loss.opd_coef > 0,
+    }  # fmt: skip
+    for key, used in unsupported.items():
+        if used:
+            raise ConfigError(f"{what} trains every weight of the model and its score head: {key} is not supported; unset it")
+    if isinstance(data.chat_template, str):
+        raise ConfigError(
+            f"{what} renders rows with the model's own chat template (the one its saved folder carries, and the scalar "
+            "reward reads with): data.chat_template must be true or false, not a template"
+        )
+    if data.path is not None:
+        for key, path in (("data.path", data.path), ("data.test_path", data.test_path)):
+            if path is not None and not (data.format == "jsonl" or (data.format == "auto" and path.endswith(".jsonl"))):
+                raise ConfigError(f'{what} reads JSONL rows of {{"prompt", "chosen", "rejected"}}; {key} {path!r} is not a .jsonl file')
+        if config.eval.every > 0 and data.test_path is None:
+            raise ConfigError(f"eval.every > 0 with {what} evaluates held-out pairs: set data.test_path (a JSONL of pairs) or eval.every: 0")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = RunConfig) -> Any:

@@ -151,7 +151,12 @@ class TrainConfig:
     """The trainer: backend, precision, batching, objective, optimizer, checkpoints. Owner:
     ``noria.train.FSDPBackend``; the RL step (``noria.train.rl_step``) reads ``steps_per_rollout``."""
 
-    algorithm: Literal["rl", "sft"] = option("rl", "rl: policy-gradient on rollouts; sft: supervised fine-tuning on chat data.")
+    algorithm: Literal["rl", "sft", "reward_model"] = option(
+        "rl", "rl: policy-gradient on rollouts; sft: supervised fine-tuning on chat data; reward_model: a scalar reward "
+        "model (pairwise Bradley-Terry) trained on preference pairs (data.path: JSONL of {prompt, chosen, rejected}, or "
+        "pairs made from data.task: the right answer preferred), saved as a sequence-classification folder for "
+        "reward.model (kind scalar)."
+    )
     backend: Literal["fsdp2", "single", "megatron"] = option("single", "single: one process; fsdp2: torch fully_shard over world_size processes; megatron: megatron-core (CUDA; docs/megatron.md).")
     world_size: int = option(1, "Trainer processes (fsdp2).")
     device: str = option("cpu", "cpu or cuda; fsdp2 uses gloo on CPU and NCCL on CUDA.")
@@ -205,7 +210,8 @@ class TrainConfig:
     )
     global_batch: int | None = option(
         None,
-        "Sequences per optimizer step (SFT: chat rows, default 8; the last step of the data may have fewer). "
+        "Sequences per optimizer step (SFT: chat rows, default 8; reward_model: preference pairs, default 8; the last "
+        "step of the data may have fewer). "
         "RL: derived from the batch invariant when null (see rollout.prompts_per_step).",
     )
     steps_per_rollout: int | None = option(
@@ -224,7 +230,8 @@ class TrainConfig:
         "and such a run can only be restarted (--restart) or started anew from final/."
     )
     max_seq_tokens: int | None = option(
-        2048, "SFT: chats longer than this many tokens are cut on the right (their tail is not trained on); null keeps them whole."
+        2048, "SFT: chats longer than this many tokens are cut on the right (their tail is not trained on); reward_model: "
+        "a pair with a longer side is refused (the score is read at the end); null keeps them whole."
     )
 
     def validate(self) -> None:

@@ -1,7 +1,10 @@
 """``noria train`` for ``train.algorithm: sft``: the supervised fine-tuning job.
 
 It sits beside the RL job (``noria.launch.rl.run_rl``, the loop of ``noria.loop``); both write the
-same run folder, whose name and resume checks are ``noria.run_folder``.
+same run folder, whose name and resume checks are ``noria.run_folder``. The same loop trains a scalar
+reward model (``train.algorithm: reward_model``): its data (``noria.launch.reward_model.PairData``)
+answers the calls the loop makes of ``SFTData`` (``make_backend``, ``train_step``, ``evaluate``), with
+preference pairs, the Bradley-Terry step and held-out pairwise accuracy in eval.jsonl.
 
 The loop (``sft_loop``), one optimizer step per pass::
 
@@ -59,19 +62,36 @@ from noria.types import Prompt, Sample
 
 @dataclass
 class SFTData:
-    """The validated, tokenized training set."""
+    """The validated, tokenized training set, and what ``sft_loop`` asks of its data (the reward
+    model's ``noria.launch.reward_model.PairData`` answers the same calls)."""
 
     samples: list[Sample]
     """One sample per chat row, in file order; loss mask 1 on assistant tokens."""
     records: list[Prompt]
     """The chat rows as prompt records (``index`` = position in ``samples``), for ``PromptSource``."""
 
+    def make_backend(self, config: RunConfig) -> Any:
+        """The trainer backend, not yet loaded: the NLL on assistant tokens."""
+        from noria.train import build_backend
+        from noria.train.losses import sft_loss
+
+        return build_backend(config.train, loss_fn=sft_loss, model_impl=config.model.impl, seed=config.seed)
+
+    def train_step(self, backend: Any, rows: list[Prompt]) -> dict[str, float]:
+        """One optimizer step on ``rows``."""
+        from noria.train.packing import pack_samples
+
+        return backend.train_step(pack_samples([self.samples[r.index] for r in rows]))
+
+    def evaluate(self, backend: Any, folder: Path, when: str) -> None:
+        """SFT evaluates nothing during the run (``noria eval`` measures RUN_DIR/final)."""
+
 
 def run_sft(config: RunConfig, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None) -> Path:
     """The ``noria train`` job: validate data, then run the loop (spawning ranks if needed)."""
     if config.train.algorithm == "rl":
         raise NoriaError("train.algorithm rl runs through noria.launch.rl.run_rl (noria train picks it), not the SFT job")
-    data = prepare_sft(config)
+    data = prepare_data(config)
     if os.environ.get("RANK") is not None:  # under torchrun
         return run_rank(config, data, run_dir, resume, progress)
     folder = resolve_run_dir(config, run_dir, resume)  # once: the default name holds the time
@@ -84,6 +104,15 @@ def run_sft(config: RunConfig, run_dir: str | None = None, resume: str | None = 
 
 
 # ------------------------------------------------------------------------------------- data
+
+
+def prepare_data(config: RunConfig) -> Any:
+    """The run's training data: chat rows (SFT), or preference pairs (``train.algorithm: reward_model``)."""
+    if config.train.algorithm == "reward_model":
+        from noria.launch.reward_model import prepare_pairs
+
+        return prepare_pairs(config)
+    return prepare_sft(config)
 
 
 def prepare_sft(config: RunConfig) -> SFTData:
@@ -136,18 +165,15 @@ def total_steps(config: RunConfig, n_rows: int) -> int:
 def sft_loop(config: RunConfig, data: SFTData, run_dir: str | None, resume: str | None, progress: bool | None) -> Path:
     """The SFT loop on this process (one rank of it under FSDP2); see the module docstring."""
     from noria.models.catalog import model_path
-    from noria.train import build_backend
     from noria.train.fsdp import init_distributed
-    from noria.train.losses import sft_loss
-    from noria.train.packing import pack_samples
 
     rank = init_distributed(config.train.device)[0] if config.train.backend == "fsdp2" else 0
     folder = agree_run_dir(config, run_dir, resume)
     check_run_folder(folder, config, resume is not None)
     source = PromptSource.from_config(data.records, config.data)
-    steps = total_steps(config, len(data.samples))
+    steps = total_steps(config, len(data.records))
     with phase(f"loading the model {config.model.path} for training ({config.train.param_dtype}, {config.train.device})"):
-        backend = build_backend(config.train, loss_fn=sft_loss, model_impl=config.model.impl, seed=config.seed)
+        backend = data.make_backend(config)
         backend.init(model_path(config.model.path), total_steps=steps)
     event = restore(backend, source, folder, steps) if resume is not None else {}
     barrier()  # every rank has checked the saved config before rank 0 rewrites it
@@ -158,13 +184,15 @@ def sft_loop(config: RunConfig, data: SFTData, run_dir: str | None, resume: str 
         start = backend.optimizer_steps
         record_event(folder, "resumed" if start > 0 else "started", start, **event)
     log = StepLog(folder / "metrics.jsonl", rank == 0, steps, backend.optimizer_steps, progress)
+    data.evaluate(backend, folder, "start")
     while backend.optimizer_steps < steps and not source.exhausted:
         rows = source.next_batch(config.train.global_batch)
-        metrics = backend.train_step(pack_samples([data.samples[r.index] for r in rows]))
-        log.write(step_row(metrics, source.epoch))
+        log.write(step_row(data.train_step(backend, rows), source.epoch))
+        data.evaluate(backend, folder, "step")
         if checkpoint_due(config.train, backend.optimizer_steps, "step"):
             save_checkpoint(backend, source, folder)
     log.close()
+    data.evaluate(backend, folder, "end")
     if checkpoint_due(config.train, backend.optimizer_steps, "end") and not checkpoint_dir(folder, backend.optimizer_steps).exists():
         save_checkpoint(backend, source, folder)  # what --resume needs to extend the finished run
     with phase(f"exporting the final model to {folder / 'final'}"):
@@ -246,6 +274,10 @@ class StepLog:
             self.file.close()
 
 
+PAIR_METRICS = ("pair_accuracy", "margin")
+"""A reward model's step figures (``noria.train.reward_model``), kept in its metrics.jsonl rows."""
+
+
 def step_row(metrics: dict[str, float], epoch: int) -> dict[str, Any]:
     """One metrics.jsonl line: step, loss, grad_norm, lr, tokens, seconds (+ loss tokens, epoch)."""
     return {
@@ -258,6 +290,7 @@ def step_row(metrics: dict[str, float], epoch: int) -> dict[str, Any]:
         "seconds": round(metrics["step_time_s"], 4),
         "epoch": epoch,
         "skipped": bool(metrics["skipped"]),
+        **{k: metrics[k] for k in PAIR_METRICS if k in metrics},
     }
 
 
@@ -266,7 +299,7 @@ def plain_line(row: dict[str, Any], total: int) -> str:
     return (
         f"step {row['step']}/{total} loss {row['loss']:.4f} grad_norm {row['grad_norm']:.3f} "
         f"lr {row['lr']:.2e} tokens {row['tokens']} {row['tokens'] / max(row['seconds'], 1e-9):.0f} tok/s"
-    )
+    ) + (f" pair acc {row['pair_accuracy']:.0%}" if "pair_accuracy" in row else "")
 
 
 # ----------------------------------------------------------------------------- distributed
