@@ -162,14 +162,8 @@ class Service:
 
     def load_weights(self, tenant: Tenant, body: dict) -> str:
         model = self.model(tenant, body.get("model_id"))
-        try:
-            folder, _, kind = state.folder_of(self.state_dir, tenant.name, body.get("path"))
-        except NotFound:
-            raise
-        except NoriaError as e:
-            raise BadRequest(str(e)) from None
-        if kind != "weights":
-            raise BadRequest(f"path {body.get('path')}: load_weights takes a saved state (/weights/), not sampler weights")
+        folder = self._saved_folder(tenant, body.get("path"), "weights",
+                                    f"path {body.get('path')}: load_weights takes a saved state (/weights/), not sampler weights")
         with_optimizer = body.get("optimizer", True)
         if not isinstance(with_optimizer, bool):
             raise BadRequest("optimizer: needs true or false")
@@ -240,14 +234,20 @@ class Service:
         return self._submit(tenant, "sample", work, tokens=len(prompt) + n * params["max_new_tokens"])
 
     def _sampler_folder(self, tenant: Tenant, path: object) -> Path:
+        return self._saved_folder(tenant, path, "sampler_weights",
+                                  f"model_path {path}: sample takes sampler weights (/sampler_weights/, save_weights_for_sampler)")
+
+    def _saved_folder(self, tenant: Tenant, path: object, kind: str, wrong_kind: str) -> Path:
+        """The folder of the tenant's saved ``path`` (404 when it has none there, 400 when the path is
+        malformed or of another kind than ``kind``: ``wrong_kind`` says which)."""
         try:
-            folder, _, kind = state.folder_of(self.state_dir, tenant.name, path)
+            folder, _, saved = state.folder_of(self.state_dir, tenant.name, path)
         except NotFound:
             raise
         except NoriaError as e:
             raise BadRequest(str(e)) from None
-        if kind != "sampler_weights":
-            raise BadRequest(f"model_path {path}: sample takes sampler weights (/sampler_weights/, save_weights_for_sampler)")
+        if saved != kind:
+            raise BadRequest(wrong_kind)
         return folder
 
 
