@@ -172,9 +172,10 @@ class TrainConfig:
     micro_batch_tokens: int = option(4096, "Packed tokens per micro-batch (a sequence longer than this gets its own).")
     offload_optimizer: bool = option(
         False,
-        "CUDA, rollout.placement colocated: the optimizer state (Adam's moments, 8 bytes a parameter) moves to pinned "
-        "host memory while the engine generates and back for the trainer's turn (exact copies: the same training). "
-        "The engine's KV cache then has that memory to itself.",
+        "CUDA, rollout.placement colocated: the optimizer state (Adam's moments: 8 bytes a parameter, about 2 with "
+        "train.optim.state_dtype int8) moves to pinned host memory while the engine generates and back for the "
+        "trainer's turn (exact copies: the same training). The engine's KV cache then has that memory to itself. "
+        "Measured on one H100, a Qwen3-0.6B-shaped model, int8 moments: 1.21 GB moved out and back in 0.028 s a step.",
     )
     share_prefix: bool = option(
         True,
