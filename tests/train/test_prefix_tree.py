@@ -3,6 +3,7 @@ responses, a first turn of two episodes) go through the trainer once, with the u
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -167,3 +168,23 @@ def test_tree_is_bitwise_in_deterministic_mode(tiny_model_dir):
     got = backend(True).compute_logprobs(batch).logprobs
     want = backend(False).compute_logprobs(batch).logprobs
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tree_on_cuda(tiny_model_dir):
+    """On the GPU: the tree's logprobs and step match the plain packing's (fp32), and in deterministic
+    mode (the engine's fixed-order CUDA kernel) its logprobs are bitwise the plain ones."""
+    samples = tree_samples()
+    batch = pack_samples(samples, torch.linspace(-1, 1, len(samples)).tolist())
+    plain = make_backend(tiny_model_dir, loss_fn=None, device="cuda", share_prefix=False, micro_batch_tokens=48)
+    tree = make_backend(tiny_model_dir, loss_fn=None, device="cuda", share_prefix=True, micro_batch_tokens=48)
+    torch.testing.assert_close(tree.compute_logprobs(batch).logprobs, plain.compute_logprobs(batch).logprobs, atol=1e-4, rtol=1e-4)
+    m_plain, m_tree = plain.train_step(batch), tree.train_step(batch)
+    assert abs(m_plain["loss"] - m_tree["loss"]) < 1e-4 and abs(m_plain["grad_norm"] - m_tree["grad_norm"]) < 1e-3
+
+    def exact(share: bool) -> torch.Tensor:
+        b = FSDPBackend(TrainConfig(param_dtype="bfloat16", share_prefix=share, device="cuda"), deterministic=True)
+        b.init(tiny_model_dir)
+        return b.compute_logprobs(batch).logprobs
+
+    assert torch.equal(exact(True), exact(False))
