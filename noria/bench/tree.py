@@ -6,9 +6,10 @@ the recorded prompt text tokenized again with the run's tokenizer (checked again
 count), the response's ids, loss mask, rollout logprobs, weight versions and advantage as recorded;
 samples without an advantage (failed ones) are left out, as the trainer leaves them out. Per run:
 
-- ``tokens``: tokens through the model: ``unshared`` (every sequence whole), ``prompts`` (untrained
-  tokens shared only: a group's prompt, what sharing did before trees) and ``noria`` (the prefix
-  tree, trained tokens too, trees capped at the run's ``train.micro_batch_tokens``).
+- ``tokens``: tokens through the model: ``unshared`` (every sequence whole), ``prompts`` (the same
+  trie with untrained tokens only: prompts, within and across groups, and untrained turns after
+  them) and ``noria`` (the prefix tree, trained tokens too), trees capped at the run's
+  ``train.micro_batch_tokens``.
 - ``tflop``: the step's training FLOPs, estimated as 6 x parameters x tokens plus the attention's
   12 x layers x query heads x head width per attended (query, key) pair (each token attends its
   ancestors and itself: ``sum(depth + 1)`` over the tokens through the model).
@@ -41,7 +42,7 @@ from noria.errors import NoriaError
 def add_arguments(parser) -> None:
     """``noria bench tree``'s arguments."""
     parser.description = ("One recorded step of each run: tokens through the model, estimated FLOPs and trainer tokens/s "
-                          "with prefix-tree sharing off and on (and with the group prompts shared only).")
+                          "with prefix-tree sharing off and on (and with untrained tokens shared only).")
     parser.add_argument("--run", action="append", required=True, metavar="NAME=RUN_DIR[@STEP]",
                         help="a case: a run folder with config.yaml and rollouts/, and which step's rollouts (default 1; repeatable)")
     parser.add_argument("--repeats", type=int, default=3, help="timed train steps per side")
@@ -126,7 +127,7 @@ def measure(folder: Path, step: int, repeats: int) -> dict[str, Any]:
     times = {"unshared": [], "prompts": [], "noria": []}
     for _ in range(repeats):
         # the prompts side trains the batch shared beforehand: a tree of untrained tokens, which the
-        # trainer keeps as it is and computes losses on directly (what sharing did before trees)
+        # trainer keeps as it is and computes losses on directly
         for side, share, b in (("unshared", False, batch), ("prompts", True, prompts), ("noria", True, batch)):
             backend.cfg.share_prefix = share
             t0 = time.perf_counter()
