@@ -185,11 +185,12 @@ class TrainConfig:
     optim: OptimConfig = option(factory=OptimConfig, help="Optimizer.")
     loss: LossConfig = option(factory=LossConfig, help="RL objective.")
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA.")
-    qat: Literal["none", "int8", "int4"] = option(
+    qat: Literal["none", "int8", "int4", "fp8"] = option(
         "none", "Quantization-aware training: the decoder blocks' linear layers compute with their weights quantized "
-        "and dequantized exactly as the integer rollout engine serves them (engine.quantization, the same value; "
-        "straight-through gradients), so the policy trained is the policy that rolls out; with engine.deterministic the "
-        "rollout and trainer logprobs are equal bit for bit.",
+        "and dequantized exactly as the quantized rollout engine serves them (engine.quantization, the same value; "
+        "straight-through gradients), so the policy trained is the policy that rolls out. int8 / int4: with "
+        "engine.deterministic the rollout and trainer logprobs are equal bit for bit. fp8: the inputs are quantized per "
+        "row too, as the FP8 engine's matmul reads them; closer, not equal (the FP8 matmul sums in its own order).",
     )
     freeze: list[Literal["vision", "connector"]] = option(
         factory=list, help="Vision-language models: parts kept frozen (never updated): vision (the vision tower), "

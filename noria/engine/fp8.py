@@ -23,6 +23,11 @@ come from a slightly different policy than the trainer's: the rollout-vs-trainer
 reported by the RL loop (``rollout_logprob_abs_diff``) and corrected with
 ``train.loss.off_policy: tis`` (``noria bench gpu-fp8`` measures both against bf16 rollout).
 
+The quantizers are ``noria.models.quantize``'s (the recipe's one owner, below the engine and the
+trainer): ``train.qat: fp8`` trains with the same weight and activation rounding (fake quantization,
+straight-through gradients), which narrows the rollout/trainer gap; it does not close it (the FP8
+matmul accumulates in its own order).
+
 Contract with the model: ``noria.models.decoder.Linear`` calls ``module.fp8(x, bias)`` instead of
 its matmul when the attribute is set; :func:`clear_model` removes every copy.
 """
@@ -33,11 +38,11 @@ import functools
 
 import torch
 
-FP8_MAX = 448.0
-"""Largest finite e4m3 value."""
-DTYPE = torch.float8_e4m3fn
-MIN_SCALE = 1e-12
-"""Floor of every scale (an all-zero row or weight channel would otherwise divide by zero)."""
+from noria.models.quantize import FP8_DTYPE as DTYPE
+from noria.models.quantize import FP8_MAX
+from noria.models.quantize import FP8_MIN_SCALE as MIN_SCALE
+from noria.models.quantize import quantize_fp8_rows
+from noria.models.quantize import quantize_fp8_weight as quantize_weight
 
 
 def supported(model: torch.nn.Module) -> str | None:
@@ -56,20 +61,12 @@ def supported(model: torch.nn.Module) -> str | None:
     return None
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (e4m3 [N, K], fp32 scales [1, N]) with ``weight ~= q * scale.T``."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (w / scale).to(DTYPE), scale.t().contiguous()
-
-
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] activations -> (e4m3 [M, K], fp32 scales [M, 1]), one scale per row."""
+    """[M, K] activations -> (e4m3 [M, K], fp32 scales [M, 1]), one scale per row (the recipe's owner:
+    ``noria.models.quantize.quantize_fp8_rows``; on CUDA the same values from one Triton program per row)."""
     if x.is_cuda and _triton():
         return _quantize_rows_triton(x.contiguous())
-    xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (xf / scale).to(DTYPE), scale
+    return quantize_fp8_rows(x)
 
 
 class Fp8Weight:

@@ -133,7 +133,8 @@ class Linear(nn.Linear):
     fake_quant = None
     """Set on the decoder blocks' layers of a trainer with ``train.qat`` and of a deterministic engine
     with integer weights (``noria.models.quantize.FakeQuant``): called on the weight, it gives the
-    dequantized weight the integer engine computes with (straight-through gradient)."""
+    dequantized weight the quantized engine computes with, and its ``activations`` the input as that
+    engine's matmul reads it (fp8 only; straight-through gradients)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base(x)
@@ -142,7 +143,9 @@ class Linear(nn.Linear):
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8(x, self.bias)
-        weight = self.weight if self.fake_quant is None else self.fake_quant(self.weight)
+        weight = self.weight
+        if self.fake_quant is not None:
+            weight, x = self.fake_quant(weight), self.fake_quant.activations(x)
         if self.exact_dtype is None:
             return F.linear(x, weight, self.bias)
         return row_chunked_linear(x, _cast(weight, self.exact_dtype), _cast(self.bias, self.exact_dtype))

@@ -16,7 +16,11 @@ from __future__ import annotations
 import torch
 
 MODES = ("int8", "int4")
-"""The values of ``engine.quantization`` this module serves."""
+"""The integer values of ``engine.quantization`` (their CPU kernels' layouts are here)."""
+QAT_MODES = (*MODES, "fp8")
+"""The values of ``train.qat``: the integer modes, exact in deterministic mode, and fp8 (weights and
+activations, as ``noria.engine.fp8`` serves them; close, not exact: the engine's FP8 matmul
+accumulates in its own order)."""
 INT4_GROUP = 32
 """Input channels per int4 scale/offset group."""
 MIN_SCALE = 1e-8
@@ -106,6 +110,32 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return w.reshape(n, k)
 
 
+# ----------------------------------------------------------------------------------------- fp8
+
+
+FP8_MAX = 448.0
+"""Largest finite e4m3 value."""
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MIN_SCALE = 1e-12
+"""Floor of every fp8 scale (an all-zero row or weight channel would otherwise divide by zero)."""
+
+
+def quantize_fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], fp32 scales [1, N]) with ``weight ~= q * scale.T``: one scale per output
+    channel, ``amax(|row|) / 448`` (``engine.quantization: fp8``; recipe in ``noria.engine.fp8``)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return (w / scale).to(FP8_DTYPE), scale.t().contiguous()
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activations -> (e4m3 [M, K], fp32 scales [M, 1]), one dynamic scale per row (torch ops;
+    the engine's Triton kernel on CUDA computes the same values)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return (xf / scale).to(FP8_DTYPE), scale
+
+
 # ------------------------------------------------------------------------------- fake quantization
 
 
@@ -117,7 +147,18 @@ def fake_quantize(weight: torch.Tensor, mode: str, dtype: torch.dtype) -> torch.
         return dequantize_int8(*quantize_int8(w, dtype))
     if mode == "int4":
         return dequantize_int4(*quantize_int4(w, dtype))
-    raise ValueError(f"fake quantization: unknown mode {mode!r}; supported: {', '.join(MODES)}")
+    if mode == "fp8":
+        q, scale = quantize_fp8_weight(w)
+        return q.float() * scale.t()
+    raise ValueError(f"fake quantization: unknown mode {mode!r}; supported: {', '.join(QAT_MODES)}")
+
+
+def fake_quantize_fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Activations [..., K] as the fp8 engine's matmul reads them (each row quantized to e4m3 with its
+    own scale, then dequantized), in ``x``'s dtype, with a straight-through gradient."""
+    q, scale = quantize_fp8_rows(x.detach().reshape(-1, x.shape[-1]))
+    fq = (q.float() * scale).reshape(x.shape).to(x.dtype)
+    return fq + (x - x.detach()) if x.requires_grad else fq
 
 
 class FakeQuant:
@@ -128,8 +169,8 @@ class FakeQuant:
     changes (its version): a deterministic engine re-quantizes only after a weight update."""
 
     def __init__(self, mode: str, dtype: torch.dtype) -> None:
-        if mode not in MODES:
-            raise ValueError(f"fake quantization: unknown mode {mode!r}; supported: {', '.join(MODES)}")
+        if mode not in QAT_MODES:
+            raise ValueError(f"fake quantization: unknown mode {mode!r}; supported: {', '.join(QAT_MODES)}")
         self.mode, self.dtype = mode, dtype
         self._key: tuple | None = None
         self._value: torch.Tensor | None = None
@@ -142,6 +183,11 @@ class FakeQuant:
         if key != self._key:
             self._key, self._value = key, fake_quantize(weight, self.mode, self.dtype).to(weight.dtype)
         return self._value
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's input as the engine's matmul reads it: fp8 quantizes it per row; the integer
+        modes are weight-only (``x`` as it is)."""
+        return fake_quantize_fp8_rows(x) if self.mode == "fp8" else x
 
 
 def set_fake_quant(model: torch.nn.Module, mode: str | None, dtype: torch.dtype) -> int:
