@@ -12,7 +12,9 @@ Mismatch: the engine samples (T = 1) ``new_tokens`` per prompt and reports each 
 the trainer's bf16 forward (the policy it trains) recomputes them. Reported per rollout precision:
 mean |Δ logprob|, the k1 estimate of KL(rollout || trainer) (mean of rollout - trainer logprob over
 rollout samples), and TIS weights w = min(exp(trainer - rollout), C) with C = 2: their mean, and the
-share of tokens where the cap bites. Random-init weights give flat distributions, so the absolute
+share of tokens where the cap bites. A third column recomputes the FP8 rollout's tokens with the
+trainer of ``train.qat: fp8`` (the same bf16 model with the engine's weight and input rounding,
+``noria.models.quantize``). Random-init weights give flat distributions, so the absolute
 mismatch is smaller than a trained model's would be; the fp8-vs-bf16 ratio is the figure.
 """
 
@@ -24,6 +26,7 @@ import torch
 
 from noria.bench import print_table, write_json
 from noria.bench.gpu_common import device_name, random_model
+from noria.models.quantize import set_fake_quant
 
 TIS_CAP = 2.0
 
@@ -66,15 +69,21 @@ def run(model: str = "qwen3-1.7b", batch: int = 256, prompt_len: int = 512, new_
         if precision == "fp8":
             del lm
             torch.cuda.empty_cache()
+            # train.qat: fp8: the trainer's forward with the engine's weight and input rounding (fake quantization)
+            set_fake_quant(bf16, "fp8", torch.bfloat16)
+            figures["fp8_qat"] = {"decode_tokens_per_s": decode, **_mismatch(bf16, prompts, out)}
+            set_fake_quant(bf16, None, torch.bfloat16)
+            print("fp8 rollout, trainer with train.qat fp8", {k: round(v, 5) for k, v in figures["fp8_qat"].items()}, flush=True)
     rows = []
     case = f"{model} random batch={batch} prompt={prompt_len} new={new_tokens} T=1"
     for metric in ("decode_tokens_per_s", "mean_abs_dlogprob", "kl_k1", "tis_mean", "tis_capped_share"):
         rows.append({"case": case, "metric": metric, "noria": round(figures["fp8"][metric], 6),
-                     "peers": {"bf16_rollout": round(figures["bf16"][metric], 6)}, "bound": None,
+                     "peers": {"bf16_rollout": round(figures["bf16"][metric], 6),
+                               "fp8_rollout_qat_trainer": round(figures["fp8_qat"][metric], 6)}, "bound": None,
                      "device": device_name()})
     print_table(f"FP8 (e4m3, per-channel weights, per-row activations) vs bf16 rollout on {device_name()}",
-                ["metric", "fp8", "bf16", "fp8/bf16"],
-                [[r["metric"], r["noria"], r["peers"]["bf16_rollout"],
+                ["metric", "fp8", "fp8, QAT trainer", "bf16", "fp8/bf16"],
+                [[r["metric"], r["noria"], r["peers"]["fp8_rollout_qat_trainer"], r["peers"]["bf16_rollout"],
                   r["noria"] / r["peers"]["bf16_rollout"] if r["peers"]["bf16_rollout"] else None] for r in rows])
     if json_path:
         write_json(json_path, "gpu-fp8", rows)
