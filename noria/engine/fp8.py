@@ -146,7 +146,9 @@ def _row_kernel():
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FMAX, FLOOR)
-        tl.store(q_ptr + row * n_cols + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=mask)
+        # div_rn: IEEE round-to-nearest division, as torch's x / scale (a plain / compiles to an approximate
+        # division: on an H100, 1,099 of 3.7M values rounded to another e4m3 value than torch's recipe)
+        tl.store(q_ptr + row * n_cols + cols, tl.math.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
 
     return quantize_rows_kernel, triton.next_power_of_2
