@@ -179,8 +179,9 @@ class TrainConfig:
     )
     share_prefix: bool = option(
         True,
-        "Pack consecutive sequences that start with the same untrained tokens (a group's prompt) around one copy "
-        "of them; same loss, fewer tokens through the model.",
+        "Share the tokens the batch's sequences have in common (prompts, common starts of responses, earlier turns) "
+        "through a prefix tree: each goes through forward and backward once; the same losses and gradients, fewer "
+        "tokens through the model (a tree holds at most train.micro_batch_tokens tokens).",
     )
     optim: OptimConfig = option(factory=OptimConfig, help="Optimizer.")
     loss: LossConfig = option(factory=LossConfig, help="RL objective.")
