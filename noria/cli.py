@@ -324,12 +324,15 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "train",
-        help="train a model: RL (GRPO and friends, train.algorithm rl) or SFT (train.algorithm sft)",
+        help="train a model: RL (GRPO and friends, train.algorithm rl), SFT (train.algorithm sft) or a reward model "
+        "(train.algorithm reward_model)",
         description="RL (train.algorithm rl): the loop of rollout on the engine (colocated in this "
         "process, or disaggregated as a `noria serve` process: rollout.placement), rewards, trainer "
         "steps and weight sync, with evaluation every eval.every steps on the rollout engine. "
         "SFT (train.algorithm sft): multi-turn chat JSONL, loss on assistant tokens only. "
-        "Both write the resolved config, metrics.jsonl, events.jsonl, checkpoints every train.save_every steps and "
+        "Reward model (train.algorithm reward_model): pairwise Bradley-Terry on preference pairs (JSONL of prompt, "
+        "chosen, rejected, or pairs made from data.task), saved as a sequence-classification folder for reward.model. "
+        "All write the resolved config, metrics.jsonl, events.jsonl, checkpoints every train.save_every steps and "
         "at the end (train.save_final_state; continue or extend with --resume RUN_DIR) and the final HF model "
         "(RUN_DIR/final) into the run folder; no later run on the folder deletes what it recorded. "
         "train.backend fsdp2 with train.world_size N spawns N local ranks; SFT also runs as one rank "
