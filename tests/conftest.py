@@ -41,6 +41,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture()
+def one_torch_thread():
+    """Torch on one thread for the test: two cores shared with another worker; the tiny model's steps
+    ran up to 20x faster on one thread than on two there."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _quiet_threads():
     # Two cores: keep each test process to them and avoid oversubscription warnings.

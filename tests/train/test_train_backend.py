@@ -17,13 +17,7 @@ from noria.train.packing import pack_samples
 from train_util import make_backend, pg_loss, random_samples, weights
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two cores shared with other work: one thread each keeps timings stable.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _batch(seed=0, n=6):

@@ -28,13 +28,7 @@ from noria.launch.sft import run_sft
 TASK = {"n_train": 40, "n_test": 12, "seed": 0, "ops": ["+"], "max_operand": 20}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two cores shared with other work: the tiny model's steps ran 20x faster on one thread than on two.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def format_pairs(held_out: bool) -> list[dict]:
