@@ -12,13 +12,26 @@ weight-sync store does).
 from __future__ import annotations
 
 import socket
+import threading
+
+
+_HANDED_OUT: set[tuple[str, int]] = set()
+_HANDED_OUT_LOCK = threading.Lock()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free on ``host`` (loopback by default)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port the OS reports free on ``host`` (loopback by default), never one this process was
+    given before: servers launched together (an engine fleet) bind their ports only seconds later,
+    and the OS may report the same free port twice meanwhile."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        with _HANDED_OUT_LOCK:
+            if (host, port) not in _HANDED_OUT:
+                _HANDED_OUT.add((host, port))
+                return port
+    raise OSError(f"no free TCP port on {host} that this process was not given before")
 
 
 def on_this_machine(url: str) -> bool:

@@ -160,6 +160,7 @@ def push_case(model: str, counts: list[int], transports: list[str], repeats: int
     import secrets
 
     from noria.config import load_config
+    from noria.engine.child import ready_all
     from noria.launch.fleet import start_local_engine
     from noria.launch.ranks import TrainerRank
 
@@ -175,7 +176,7 @@ def push_case(model: str, counts: list[int], transports: list[str], repeats: int
             start = start_local_engine(config, work / f"engines-{n}", key)
             engines = []
             try:
-                engines += [start(i) for i in range(n)]
+                engines += ready_all([start(i) for i in range(n)])
                 targets = [(e.url, key) for e in engines]
 
                 def push() -> float:

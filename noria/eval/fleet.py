@@ -62,22 +62,23 @@ class FleetEval:
     def start(cls, job: EvalHost) -> FleetEval:
         """Start ``eval.engines`` engines of the base model (from the main thread: they die with it)."""
         from noria.console import phase
-        from noria.engine.child import engine_device, start_engine_server
+        from noria.engine.child import engine_device, launch_engine_server, ready_all
         from noria.models.catalog import model_path
 
         cfg = job.config
         path, key = model_path(cfg.model.path), secrets.token_urlsafe(32)
         device = cfg.eval.engine_device or engine_device(cfg)
-        engines: list[EvalEngine] = []
+        starting: list[Any] = []
         try:
-            with phase(f"starting {cfg.eval.engines} evaluation engine(s) on {device}"):
+            with phase(f"starting {cfg.eval.engines} evaluation engine(s) on {device}"):  # launched together, then waited for
                 for i in range(cfg.eval.engines):
-                    child, url, _ = start_engine_server(path, cfg, job.folder, device, f"eval-engine-{i}.log", api_key=key)
-                    engines.append(connect(f"eval engine {i} ({url})", url, key, child, cfg.rollout.engine_timeout_s))
+                    starting.append(launch_engine_server(path, cfg, job.folder, device, f"eval-engine-{i}.log", api_key=key))
+                started = ready_all(starting)
         except BaseException:
-            for e in engines:
-                e.process.stop()
+            for s in starting:
+                s.stop()
             raise
+        engines = [connect(f"eval engine {i} ({url})", url, key, child, cfg.rollout.engine_timeout_s) for i, (child, url, _) in enumerate(started)]
         return cls(job, engines)
 
     async def evaluate(self, snapshot: Path, step: int, version: int) -> Outcome:

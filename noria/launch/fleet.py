@@ -68,6 +68,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from noria.engine.child import ready_all
 from noria.process import Child
 from noria.rollout import EngineFailure, HttpEngineClient
 
@@ -154,7 +155,9 @@ def exited_cleanly(proc: Any) -> bool:
 
 
 class EngineFleet:
-    """``n`` engines started by ``start(index) -> EngineProc``, a router for n > 1."""
+    """``n`` engines started by ``start(index)``, a router for n > 1. ``start`` launches engine ``index``
+    and returns at once a start whose ``ready()`` waits for it (``EngineProc``) and whose ``stop()``
+    abandons it (``noria.engine.child.StartingEngine``)."""
 
     def __init__(self, start: Callable[[int], Any], n: int, api_key: str, restarts: int, timeout_s: float, folder: Path,
                  drain_s: float = 30.0) -> None:  # fmt: skip
@@ -181,16 +184,21 @@ class EngineFleet:
         """The last engine in rotation left (removed or preempted): the job adds one at its next safe point."""
 
     def start(self) -> EngineFleet:
-        """Start every engine, then the router in front of them. One after the other, from this
-        thread: a child dies with the thread that started it (``noria.process.lifecycle``), so none
-        is started from a short-lived pool thread. Then the watcher thread."""
-        procs = [self.start_engine(i) for i in range(self.n)]
+        """Start every engine, then the router in front of them. All launched from this thread (a
+        child dies with the thread that started it, ``noria.process.lifecycle``, so none is started
+        from a short-lived pool thread), then each waited for: they load side by side. Then the
+        watcher thread."""
+        procs = ready_all([self.start_engine(i) for i in range(self.n)])
         self.slots = [Slot(i, p, self.client_for(p)) for i, p in enumerate(procs)]
         if self.n > 1:
             self.router = self.new_router([p.url for p in procs])
         self.watcher = threading.Thread(target=self.watch, name="noria-fleet-watch", daemon=True)
         self.watcher.start()
         return self
+
+    def start_ready(self, index: int) -> Any:
+        """Engine ``index`` started and answering (a restart, an engine added)."""
+        return self.start_engine(index).ready()
 
     def new_router(self, urls: list[str]) -> Any:
         from noria.router.sglang_router import SglangRouter
@@ -286,7 +294,7 @@ class EngineFleet:
                 slot.state = "retired"
                 continue
             slot.proc.stop()
-            slot.proc = self.spawner.submit(self.start_engine, slot.index).result()
+            slot.proc = self.spawner.submit(self.start_ready, slot.index).result()
             slot.client = self.client_for(slot.proc)
             slot.restarts += 1
             slot.state = "restarted"
@@ -301,7 +309,7 @@ class EngineFleet:
         """Start one more engine (blocking), ``joining``: out of rotation until the job pushes it the
         current weights, verified, and calls ``rejoin``."""
         index = len(self.slots)
-        proc = self.spawner.submit(self.start_engine, index).result()
+        proc = self.spawner.submit(self.start_ready, index).result()
         slot = Slot(index, proc, self.client_for(proc), state="joining")
         with self._marking:
             self.slots.append(slot)
@@ -515,18 +523,31 @@ def shared_machine_threads(config: Any) -> int | None:
     return max(1, len(os.sched_getaffinity(0)) // config.rollout.engines)
 
 
-def start_local_engine(config: Any, folder: Path, api_key: str) -> Callable[[int], LocalEngineProc]:
-    """``start(index)`` for a fleet of local ``noria serve`` children (logs: engine-<index>.log),
+def start_local_engine(config: Any, folder: Path, api_key: str) -> Callable[[int], LocalStart]:
+    """``start(index)`` (a ``LocalStart``) for a fleet of local ``noria serve`` children (logs: engine-<index>.log),
     sharing the machine's memory (``shared_machine_config``) and cores (``shared_machine_threads``)."""
-    from noria.engine.child import start_engine_server
+    from noria.engine.child import launch_engine_server
     from noria.models.catalog import model_path
 
     engine_config, threads = shared_machine_config(config), shared_machine_threads(config)
 
-    def start(index: int) -> LocalEngineProc:
-        process, url, _ = start_engine_server(model_path(config.model.path), engine_config, folder, api_key=api_key,
-                                              log_name=f"engine-{index}.log", threads=threads,
-                                              drain_timeout_s=config.rollout.engine_drain_s)  # fmt: skip
-        return LocalEngineProc(process, url)
+    def start(index: int) -> LocalStart:
+        return LocalStart(launch_engine_server(model_path(config.model.path), engine_config, folder, api_key=api_key,
+                                               log_name=f"engine-{index}.log", threads=threads,
+                                               drain_timeout_s=config.rollout.engine_drain_s))  # fmt: skip
 
     return start
+
+
+class LocalStart:
+    """A local engine launched, not yet answering (``EngineFleet``'s start protocol)."""
+
+    def __init__(self, starting: Any) -> None:
+        self.starting = starting
+
+    def ready(self) -> LocalEngineProc:
+        process, url, _ = self.starting.ready()
+        return LocalEngineProc(process, url)
+
+    def stop(self) -> None:
+        self.starting.stop()

@@ -11,7 +11,7 @@ this process (the driver) runs the same loop, scheduler, buffer, run folder and 
         TrainerRankActor r -> noria.launch.ranks.TrainerRank (FSDP2 rank r; rendezvous at rank 0's node)
 
 What blocks on what: the placement groups must be placed (``ray.ready_timeout_s``) before any actor
-starts; engines start one after the other, ranks together (they rendezvous). Each call on the ranks
+starts; the engines start side by side, then the ranks together (they rendezvous). Each call on the ranks
 waits for every rank (``RayRanks.call``).
 
 Ray itself: ``ray.address`` null starts a private instance in this process on 127.0.0.1 (stopped
@@ -124,6 +124,20 @@ class RayEngineProc:
         ray.kill(self.actor)
 
 
+class RayStart:
+    """An engine actor asked to start its engine, not yet answered (``EngineFleet``'s start protocol):
+    the actors of a pool start side by side."""
+
+    def __init__(self, actor: Any, started: Any, timeout_s: float) -> None:
+        self.actor, self.started, self.timeout_s = actor, started, timeout_s
+
+    def ready(self) -> RayEngineProc:
+        return RayEngineProc(self.actor, ray_module().get(self.started, timeout=self.timeout_s))
+
+    def stop(self) -> None:
+        RayEngineProc(self.actor, "").stop()
+
+
 class RayRanks:
     """Trainer ranks as Ray actors; ``call`` runs a method on all of them and waits for all."""
 
@@ -205,11 +219,10 @@ class RayJob(ScaledJob):
         actor_class = ray.remote(EngineActorImpl)
         cfg = self.config
 
-        def start(index: int) -> RayEngineProc:
+        def start(index: int) -> RayStart:
             options = self.actor_options(self.engine_pool, index, cfg.ray.engine_resources)
             actor = actor_class.options(**options).remote(cfg, str(self.folder), self.api_key, index)
-            url = ray.get(actor.start.remote(), timeout=cfg.ray.ready_timeout_s)
-            return RayEngineProc(actor, url)
+            return RayStart(actor, actor.start.remote(), cfg.ray.ready_timeout_s)
 
         return start
 

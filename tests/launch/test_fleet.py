@@ -200,7 +200,7 @@ def test_engines_on_one_machine_share_its_cores(tiny_model_dir, tmp_path, monkey
     assert shared_machine_threads(load_config(None, fleet_args(tiny_model_dir))) is None
     config = load_config(None, fleet_args(tiny_model_dir, **{"rollout.engines": 2}))
     assert shared_machine_threads(config) == max(1, cores // 2)
-    engine = start_local_engine(config, tmp_path, KEY)(0)
+    engine = start_local_engine(config, tmp_path, KEY)(0).ready()
     try:
         environ = Path(f"/proc/{engine.process.pid}/environ").read_bytes().split(b"\0")
         assert f"OMP_NUM_THREADS={max(1, cores // 2)}".encode() in environ
