@@ -8,12 +8,9 @@ under a second and before any model is loaded. Overrides are dotted config keys
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1; exported values win), so that every
 process a command starts inherits it (see ``noria.process.env``).
 
-Run as the process's command (``argv`` None: the ``noria`` script, ``python -m noria``), ``main``
-freezes the heap when the command is done (``gc.freeze``): the interpreter's last collection then
-skips what torch, transformers and the run left behind, which the exit frees anyway. That collection
-took 1.3 s of every ``noria train`` exit, and as long again in each ``noria serve`` engine child it
-stops (a tiny-model run on a 2-core AMD EPYC Zen 4). Called with ``argv`` (tests, scripts), nothing
-is frozen: the caller goes on.
+Run as the process's command (``argv`` None), ``main`` freezes the heap when done (``gc.freeze``), so
+that the interpreter's last collection skips what the exit frees anyway: 1.3 s of every ``noria
+train`` exit, as long in each ``noria serve`` child (tiny model, 2-core EPYC Zen 4).
 """
 
 from __future__ import annotations

@@ -32,6 +32,19 @@ def test_console_script_runs():
         assert name in out
 
 
+def test_the_command_freezes_the_heap_at_its_end_and_a_caller_of_main_keeps_its_own():
+    """``noria`` as the process's command leaves the heap frozen for the exit (noria.cli's docstring);
+    ``main(argv)`` from a test or a script does not (its caller goes on and must collect)."""
+    code = (
+        "import gc, sys; from noria.cli import main\n"
+        "main(['config', '--reference']); given = gc.get_freeze_count()\n"
+        "sys.argv = ['noria', 'config', '--reference']; main()\n"
+        "print(given, gc.get_freeze_count() > 0, file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stderr.split()[-2:] == ["0", "True"], done.stderr[-2000:]
+
+
 def test_config_error_is_one_line(capsys):
     code = main(["config", "--model.path", "m", "--data.task", "arithmetic", "--rollout.n_sampels", "3"])
     err = capsys.readouterr().err
