@@ -17,7 +17,8 @@ How the arguments become config keys:
   in-memory rows, unless the config sets them, ``data.label_key`` is ``label`` when every row has one
   (else null) and ``data.metadata_keys`` are the other columns, so that every column reaches a reward
   function by name, as in TRL. With ``train.algorithm: sft`` the rows are chat rows
-  (``{"messages": [...]}``), written as they are and checked by the SFT job.
+  (``{"messages": [...]}``), and with ``reward_model`` preference pairs (``{"prompt", "chosen",
+  "rejected"}``), written as they are and checked by their job.
 - ``resume``: a run folder to continue; without ``config``, its own saved config is the base (as
   ``noria train --resume RUN_DIR``).
 - ``reward_funcs``: names or import paths (strings), or functions. A function that is importable by
@@ -131,7 +132,7 @@ def build_config(
 
 
 def run(config: Any, run_dir: str | None = None, resume: str | None = None, progress: bool | None = None) -> Path:
-    """Run a loaded config as ``noria train`` does (RL or SFT); returns the run folder."""
+    """Run a loaded config as ``noria train`` does (RL, SFT or a reward model); returns the run folder."""
     if config.diffusion is not None:  # noria.diffusion imports this package: it cannot be run from here
         raise NoriaError("noria.train runs language models; a config with a diffusion section runs with `noria train CONFIG`")
     if config.train.algorithm == "rl":
@@ -173,7 +174,7 @@ def _set_dataset(raw: dict[str, Any], dataset: Any, key: str) -> None:
         return
     what = "dataset" if key == "path" else "eval_dataset"
     rows = dataset_rows(dataset, what)
-    if (raw.get("train") or {}).get("algorithm") == "sft":  # chat rows {"messages": [...]}, checked by the SFT job
+    if (raw.get("train") or {}).get("algorithm") in ("sft", "reward_model"):  # chat rows or preference pairs, checked by their job
         data[key] = str(write_rows(rows, what))
         return
     columns = _common_columns(rows)

@@ -10,7 +10,9 @@ Plots of an RL run (``FIGURES``, in page order): reward and held-out accuracy; l
 loss; gradient norm and learning rate; clip fraction; response length and truncation; zero-variance
 groups; KL and entropy; rollout-vs-trainer logprob difference; tokens/s; peak memory; stage timings (evaluation
 included); buffer size and staleness; weight-sync time. An SFT run (``train.algorithm: sft``) gets
-its own page (``SFT_FIGURES``: loss, gradient norm and learning rate, tokens/s). A plot whose
+its own page (``SFT_FIGURES``: loss, gradient norm and learning rate, tokens/s), and so does a reward
+model (``train.algorithm: reward_model``; ``RM_FIGURES``: pairwise loss, pair accuracy and margin on
+the step's pairs and on the held-out ones, gradient norm and learning rate, tokens/s). A plot whose
 metrics the run did not record says so inside its frame instead of disappearing, so the page
 always has the same plots. A curve whose values are all zero within float rounding is drawn flat
 at 0 with a note, not as a trend of noise. A resumed run is one curve: every step it resumed from is a
@@ -59,8 +61,13 @@ class RunData:
     """One line per segment of the run, then per earlier run moved aside (``noria.runview.segments.summary_lines``)."""
 
     @property
+    def algorithm(self) -> str:
+        """``train.algorithm`` of the run: rl, sft or reward_model."""
+        return (self.config.get("train") or {}).get("algorithm") or "rl"
+
+    @property
     def sft(self) -> bool:
-        return (self.config.get("train") or {}).get("algorithm") == "sft"
+        return self.algorithm == "sft"
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of ``key`` over the rows that have a finite number for it."""
@@ -95,7 +102,8 @@ def load_run(folder: str | Path) -> RunData:
     steps = [r for r in rows if "step" in r]
     numbers = [int(r["step"]) for r in steps if _finite(r.get("step"))]
     resumed = sorted({s.at_step for s in run_segments(folder, numbers) if s.event == "resumed"})
-    evals = measured_evals(read_jsonl(folder / "eval.jsonl"))
+    score = "pair_accuracy" if (config.get("train") or {}).get("algorithm") == "reward_model" else "accuracy"
+    evals = measured_evals(read_jsonl(folder / "eval.jsonl"), score)
     nll, lengths = rollout_stats(folder)
     return RunData(folder, config_text, config, steps, evals, nll, lengths, resumed, summary_lines(folder, numbers))
 
@@ -141,6 +149,8 @@ FIGURES: list[Figure] = []
 """The RL page's plots, in page order."""
 SFT_FIGURES: list[Figure] = []
 """The SFT page's plots."""
+RM_FIGURES: list[Figure] = []
+"""A reward model's page's plots."""
 
 
 def figure(slug: str, title: str, caption: str, keys: tuple[str, ...], into: list[Figure] = FIGURES) -> Callable:
@@ -152,7 +162,7 @@ def figure(slug: str, title: str, caption: str, keys: tuple[str, ...], into: lis
 
 
 def figures_of(run: RunData) -> list[Figure]:
-    return SFT_FIGURES if run.sft else FIGURES
+    return {"sft": SFT_FIGURES, "reward_model": RM_FIGURES}.get(run.algorithm, FIGURES)
 
 
 ROUNDING_ZERO = 1e-7
@@ -308,10 +318,10 @@ STAGES = (
 )
 
 
-def measured_evals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Evaluations with an accuracy that is valid, in order of the step they measured (fleet and
-    checkpoint rows are written when they finish, out of step order)."""
-    kept = [r for r in rows if _finite(r.get("accuracy")) and r.get("valid") is not False]
+def measured_evals(rows: list[dict[str, Any]], score: str = "accuracy") -> list[dict[str, Any]]:
+    """Evaluations with a ``score`` (a reward model's: ``pair_accuracy``) that is valid, in order of the
+    step they measured (fleet and checkpoint rows are written when they finish, out of step order)."""
+    kept = [r for r in rows if _finite(r.get(score)) and r.get("valid") is not False]
     return sorted(kept, key=lambda r: int(r["step"]))
 
 
@@ -375,14 +385,41 @@ def _sft_loss(run: RunData, fig: Any) -> None:
     lines(fig.add_subplot(), [("loss", run.series("loss"))], "loss [nats/token]", "no loss recorded")
 
 
+@figure("rm_loss", "Pairwise loss", "Mean -log sigmoid(r(chosen) - r(rejected)) over each step's preference pairs "
+        "(left: the step's pairs; right: the held-out pairs at each evaluation). ln 2 = 0.693 is chance.", ("loss",), RM_FIGURES)  # fmt: skip
+def _rm_loss(run: RunData, fig: Any) -> None:
+    left, right = fig.subplots(1, 2)
+    lines(left, [("train pairs", run.series("loss"))], "loss [nats/pair]", "no loss recorded")
+    lines(right, [("held-out pairs", _eval_series(run, "loss"))], "loss [nats/pair]", "no evaluation recorded")
+
+
+@figure("rm_pairs", "Pair accuracy and margin", "Share of pairs scored r(chosen) > r(rejected) (left: each step's "
+        "pairs and the held-out pairs; 0.5 is chance) and the mean margin r(chosen) - r(rejected) (right).",
+        ("pair_accuracy", "margin", "eval/pair_accuracy"), RM_FIGURES)  # fmt: skip
+def _rm_pairs(run: RunData, fig: Any) -> None:
+    left, right = fig.subplots(1, 2)
+    lines(left, [("train pairs", run.series("pair_accuracy")), ("held-out pairs", _eval_series(run, "pair_accuracy"))],
+          "pair accuracy", "no pair accuracy recorded")  # fmt: skip
+    lines(right, [("train pairs", run.series("margin")), ("held-out pairs", _eval_series(run, "margin"))], "margin", "no margin recorded")
+
+
+def _eval_series(run: RunData, key: str) -> tuple[list[int], list[float]]:
+    rows = [e for e in run.evals if _finite(e.get(key))]
+    return [int(e["step"]) for e in rows], [float(e[key]) for e in rows]
+
+
 @figure("sft_grad_lr", "Gradient norm and learning rate", "Global gradient L2 norm before clipping (left) and the "
         "learning rate (right).", ("grad_norm", "lr"), SFT_FIGURES)  # fmt: skip
+@figure("rm_grad_lr", "Gradient norm and learning rate", "Global gradient L2 norm before clipping (left) and the "
+        "learning rate (right).", ("grad_norm", "lr"), RM_FIGURES)  # fmt: skip
 def _sft_grad_lr(run: RunData, fig: Any) -> None:
     _grad_lr(run, fig)
 
 
 @figure("sft_throughput", "Tokens per second", "Tokens (prompt and answer) through the trainer per second of each step.",
         ("tokens", "seconds"), SFT_FIGURES)  # fmt: skip
+@figure("rm_throughput", "Tokens per second", "Tokens (prompt and both answers) through the trainer per second of each step.",
+        ("tokens", "seconds"), RM_FIGURES)  # fmt: skip
 def _sft_throughput(run: RunData, fig: Any) -> None:
     rate = run.derived(lambda r: r["tokens"] / r["seconds"] if _finite(r.get("tokens")) and r.get("seconds") else None)
     lines(fig.add_subplot(), [("trainer", rate)], "tokens/s", "no step times recorded")
@@ -479,7 +516,7 @@ def summary_table(run: RunData) -> str:
         k = min(3, len(rewards))
         rows.append(("rollout reward (first / last steps)", f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} (mean of {k})"))
     losses = run.series("loss")[1]
-    if run.sft and losses:
+    if run.algorithm != "rl" and losses:
         k = min(3, len(losses))
         rows.append(("loss (first / last steps)", f"{sum(losses[:k]) / k:.4f} -> {sum(losses[-k:]) / k:.4f} (mean of {k})"))
     if run.resumed_at:
@@ -487,9 +524,12 @@ def summary_table(run: RunData) -> str:
     for line in run.segments if len(run.segments) > 1 else []:  # one segment: the steps row says it all
         label, _, text = line.partition(": ")
         rows.append((label, text))
-    if run.evals:
-        first, last = run.evals[0], run.evals[-1]
-        rows.append(("held-out accuracy", f"{first['accuracy']:.1%} at step {first['step']} -> {last['accuracy']:.1%} at step {last['step']}"))
+    key = "pair_accuracy" if run.algorithm == "reward_model" else "accuracy"
+    scored = [e for e in run.evals if _finite(e.get(key))]
+    if scored:
+        first, last = scored[0], scored[-1]
+        label = "held-out pair accuracy" if key == "pair_accuracy" else "held-out accuracy"
+        rows.append((label, f"{first[key]:.1%} at step {first['step']} -> {last[key]:.1%} at step {last['step']}"))
     for key, label, fmt in (
         ("rollout/tokens_per_s", "generation tokens/s (mean)", "{:.0f}"),
         ("rollout_logprob_abs_diff_max", "largest |logprob diff|", "{:.3g}"),

@@ -77,6 +77,26 @@ def test_reward_model_learns_the_held_out_pairs(rm_run):
     assert (rm_run / "checkpoints" / "step-000040").is_dir()  # what --resume extends the run from
 
 
+def test_its_report_has_the_reward_model_page(rm_run, tmp_path):
+    """``noria report`` of a reward-model run: its own plots (pairwise loss, pair accuracy and margin,
+    gradient norm and learning rate, tokens/s), every metric they plot documented, and the held-out
+    pair accuracy in the summary (an RL page would look for an accuracy these rows do not have)."""
+    import html
+
+    from noria.metric_names import undocumented
+    from noria.runview.report import RM_FIGURES, figures_of, load_run, write_report
+
+    data = load_run(rm_run)
+    assert data.algorithm == "reward_model" and figures_of(data) is RM_FIGURES
+    assert undocumented(k for spec in RM_FIGURES for k in spec.keys) == []
+    page = write_report(rm_run, tmp_path / "report").read_text()
+    for spec in RM_FIGURES:
+        assert (tmp_path / "report" / f"{spec.slug}.png").stat().st_size > 5000 and spec.title in page
+    first, last = (json.loads(line) for line in (rm_run / "eval.jsonl").read_text().splitlines()[:: 2])
+    summary = f"{first['pair_accuracy']:.1%} at step 0 -> {last['pair_accuracy']:.1%} at step 40"
+    assert f"held-out pair accuracy</th><td>{html.escape(summary)}</td>" in page
+
+
 def test_final_folder_scores_as_the_scalar_reward(rm_run, tiny_model_dir, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
