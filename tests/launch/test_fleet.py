@@ -208,6 +208,33 @@ def test_engines_on_one_machine_share_its_cores(tiny_model_dir, tmp_path, monkey
         engine.stop()
 
 
+def test_engines_launched_together_load_side_by_side_and_one_that_fails_stops_the_others(tiny_model_dir, tmp_path):
+    """A fleet launches its engines, then waits for each (``ready_all``): both processes run before
+    the first answers, and when one cannot start (no model in its folder) the failure names it and
+    the other engine, already serving, is stopped too: nothing is left running."""
+    from noria.engine.child import ready_all
+    from noria.launch.fleet import start_local_engine
+
+    config = load_config(None, fleet_args(tiny_model_dir, **{"rollout.engines": 2}))
+    start = start_local_engine(config, tmp_path, KEY)
+    starts = [start(0), start(1)]
+    assert all(s.starting.child.alive() for s in starts)  # both launched before either was waited for
+    engines = ready_all(starts)
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert len({e.url for e in engines}) == 2
+        assert all(httpx.get(f"{e.url}/health", headers=auth).status_code == 200 for e in engines)
+    finally:
+        for e in engines:
+            e.stop()
+    (tmp_path / "empty").mkdir()
+    config.model.path = str(tmp_path / "empty")
+    good, bad = start_local_engine(load_config(None, fleet_args(tiny_model_dir, **{"rollout.engines": 2})), tmp_path, KEY)(0), start(1)
+    with pytest.raises(EngineFailure, match="engine server"):
+        ready_all([good, bad])
+    assert not good.starting.child.alive() and not bad.starting.child.alive()
+
+
 def test_engines_on_one_machine_share_its_free_memory(tiny_model_dir):
     """N local engines each size their KV cache from kv_memory_fraction / N of free memory (four
     SmolLM2 engines with 30% each were killed for memory on a 24 GB machine); an explicit
