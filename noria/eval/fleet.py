@@ -62,7 +62,7 @@ class FleetEval:
     def start(cls, job: EvalHost) -> FleetEval:
         """Start ``eval.engines`` engines of the base model (from the main thread: they die with it)."""
         from noria.console import phase
-        from noria.engine.child import engine_device, launch_engine_server, ready_all
+        from noria.engine.child import engine_device, launch_engine_server
         from noria.models.catalog import model_path
 
         cfg = job.config
@@ -73,12 +73,13 @@ class FleetEval:
             with phase(f"starting {cfg.eval.engines} evaluation engine(s) on {device}"):  # launched together, then waited for
                 for i in range(cfg.eval.engines):
                     starting.append(launch_engine_server(path, cfg, job.folder, device, f"eval-engine-{i}.log", api_key=key))
-                started = ready_all(starting)
-        except BaseException:
+                started = [s.ready() for s in starting]
+        except BaseException:  # a launch or a start failed: every engine launched is stopped
             for s in starting:
                 s.stop()
             raise
-        engines = [connect(f"eval engine {i} ({url})", url, key, child, cfg.rollout.engine_timeout_s) for i, (child, url, _) in enumerate(started)]
+        timeout = cfg.rollout.engine_timeout_s
+        engines = [connect(f"eval engine {i} ({url})", url, key, child, timeout) for i, (child, url, _) in enumerate(started)]
         return cls(job, engines)
 
     async def evaluate(self, snapshot: Path, step: int, version: int) -> Outcome:

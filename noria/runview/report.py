@@ -63,7 +63,7 @@ class RunData:
     @property
     def algorithm(self) -> str:
         """``train.algorithm`` of the run: rl, sft or reward_model."""
-        return (self.config.get("train") or {}).get("algorithm") or "rl"
+        return algorithm_of(self.config)
 
     @property
     def sft(self) -> bool:
@@ -102,8 +102,7 @@ def load_run(folder: str | Path) -> RunData:
     steps = [r for r in rows if "step" in r]
     numbers = [int(r["step"]) for r in steps if _finite(r.get("step"))]
     resumed = sorted({s.at_step for s in run_segments(folder, numbers) if s.event == "resumed"})
-    score = "pair_accuracy" if (config.get("train") or {}).get("algorithm") == "reward_model" else "accuracy"
-    evals = measured_evals(read_jsonl(folder / "eval.jsonl"), score)
+    evals = measured_evals(read_jsonl(folder / "eval.jsonl"), score_key(algorithm_of(config)))
     nll, lengths = rollout_stats(folder)
     return RunData(folder, config_text, config, steps, evals, nll, lengths, resumed, summary_lines(folder, numbers))
 
@@ -318,6 +317,16 @@ STAGES = (
 )
 
 
+def algorithm_of(config: dict[str, Any]) -> str:
+    """``train.algorithm`` of a resolved config (rl when absent)."""
+    return (config.get("train") or {}).get("algorithm") or "rl"
+
+
+def score_key(algorithm: str) -> str:
+    """The ``eval.jsonl`` field a run's evaluations are judged by: a reward model's ``pair_accuracy``, else ``accuracy``."""
+    return "pair_accuracy" if algorithm == "reward_model" else "accuracy"
+
+
 def measured_evals(rows: list[dict[str, Any]], score: str = "accuracy") -> list[dict[str, Any]]:
     """Evaluations with a ``score`` (a reward model's: ``pair_accuracy``) that is valid, in order of the
     step they measured (fleet and checkpoint rows are written when they finish, out of step order)."""
@@ -524,10 +533,9 @@ def summary_table(run: RunData) -> str:
     for line in run.segments if len(run.segments) > 1 else []:  # one segment: the steps row says it all
         label, _, text = line.partition(": ")
         rows.append((label, text))
-    key = "pair_accuracy" if run.algorithm == "reward_model" else "accuracy"
-    scored = [e for e in run.evals if _finite(e.get(key))]
-    if scored:
-        first, last = scored[0], scored[-1]
+    if run.evals:  # each with its score (measured_evals)
+        key = score_key(run.algorithm)
+        first, last = run.evals[0], run.evals[-1]
         label = "held-out pair accuracy" if key == "pair_accuracy" else "held-out accuracy"
         rows.append((label, f"{first[key]:.1%} at step {first['step']} -> {last[key]:.1%} at step {last['step']}"))
     for key, label, fmt in (
