@@ -63,6 +63,13 @@ class EngineConfig:
     )
     max_context: int | None = option(None, "Longest prompt + output in tokens; null uses the model's max positions.")
     prefix_cache: bool = option(True, "Reuse KV blocks of shared prompt prefixes (radix tree, LRU eviction).")
+    prefix_cache_share: float = option(
+        0.25,
+        "CPU: the share of the KV cache's blocks the prefix cache holds before a request that would write a block "
+        "never written since the cache was allocated takes the prefix cache's least recently used block instead. The "
+        "CPU cache is mapped lazily (a block costs memory once written), so resident KV memory stays near what runs "
+        "plus this share. 1.0: the whole cache, as on GPU (allocated at start).",
+    )
     deterministic: bool = option(
         False, "Batch-invariant numerics: a request gives the same tokens and logprobs whatever else is batched."
     )
@@ -113,6 +120,8 @@ class EngineConfig:
             raise ConfigError(f"engine.kv_cache_tokens must be >= engine.block_size, got {self.kv_cache_tokens}")
         if self.kv_job_tokens is not None and self.kv_job_tokens < self.block_size:
             raise ConfigError(f"engine.kv_job_tokens must be >= engine.block_size, got {self.kv_job_tokens}")
+        if not 0 <= self.prefix_cache_share <= 1:
+            raise ConfigError(f"engine.prefix_cache_share must be in [0, 1], got {self.prefix_cache_share}")
         if not 0 < self.kv_memory_fraction <= 0.95:
             raise ConfigError(f"engine.kv_memory_fraction must be in (0, 0.95], got {self.kv_memory_fraction}")
         if self.chunked_prefill_size > self.max_batch_tokens:

@@ -271,8 +271,9 @@ class DiffusionEngine:
     async def resume(self) -> None:
         await asyncio.wrap_future(self._thread.post_future(lambda: setattr(self, "_paused", False)))
 
-    def release_memory_occupation(self) -> None:
-        """Pause and free the weight staging buffers (the next update allocates them again)."""
+    def release_memory_occupation(self, weights: bool = False) -> None:
+        """Pause and free the weight staging buffers (the next update allocates them again); the DiT
+        keeps its live weights whatever ``weights`` says."""
         self._thread.call(lambda: setattr(self, "_paused", True))
         self.weights.release()
 

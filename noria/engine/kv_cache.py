@@ -38,9 +38,15 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._refs = [0] * num_blocks
-        # Popped from the end: recently freed blocks are reused first (warm in cache).
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free, low ids handed out first, none counted as written (the pools were mapped
+        again). Popped from the end: recently freed blocks are reused first (warm in cache), so fresh
+        ids go out in order and every id from :attr:`_fresh` on was never handed out."""
+        self._refs = [0] * self.num_blocks
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._fresh = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -50,6 +56,11 @@ class BlockAllocator:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_written_free_blocks(self) -> int:
+        """Free blocks handed out before (written: reusing them costs no new memory)."""
+        return len(self._free) - (self.num_blocks - self._fresh)
+
     def allocate(self, n: int) -> list[int]:
         """n fresh blocks, each with one reference; raises :class:`OutOfBlocks` (taking none)."""
         if n > len(self._free):
@@ -57,6 +68,7 @@ class BlockAllocator:
         blocks = [self._free.pop() for _ in range(n)]
         for b in blocks:
             self._refs[b] = 1
+        self._fresh = max(self._fresh, max(blocks, default=-1) + 1)
         return blocks
 
     def incref(self, blocks: list[int]) -> None:
@@ -94,6 +106,8 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
+        self.lazy = torch.device(device).type == "cpu"
+        """The pools are mapped lazily (``zeroed_pools``): a block costs memory once written."""
         # On CUDA one slot past every block is scratch: padded rows of a captured decode graph
         # (noria.engine.cuda.graphs) write their K/V there. The CPU layout is unchanged.
         scratch = 1 if torch.device(device).type == "cuda" else 0
@@ -150,7 +164,8 @@ def zeroed_pools(
     ``torch.zeros`` (a memset of every byte): a cache of several GB then costs no start-up time
     (``torch.zeros`` took 2 s per 5 GB on a 2-core AMD EPYC Zen 4) and no resident memory until its
     blocks are written. The allocator hands out low block ids first and reuses freed ones, so what
-    is touched follows what is used. One mapping of its own, not the C heap: ``numpy.zeros`` (calloc)
+    is touched follows what is used; the prefix cache gives back its own written blocks before a fresh
+    one is written once it holds ``engine.prefix_cache_share`` of them (``noria.engine.scheduler``). One mapping of its own, not the C heap: ``numpy.zeros`` (calloc)
     of a pool under glibc's mmap threshold (up to 32 MiB a pool, raised by earlier large frees) came
     from the heap and was memset, so the whole cache was resident after each
     ``release_memory_occupation`` / resume (0.75 GB for the main job's 32768 tokens), and freeing it

@@ -245,6 +245,9 @@ class Scheduler:
         match there yet; else copy). Measured the same (docs/engines.md); ``noria bench prefix`` sets it."""
         self._appending: set[int] = set()
         """``share``: cached partial blocks a running request appends to in place."""
+        share = config.prefix_cache_share if kv.lazy else 1.0
+        self.cache_blocks = None if share >= 1 else int(share * kv.num_blocks)
+        """Blocks the prefix cache holds before fresh ones are spared (``engine.prefix_cache_share``); None: no bound."""
 
     # ------------------------------------------------------------------------------ queue
 
@@ -420,6 +423,9 @@ class Scheduler:
         if need <= 0:
             return True
         allocator = self.kv.allocator
+        fresh, over = need - allocator.num_written_free_blocks, self.radix.num_cached_blocks - (self.cache_blocks or 0)
+        if self.cache_blocks is not None and fresh > 0 and over > 0:  # reuse the cache's written blocks first
+            self.radix.evict(min(fresh, over))
         if allocator.num_free_blocks < need:
             self.radix.evict(need - allocator.num_free_blocks)
         if allocator.num_free_blocks < need:

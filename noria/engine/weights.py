@@ -29,7 +29,10 @@ equal. The trainer hashes its tensors cast to the engine's dtype and compares.
 Blocking: staging holds :attr:`WeightStage.lock`; so do commit and checksums, which therefore wait
 for a staging copy in progress.
 Memory: the staging buffers are one extra copy of the updated tensors, kept between updates (warm
-memory for the next one) until :meth:`WeightStage.release` (in a shared arena: for good).
+memory for the next one) until :meth:`WeightStage.release` (in a shared arena: for good). While a
+colocated trainer takes its turn, :meth:`WeightStage.release_live` frees the live weights as well
+(the sync that ends the turn writes all of them again): names, dtypes and shapes are kept for
+staging, and only an update that stages every parameter commits.
 Not guaranteed: bytes written into a shared arena are only as right as their writer made them
 (names, dtypes, shapes and offsets are checked; the values only by checksums).
 """
@@ -134,17 +137,25 @@ class WeightStage:
         self._spare: dict[str, torch.Tensor] = {}
         self._refused: dict[str, None] = {}  # ids of failed updates (the newest 256), never committed
         self.arena: SharedArena | None = None
+        self.released: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        """The specs of the live weights freed by :meth:`release_live` (empty while they are held)."""
 
     # ------------------------------------------------------------------------------ queries
 
     def specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """dtype and shape of every state-dict name (tied aliases included)."""
-        return {n: (self._params[c].dtype, tuple(self._params[c].shape)) for n, c in self._canon.items()}
+        return {n: self._spec(c) for n, c in self._canon.items()}
+
+    def _spec(self, canon: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        p = self._params[canon]
+        return self.released.get(canon) or (p.dtype, tuple(p.shape))
 
     def tensor(self, name: str) -> torch.Tensor:
         """The live parameter data of a state-dict name."""
         if name not in self._canon:
             raise WeightUpdateError(f"unknown tensor '{name}' (not a model parameter)")
+        if self.released:
+            raise WeightUpdateError(f"'{name}': the live weights are released until a full update is committed")
         return self._params[self._canon[name]].detach()
 
     # ------------------------------------------------------------------------------ staging
@@ -176,14 +187,14 @@ class WeightStage:
     def check(self, name: str, dtype: torch.dtype | None, shape: Iterable[int]) -> None:
         """Validate one incoming tensor (name, dtype, shape) without copying anything."""
         canon = self._canon.get(name)
-        spec = None if canon is None else (self._params[canon].dtype, tuple(self._params[canon].shape))
+        spec = None if canon is None else self._spec(canon)
         _check_one(name, dtype, tuple(int(d) for d in shape), spec)
 
     def direct_buffer(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         """The buffer to receive ``name`` into in place (validated by the caller), or None where the
         data must go through :meth:`put` (another dtype, or a tied alias already staged)."""
         canon = self._canon[name]
-        if self._staged_as.get(canon, name) != name or self._params[canon].dtype != dtype:
+        if self._staged_as.get(canon, name) != name or self._spec(canon)[0] != dtype:
             return None
         self._staged_as[canon] = name
         return self._buffer(canon)
@@ -215,8 +226,8 @@ class WeightStage:
         if buf is None:
             buf = self._spare.pop(canon, None)
             if buf is None:
-                p = self._params[canon]
-                buf = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                dtype, shape = self._spec(canon)
+                buf = torch.empty(shape, dtype=dtype, device=self._params[canon].device)
             self._staged[canon] = buf
         return buf
 
@@ -242,13 +253,21 @@ class WeightStage:
             self._check_not_refused(update_id)
             if update_id != self.update_id or not self._staged:
                 raise WeightUpdateError(f"weight update {update_id!r} has nothing staged to commit")
+            missing = sorted(set(self.released) - set(self._staged))
+            if missing:
+                raise WeightUpdateError(
+                    f"weight update {update_id!r} stages {len(self._staged)} of the {len(self._params)} parameters, but the "
+                    f"live weights were released (a colocated trainer's turn): every one must come; missing '{missing[0]}'"
+                )
             changed = list(self._staged)
             for canon, buf in self._staged.items():
                 param = self._params[canon]
                 old = param.data
                 param.data = buf
-                self._spare[canon] = old
+                if canon not in self.released:
+                    self._spare[canon] = old
             self._staged, self._staged_as = {}, {}
+            self.released = {}
             self.update_id = None
             return changed
 
@@ -267,6 +286,19 @@ class WeightStage:
             if self.arena is None:
                 self._spare.clear()
 
+    def release_live(self) -> bool:
+        """Free the live weights too, keeping their specs, until an update that stages every parameter
+        commits (the caller runs this between engine steps and serves nothing meanwhile). Not in a
+        shared arena, nor with an update half staged. True if released."""
+        with self.lock:
+            if self.arena is not None or self._staged:
+                return False
+            self.release()
+            for canon, param in self._params.items():
+                self.released.setdefault(canon, self._spec(canon))
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            return True
+
     # ------------------------------------------------------------------------------ shared arena
 
     def share(self) -> SharedArena:
@@ -276,6 +308,8 @@ class WeightStage:
             if self.arena is None:
                 if self._staged:
                     raise WeightUpdateError(f"update {self.update_id!r} is half staged; finish or discard it first")
+                if self.released:
+                    raise WeightUpdateError("the live weights are released: commit a full update before sharing them")
                 arena = SharedArena({c: (p.dtype, tuple(p.shape)) for c, p in self._params.items()})
                 with torch.no_grad():
                     for canon, param in self._params.items():

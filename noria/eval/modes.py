@@ -264,7 +264,7 @@ async def generate_on(job: EvalHost, client: Any, prompts: list[Any], first_grou
 
     e = job.config.eval
     ctx = RolloutContext(client, job.tokenizer, eval_sampling(job.config), seed=e.seed, greedy=e.temperature == 0,
-                         processor=job.processor)
+                         processor=job.processor, max_groups=e.batch_size)
     from noria.rewards.registry import eval_reward
 
     result = await run_rollout(ctx, prompts, first_group_id, e.n_samples, eval_reward(job.reward))  # a judge's run: the rule

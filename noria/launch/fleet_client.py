@@ -108,8 +108,8 @@ class FleetClient:
     async def resume(self) -> None:
         await self.fan_out(lambda c: c.resume())
 
-    async def release_memory(self) -> None:
-        await self.fan_out(lambda c: c.release_memory())
+    async def release_memory(self, weights: bool = False) -> None:
+        await self.fan_out(lambda c: c.release_memory(weights))
 
     async def resume_memory(self) -> None:
         await self.fan_out(lambda c: c.resume_memory())

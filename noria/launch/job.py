@@ -451,7 +451,8 @@ class LocalJob:
             return
         self.scheduler.hold(True)
         await self.client.pause()
-        await self.client.release_memory()
+        lora = self.config.train.lora  # a full sync writes every weight again before the resume: the engine may free them
+        await self.client.release_memory(weights=not (lora.enabled and lora.sync == "adapter"))
         try:
             if self.offload is not None:
                 self.offload.reload()

@@ -44,7 +44,7 @@ class EngineClient(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def release_memory(self) -> None: ...
+    async def release_memory(self, weights: bool = False) -> None: ...
 
     async def resume_memory(self) -> None: ...
 
@@ -98,10 +98,10 @@ class LocalEngineClient:
     async def resume(self) -> None:
         await self.engine.resume()
 
-    async def release_memory(self) -> None:
+    async def release_memory(self, weights: bool = False) -> None:
         release = getattr(self.engine, "release_memory_occupation", None)
         if release is not None:
-            await asyncio.to_thread(release)
+            await asyncio.to_thread(release, weights=weights)
 
     async def resume_memory(self) -> None:
         resume = getattr(self.engine, "resume_memory_occupation", None)
@@ -159,7 +159,8 @@ class HttpEngineClient:
     async def resume(self) -> None:
         await self._post("/continue_generation", {})
 
-    async def release_memory(self) -> None:
+    async def release_memory(self, weights: bool = False) -> None:
+        """``weights`` is for in-process engines only: an engine server keeps its weights."""
         await self._post("/release_memory_occupation", {}, missing_ok=True)
 
     async def resume_memory(self) -> None:

@@ -74,6 +74,9 @@ class RolloutContext:
     live: LiveRequests | None = None
     """The gate a checkpoint closes to stop every request with its tokens (``noria.rollout.in_flight``;
     ``rollout.resume_in_flight`` continue); None: requests go straight to the engine."""
+    max_groups: int | None = None
+    """Groups ``rollout_groups`` generates at once, at most (an evaluation's ``eval.batch_size``: the
+    engine's KV cache is sized for it); None: all of them."""
 
     def seed_for(self, sample: Sample) -> int:
         """The sampling seed of ``sample`` (``sample_seed`` of the run seed, its group id and index):
@@ -218,7 +221,13 @@ async def rollout_groups(
         ]
         for g, (prompt, ids) in enumerate(prompts)
     ]
-    tasks = [asyncio.ensure_future(generate(ctx, s)) for samples in groups_samples for s in samples]
+    limit = asyncio.Semaphore(ctx.max_groups or len(groups_samples) or 1)
+
+    async def group(samples: list[Sample]) -> None:  # its samples together, once one of max_groups places is free
+        async with limit:
+            await asyncio.gather(*(generate(ctx, s) for s in samples))
+
+    tasks = [asyncio.ensure_future(group(samples)) for samples in groups_samples]
     try:
         await asyncio.gather(*tasks)
     finally:  # on an engine failure, stop the rest before the error propagates

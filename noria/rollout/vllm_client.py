@@ -95,7 +95,7 @@ class VllmEngineClient(HttpEngineClient):
         await self._post_query("/resume", {})
         self._open.set()
 
-    async def release_memory(self) -> None:
+    async def release_memory(self, weights: bool = False) -> None:
         return None  # disaggregated only: nothing shares its memory
 
     async def resume_memory(self) -> None:

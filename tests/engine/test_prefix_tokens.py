@@ -147,6 +147,30 @@ def test_multi_turn_sessions_under_a_tiny_cache_evict_correctly(model, reuse):
     engine.shutdown(1)
 
 
+def test_a_cpu_prefix_cache_past_its_share_reuses_its_own_blocks_before_writing_fresh_ones(model):
+    """``engine.prefix_cache_share``: one-off prompts, one after another, leave their KV in the prefix
+    cache. Unbounded, the cache keeps them until the (lazily mapped) pool is full: every block gets
+    written. At a quarter, a request takes the cache's oldest blocks once the cache holds a quarter
+    of the pool, so the blocks ever written stay near what runs plus that quarter; a prompt seen
+    just before is still matched, and outputs are the reference's."""
+    written = {}
+    for share in (1.0, 0.25):
+        engine = _engine(model, kv_cache_tokens=512, prefix_cache_share=share)  # 128 blocks of 4 tokens
+        alloc = engine.kv.allocator
+        reqs = [GenerateRequest(input_ids=prompt(20, seed), sampling=greedy(4)) for seed in range(30)]  # 6 blocks each
+        for req in reqs:
+            out = engine.generate_batch([req])[0]
+            assert out.output_ids == reference(model, req.input_ids, 4)[0]
+        again = engine.generate_batch([GenerateRequest(input_ids=reqs[-1].input_ids + [7], sampling=greedy(2))])[0]
+        assert again.cached_tokens >= 20  # the newest prompt and answer stay cached
+        written[share] = alloc._fresh
+        if share < 1:
+            assert engine.radix.num_cached_blocks <= 32 + 6 and engine.metrics()["evictions"] > 0
+        assert alloc.num_free_blocks + engine.radix.num_cached_blocks == engine.kv.num_blocks  # no leak
+        engine.shutdown(1)
+    assert written[1.0] == 128 and written[0.25] <= 32 + 2 * 6, written
+
+
 def test_flush_and_weight_update_clear_partial_tails(model):
     engine = _engine(model)
     first = GenerateRequest(input_ids=prompt(9), sampling=greedy(3))

@@ -68,3 +68,30 @@ def test_samples_scored_as_they_finish_get_the_groups_rewards_and_hide_behind_ge
     assert m_early["reward/scored"] == m_late["reward/scored"] == 6
     assert m_early["time/reward_hidden_s"] > 0  # samples 0 and 1 were scored while sample 2 paused
     assert m_late["time/reward_hidden_s"] == 0
+
+
+def test_an_evaluation_generates_at_most_max_groups_groups_at_once(engine):
+    """``RolloutContext.max_groups`` (a shared evaluation's ``eval.batch_size``, which the engine's KV
+    cache is sized for): at most that many groups generate together, each with all its samples, and
+    every group still gets its answers; None lets all of them generate at once."""
+    from noria.rollout.generate import rollout_groups
+
+    cfg = RolloutConfig(n_samples=2, prompts_per_step=7, max_new_tokens=4)
+    prompts = [(Prompt(f"p{i}", "1", {}, i), [5 + i, 9, 11]) for i in range(7)]
+    for limit, expected in ((3, 3), (None, 7)):
+        live, most = {}, 0
+
+        async def counted(ctx, sample):
+            nonlocal most
+            live[sample.group_id] = live.get(sample.group_id, 0) + 1
+            most = max(most, len(live))
+            await generate_one(ctx, sample)
+            await asyncio.sleep(0.05)  # hold the place a little: groups overlap as much as allowed
+            live[sample.group_id] -= 1
+            if not live[sample.group_id]:
+                del live[sample.group_id]
+
+        ctx = RolloutContext(LocalEngineClient(engine), engine.tokenizer, cfg, seed=3, max_groups=limit)
+        result = asyncio.run(rollout_groups(ctx, prompts, 0, 2, RewardConfig(name="toy_rewards:digits"), counted))
+        assert most == expected
+        assert [len(g.samples) for g in result.groups] == [2] * 7 and all(s.response_ids for g in result.groups for s in g.samples)

@@ -96,6 +96,49 @@ def test_a_colocated_trainer_turn_holds_neither_packed_nor_spare_engine_weights(
         engine.shutdown(1)
 
 
+def test_a_trainer_turn_may_free_the_engine_weights_which_only_a_full_update_brings_back(tiny_model_dir):
+    """``release_memory_occupation(weights=True)`` (a colocated trainer's turn with a full sync): the
+    live weights are freed; an update missing a tensor is refused and changes nothing, a resume before
+    a full update is refused; the full update commits and the engine generates what it did before."""
+    import pytest
+
+    from noria.config import EngineConfig
+    from noria.engine import Engine
+    from noria.engine.protocol import GenerateRequest, SamplingParams
+    from noria.engine.weights import WeightUpdateError
+    from noria.models import load_model
+
+    engine = Engine(load_model(tiny_model_dir, dtype=torch.float32), None, EngineConfig(kv_cache_tokens=256, block_size=4))
+    try:
+        request = GenerateRequest(input_ids=[5, 9, 17, 33], sampling=SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+        expected = engine.generate_batch([request])[0].output_ids
+        state = {n: t.detach().clone() for n, t in engine.model.state_dict().items() if n != "lm_head.weight"}
+        specs = engine.weights.specs()
+        engine.release_memory_occupation(weights=True)
+        assert all(p.numel() == 0 for p in engine.model.parameters())
+        assert engine.weights.specs() == specs  # what an update may name is unchanged
+        with pytest.raises(WeightUpdateError, match="released"):
+            engine.weights.checksums()
+        last = sorted(state)[-1]
+        engine.weights.stage({n: t for n, t in state.items() if n != last}, "partial")
+        with pytest.raises(WeightUpdateError, match=f"every one must come; missing '{last}'"):
+            engine.weights.commit("partial", 1)
+        assert engine.weights.version == 0 and all(p.numel() == 0 for p in engine.model.parameters())
+        with pytest.raises(WeightUpdateError, match="no full update"):
+            engine.resume_memory_occupation()
+        engine.weights.discard()
+        engine.weights.stage(state, "full")
+        engine.weights.commit("full", 1)
+        assert engine.weights.stage_area._spare == {} and engine.weights.specs() == specs
+        engine.resume_memory_occupation()
+        assert engine.generate_batch([request])[0].output_ids == expected
+        engine.release_memory_occupation()  # the KV cache alone: the weights stay
+        assert all(p.numel() > 0 for p in engine.model.parameters())
+        engine.resume_memory_occupation()
+    finally:
+        engine.shutdown(1)
+
+
 def test_onednn_cache_bound_sets_both_caches_unless_the_environment_does(monkeypatch):
     from noria.train.memory import ONEDNN_CACHE_ENV, bound_onednn_cache
 
