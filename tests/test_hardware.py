@@ -164,7 +164,10 @@ def test_a_killed_build_is_rebuilt_not_loaded():
     assert "building the C++ CPU kernels" in killed.stderr.readline()
     import time
 
-    time.sleep(4)  # the compilers are running: each source takes 5 s or more
+    deadline = time.monotonic() + 120  # on a loaded machine torch takes seconds to reach its baton
+    while not (folder / "lock").exists() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(3)  # torch holds its baton: the compilers are running (each source takes 5 s or more)
     # Every process of its session, as closing its terminal does: ninja puts each compiler in a
     # process group of its own, and compilers left running would race the rebuild for the same
     # objects (and for the 2 cores: the rebuild took twice as long beside them).

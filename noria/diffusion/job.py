@@ -56,12 +56,12 @@ class DiffusionJob(LocalJob):
     def load_data(self) -> None:
         from noria.data import PromptSource
         from noria.diffusion.data import condition_prompts
-        from noria.rewards.registry import get_reward
+        from noria.rewards.registry import prepared_reward
 
         cfg = self.config
-        get_reward(self.reward.name)  # a bad import path fails here, before any model loads
+        prepared_reward(self.reward.name, self.reward.kwargs)  # a bad import path fails here, before any model loads
         if cfg.diffusion.eval_reward:
-            get_reward(cfg.diffusion.eval_reward)
+            prepared_reward(cfg.diffusion.eval_reward, cfg.diffusion.eval_reward_kwargs)
         self.tokenizer = None
         train = condition_prompts("train", cfg.data.task_args)
         self.prompt_ids = {p.index: [int(p.label)] for p in train}

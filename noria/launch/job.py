@@ -174,10 +174,10 @@ class LocalJob:
         from noria.train.images import SamplePixels
         from noria.models import load_tokenizer
         from noria.models.catalog import model_path
-        from noria.rewards.registry import get_reward
+        from noria.rewards.registry import prepared_reward
 
         cfg = self.config
-        get_reward(self.reward.name)  # an unknown reward or a bad import path fails here (PluginError)
+        prepared_reward(self.reward.name, self.reward.kwargs)  # an unknown reward or a bad import path fails here (PluginError)
         self.tokenizer = load_tokenizer(model_path(cfg.model.path))
         self.processor = load_processor(model_path(cfg.model.path))  # a vision-language model's: prompts with images
         renderer = self.processor or self.tokenizer

@@ -55,6 +55,17 @@ def get_reward(name: str) -> RewardFn:
     return REWARDS[name]
 
 
+def prepared_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
+    """:func:`get_reward`, then the function's ``prepare(**kwargs)`` where it has one, once, before
+    the run's first call: a reward that builds or loads a model (the digit classifier of
+    ``noria.diffusion.rewards``) does it here rather than inside its first call's ``reward.timeout_s``."""
+    fn = get_reward(name)
+    prepare = getattr(fn, "prepare", None)
+    if callable(prepare):
+        prepare(**(kwargs or {}))
+    return fn
+
+
 def resolve_reward(config: Any) -> Any:
     """The run's ``RewardConfig`` with ``name`` filled in: the configured one, else the task's own."""
     import dataclasses

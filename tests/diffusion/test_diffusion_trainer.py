@@ -67,18 +67,23 @@ def test_flow_matching_sft_on_digits_lowers_the_loss(tmp_path):
 
 @pytest.mark.parametrize("objective", ["flow_grpo", "diffusion_nft"])
 def test_rl_step_raises_the_likelihood_of_better_images(dit, objective):
-    """Two images per class, one with a positive and one with a negative advantage: after an update
-    the positive ones' trajectories are more likely, the negative ones' less (per-step log-probs)."""
-    dcfg = diffusion_config(steps=4, objective=objective)
+    """One image per class, classes 0-4 with a positive advantage and 5-9 with a negative one: after
+    an update the positive ones' trajectories are more likely, the negative ones' less (per-step
+    log-probs). DiffusionNFT has no likelihood in its loss: it moves the trajectories' log-probs
+    only through its forward-process draws, so it gets 32 of them per image (its 4 by default left
+    the positives' sign to the draws), from a fixed seed (the draws come from torch's global RNG,
+    which the tests run before would otherwise set)."""
+    dcfg = diffusion_config(steps=4, objective=objective, nft_timesteps=32)
     trainer = trainer_for(dit, dcfg, **{"optim.lr": 1e-4, "optim.grad_clip": None})
     engine = engine_for(dit)
-    samples = images(engine, dcfg, [c for c in range(5) for _ in range(2)])
+    samples = images(engine, dcfg, list(range(10)))
     engine.shutdown()
     before = trainer.transition_logprobs(samples)
-    advantages = [1.0 if s.index % 2 == 0 else -1.0 for s in samples]
+    advantages = [1.0 if s.prompt_ids[0] < 5 else -1.0 for s in samples]
+    torch.manual_seed(0)
     metrics = trainer.rl_steps(samples, advantages, k=1)
     change = (trainer.transition_logprobs(samples) - before).sum(1)
-    up, down = change[::2], change[1::2]
+    up, down = change[:5], change[5:]
     assert float(up.mean()) > 0 > float(down.mean()), change
     assert metrics[0]["skipped"] == 0.0 and metrics[0]["step"] == 1.0
     if objective == "flow_grpo":  # the engine's and the trainer's log-probs agree exactly (deterministic)

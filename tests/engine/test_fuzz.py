@@ -77,7 +77,7 @@ def test_the_judge_flags_an_undocumented_5xx_and_a_request_without_an_answer(rig
 
 GOOD = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
 ENGINE_500S = [
-    pytest.param("/generate", {"Content-Encoding": "deflate"}, b'{"input_ids": [5]}', "cannot be read", id="bogus-content-encoding"),
+    pytest.param("/generate", {"Content-Encoding": "gzip"}, b'{"input_ids": [5]}', "cannot be read", id="bogus-content-encoding"),
     pytest.param("/generate", {}, b"[" * 5000, "nests too deeply", id="json-nested-5000-deep"),
     pytest.param("/generate", {}, b'{"text": "\\ud800"}', "cannot be tokenized", id="generate-lone-surrogate"),
     pytest.param("/v1/completions", {}, b'{"prompt": ["a", "\\ud800"]}', "cannot be tokenized", id="completions-lone-surrogate"),
@@ -101,6 +101,30 @@ def test_fuzz_regression_engine_answers_400_naming_the_problem_never_500(rig, pa
     r = httpx.post(rig.engine_url + path, content=raw, headers={"Content-Type": "application/json", **headers}, timeout=60)
     assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
     assert httpx.post(rig.engine_url + "/generate", json=GOOD, timeout=60).status_code == 200
+
+
+def test_fuzz_regression_every_deflate_body_is_answered_and_the_connections_go_on_serving(rig):
+    """Found by the fuzzer (one unanswered request in 2,600, then reproduced: 61 of 80 concurrent
+    POSTs of a 2-byte body with ``Content-Encoding: deflate`` never answered, aiohttp's decoder having
+    failed at the body's end). Every one is now answered, 415 from noria serve (or aiohttp's own 400
+    when the body came with the headers), and requests after them on the same client are answered."""
+    import asyncio
+
+    import httpx
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=rig.engine_url, timeout=30) as client:
+            async def one(i: int) -> int:
+                headers = {"Content-Type": "application/json", "Content-Encoding": "deflate" if i % 2 else "identity"}
+                return (await client.post("/discard_weights", content=b"{}", headers=headers)).status_code
+
+            codes = []
+            for start in range(0, 96, 24):
+                codes += await asyncio.gather(*(one(i) for i in range(start, start + 24)))
+            return codes
+
+    codes = asyncio.run(run())  # an unanswered request raises httpx.ReadTimeout here
+    assert set(codes[1::2]) <= {415, 400} and 415 in codes[1::2] and set(codes[::2]) == {200}, codes
 
 
 def test_fuzz_regression_the_engine_never_hosts_a_weight_group_a_client_asks_for(rig):

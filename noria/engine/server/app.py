@@ -52,7 +52,7 @@ from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.server.classify_api import ClassifyApi
 from noria.engine.server.native_api import NativeApi
 from noria.engine.server.openai_api import OpenAIApi
-from noria.engine.server.parsing import INVALID, HttpError, maybe_await
+from noria.engine.server.parsing import INVALID, HttpError, maybe_await, refuse_deflate
 from noria.engine.server.weights_api import WeightApi
 from noria.errors import NoriaError
 
@@ -217,9 +217,12 @@ class EngineServer:
         try:
             self._authenticate(request)
             self._admit(request)
+            refuse_deflate(request)
             response = await handler(request.clone(client_max_size=self._body_limit(request.path)))
         except HttpError as e:
             response = _error_response(e.status, e.message, e.kind)
+            if e.close:
+                response.force_close()
         except (RequestError, NoriaError) as e:  # NoriaError: e.g. a refused weight update
             response = _error_response(400, str(e), INVALID)
         except web.HTTPException as e:  # 404, 405 from routing
