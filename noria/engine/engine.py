@@ -263,10 +263,9 @@ class Engine(AdapterMethods):
             empty = torch.empty(0, dtype=self.dtype, device=self.device)
             self.kv.k_pools = [empty] * len(self.kv.k_pools)
             self.kv.v_pools = [empty] * len(self.kv.v_pools)
-            self.weights.release()
             self._packs_dropped = self._drop_packed_weights()
-            if weights and self.device.type == "cpu" and not getattr(self.runner, "quantized", False) and not self.lora.adapters:
-                self.weights.stage_area.release_live()
+            live = weights and self.device.type == "cpu" and not getattr(self.runner, "quantized", False) and not self.lora.adapters
+            self.weights.release(live=live)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             else:  # the rollout's freed buffers leave the C heap before the trainer's turn
@@ -280,7 +279,7 @@ class Engine(AdapterMethods):
         def resume() -> None:
             if self._kv_shape is None:
                 return
-            if self.weights.stage_area.released:
+            if self.weights.released:
                 raise WeightUpdateError("resume_memory_occupation: the weights were released and no full update has come since")
             self.kv.k_pools, self.kv.v_pools = zeroed_pools(len(self.kv.k_pools), self._kv_shape, self.dtype, self.device)
             self.kv.allocator.reset()  # every block free (released), none written in the new pools

@@ -165,7 +165,8 @@ def zeroed_pools(
     (``torch.zeros`` took 2 s per 5 GB on a 2-core AMD EPYC Zen 4) and no resident memory until its
     blocks are written. The allocator hands out low block ids first and reuses freed ones, so what
     is touched follows what is used; the prefix cache gives back its own written blocks before a fresh
-    one is written once it holds ``engine.prefix_cache_share`` of them (``noria.engine.scheduler``). One mapping of its own, not the C heap: ``numpy.zeros`` (calloc)
+    one is written once it holds ``engine.prefix_cache_share`` of them (``noria.engine.scheduler``).
+    One mapping of its own, not the C heap: ``numpy.zeros`` (calloc)
     of a pool under glibc's mmap threshold (up to 32 MiB a pool, raised by earlier large frees) came
     from the heap and was memset, so the whole cache was resident after each
     ``release_memory_occupation`` / resume (0.75 GB for the main job's 32768 tokens), and freeing it

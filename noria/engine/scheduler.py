@@ -423,9 +423,10 @@ class Scheduler:
         if need <= 0:
             return True
         allocator = self.kv.allocator
-        fresh, over = need - allocator.num_written_free_blocks, self.radix.num_cached_blocks - (self.cache_blocks or 0)
-        if self.cache_blocks is not None and fresh > 0 and over > 0:  # reuse the cache's written blocks first
-            self.radix.evict(min(fresh, over))
+        if self.cache_blocks is not None:  # the cache's written blocks before fresh ones, past its share
+            fresh, over = need - allocator.num_written_free_blocks, self.radix.num_cached_blocks - self.cache_blocks
+            if fresh > 0 and over > 0:
+                self.radix.evict(min(fresh, over))
         if allocator.num_free_blocks < need:
             self.radix.evict(need - allocator.num_free_blocks)
         if allocator.num_free_blocks < need:

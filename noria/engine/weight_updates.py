@@ -204,9 +204,18 @@ class WeightUpdates:
         """Drop a staged, uncommitted update (any if None); True if there was one."""
         return self.stage_area.discard(update_id)
 
-    def release(self) -> None:
-        """Free the staging buffers kept between updates (the engine's memory release calls this)."""
-        self.stage_area.release()
+    def release(self, live: bool = False) -> None:
+        """Free the staging buffers kept between updates (the engine's memory release calls this);
+        ``live``: the live weights too, until a full update commits (``WeightStage.release_live``)."""
+        if live:
+            self.stage_area.release_live()
+        else:
+            self.stage_area.release()
+
+    @property
+    def released(self) -> bool:
+        """The live weights are released and no full update has been committed since."""
+        return bool(self.stage_area.released)
 
     # ------------------------------------------------------------------------------ queries
 

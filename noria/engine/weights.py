@@ -286,18 +286,17 @@ class WeightStage:
             if self.arena is None:
                 self._spare.clear()
 
-    def release_live(self) -> bool:
-        """Free the live weights too, keeping their specs, until an update that stages every parameter
-        commits (the caller runs this between engine steps and serves nothing meanwhile). Not in a
-        shared arena, nor with an update half staged. True if released."""
+    def release_live(self) -> None:
+        """Free the spare buffers and the live weights, keeping their specs, until an update that
+        stages every parameter commits (the caller runs this between engine steps and serves nothing
+        meanwhile). Only the spare buffers in a shared arena or with an update half staged."""
         with self.lock:
-            if self.arena is not None or self._staged:
-                return False
             self.release()
+            if self.arena is not None or self._staged:
+                return
             for canon, param in self._params.items():
                 self.released.setdefault(canon, self._spec(canon))
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            return True
 
     # ------------------------------------------------------------------------------ shared arena
 

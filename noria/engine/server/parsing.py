@@ -39,6 +39,7 @@ async def maybe_await(value: Any) -> Any:
     """``value``, awaited if it is awaitable (engine methods may be plain or async)."""
     return await value if inspect.isawaitable(value) else value
 
+
 def refuse_deflate(request: web.Request) -> None:
     """Refuse a body sent with ``Content-Encoding: deflate`` (415), before anything reads it. aiohttp
     (3.14) decodes it as it arrives and raises at its end when the stream is cut short; when the end
