@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("shipped", "sync", "async", "trl", "vllm", "curriculum", "dynamic")
+SYSTEMS = ("shipped", "sync", "async", "trl", "vllm", "curriculum", "dynamic", "overlong")
 DEFAULT_SYSTEMS = "shipped,sync,async,trl"
 LABELS = {
     "shipped": "Noria, the main job's recipe",
@@ -44,6 +44,7 @@ LABELS = {
     "vllm": "Noria, vLLM engine",
     "curriculum": "Noria, the recipe with difficulty pools",
     "dynamic": "Noria, the recipe with dynamic sampling",
+    "overlong": "Noria, the recipe with overlong shaping",
 }
 MAIN_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-llama"

@@ -13,6 +13,8 @@ evaluation), the process that trains it, and the curve read back from it: one po
     curriculum  shipped with difficulty pools (``data.curriculum``)
     dynamic  shipped with dynamic sampling (``rollout.buffer.filters: [zero_reward_variance]``): a group
              whose rewards are all equal is generated, then dropped untrained
+    overlong shipped with DAPO's soft overlong punishment (``reward.overlong_buffer_tokens``: the last
+             quarter of ``rollout.max_new_tokens``, ``reward.overlong_penalty`` 1)
     trl      TRL's GRPOTrainer (``noria bench rl``'s peer and argument mapping) with an evaluation
              callback
 
@@ -51,7 +53,9 @@ from noria.metrics import read_jsonl
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "grpo_smollm2_arithmetic.yaml"
 """The main job's recipe: the shipped system, and the settings every system shares."""
-NORIA_SYSTEMS = ("shipped", "sync", "async", "vllm", "curriculum", "dynamic")
+NORIA_SYSTEMS = ("shipped", "sync", "async", "vllm", "curriculum", "dynamic", "overlong")
+RECIPE_VARIANTS = ("shipped", "curriculum", "dynamic", "overlong")
+"""The systems that run the recipe itself, with one setting changed (none for ``shipped``)."""
 CURVE_FILE = "curve.jsonl"
 """The TRL worker's evaluations, one JSON line each as it makes them."""
 
@@ -71,7 +75,7 @@ def recipe_settings(recipe: Path) -> dict[str, Any]:
 def system_config(system: str, recipe: Path, folder: Path, s: dict[str, Any], staleness: int = 2) -> dict[str, Any]:
     """The run config of a Noria system (``trl`` reads ``sync``'s) with the shared settings ``s``
     (``recipe_settings`` with the bench's ``steps``, ``eval_every`` and ``eval_limit`` added)."""
-    if system in ("shipped", "curriculum", "dynamic"):
+    if system in RECIPE_VARIANTS:
         config = yaml.safe_load(recipe.read_text())
         config["model"]["path"] = str(folder)
         config["reward"]["name"] = s["reward"]
@@ -82,6 +86,8 @@ def system_config(system: str, recipe: Path, folder: Path, s: dict[str, Any], st
             config["data"]["curriculum"] = {"enabled": True}
         elif system == "dynamic":
             config["rollout"].setdefault("buffer", {})["filters"] = ["zero_reward_variance"]
+        elif system == "overlong":
+            config["reward"].update({"overlong_buffer_tokens": max(1, s["max_new_tokens"] // 4), "overlong_penalty": 1.0})
     else:
         from noria.bench.rl import ENGINE_PEERS
 

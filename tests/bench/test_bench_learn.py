@@ -106,3 +106,20 @@ def test_bench_learn_writes_curves_and_keeps_earlier_systems(tmp_path, tiny_mode
     assert out.with_suffix(".png").stat().st_size > 1000
     with pytest.raises(ValueError, match="other settings.*steps"):
         learn.run(["shipped"], **{**kwargs, "steps": 3})
+
+
+def test_each_recipe_variant_is_the_recipe_with_its_one_setting_and_loads(tmp_path):
+    from noria.config import load_config
+
+    s = {**learn_systems.recipe_settings(learn_systems.RECIPE), "steps": 8, "eval_every": 4, "eval_limit": 20}
+    configs = {v: learn_systems.system_config(v, learn_systems.RECIPE, tmp_path, s) for v in learn_systems.RECIPE_VARIANTS}
+    loaded = {v: load_config(learn_systems.write(c, tmp_path / f"{v}.yaml")) for v, c in configs.items()}
+    shipped = loaded["shipped"]
+    assert shipped.reward.overlong_buffer_tokens == 0 and not shipped.data.curriculum.enabled
+    assert loaded["overlong"].reward.overlong_buffer_tokens == s["max_new_tokens"] // 4 > 0
+    assert loaded["overlong"].reward.overlong_penalty == 1.0
+    assert loaded["curriculum"].data.curriculum.enabled
+    assert loaded["dynamic"].rollout.buffer.filters == ["zero_reward_variance"]
+    for variant, config in configs.items():  # nothing else differs from the shipped run's config
+        changed = {k for k in config if config[k] != configs["shipped"][k]}
+        assert changed <= {"name", {"overlong": "reward", "curriculum": "data", "dynamic": "rollout"}.get(variant)}, (variant, changed)
