@@ -96,3 +96,47 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
+
+
+async def deflate_among_good_codes(url: str, body: bytes, headers: dict[str, str] | None = None, n: int = 96) -> list[int]:
+    """Status codes of ``n`` POSTs of ``body`` to ``url``, 24 at a time on one client, every odd one
+    sent ``Content-Encoding: deflate`` (``noria.net.deflate_body``); an unanswered one raises
+    httpx.ReadTimeout, and a connection left blocked by an unread body stalls the ones after it."""
+    import asyncio
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        async def one(i: int) -> int:
+            sent = {"Content-Type": "application/json", **(headers or {}), "Content-Encoding": "deflate" if i % 2 else "identity"}
+            return (await client.post(url, content=body, headers=sent)).status_code
+
+        codes = []
+        for start in range(0, n, 24):
+            codes += await asyncio.gather(*(one(i) for i in range(start, start + 24)))
+        return codes
+
+
+async def split_deflate_status(url: str, headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> int | None:
+    """The status a server answers a deflate POST whose 2-byte body comes 0.3 s after its headers (the
+    case aiohttp leaves unanswered, ``noria.net.deflate_body``): None if no answer came in ``timeout_s``,
+    0 if the connection was closed without one."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    writer.write((f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                  f"Content-Encoding: deflate\r\nContent-Length: 2\r\n{extra}\r\n").encode())  # fmt: skip
+    try:
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write(b"{}")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    except asyncio.TimeoutError:
+        return None
+    except ConnectionError:
+        return 0
+    finally:
+        writer.close()
+    return int(line.split()[1]) if line else 0

@@ -74,7 +74,9 @@ from aiohttp import web
 
 from noria.agent.chat_format import ChatFormat, TemplateError
 from noria.agent.session_images import message_images
-from noria.agent.session_bounds import BadRequest, SessionCounters, SessionLimits, check_body, error_response, read_body
+from noria.agent.session_bounds import (
+    BadRequest, SessionCounters, SessionLimits, check_body, error_response, read_body, refuse_deflate,
+)  # fmt: skip
 from noria.data.vision_chat import image_data
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from noria.errors import NoriaError
@@ -338,7 +340,7 @@ class SessionServer:
 
     def app(self) -> web.Application:
         """The aiohttp application: every route this server answers (the fuzzer reads them here)."""
-        app = web.Application()
+        app = web.Application(middlewares=[refuse_deflate])
         root = f"/{self.secret}"
         app.router.add_post(root + "/sessions/{sid}/v1/chat/completions", self.chat)
         app.router.add_post(root + "/v1/chat/completions", self.chat)

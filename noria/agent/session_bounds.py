@@ -3,7 +3,8 @@
 What this module owns: ``SessionLimits`` (the three bounds of ``rollout.session_*``),
 ``SessionCounters`` (what a run's session servers counted, logged as the ``session/*`` metrics),
 the check of a chat request body before anything is recorded or sent (``read_body``,
-``check_body``: ``BadRequest`` naming the field, answered 400), and the OpenAI-shaped error body
+``check_body``: ``BadRequest`` naming the field, answered 400; ``refuse_deflate``, the middleware
+that answers a deflate-encoded body 415 unread), and the OpenAI-shaped error body
 every refusal uses (``error_response``: ``param`` names the option behind a bound, ``limit`` its
 value). ``noria.agent.session`` applies them; its docstring says which answer each bound gives.
 
@@ -15,6 +16,7 @@ Not guaranteed: the check covers the types the server itself reads (``messages``
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from noria.errors import NoriaError
+from noria.net import DEFLATE_REFUSED, deflate_body
 
 
 class BadRequest(NoriaError):
@@ -71,6 +74,16 @@ def error_response(status: int, code: str, message: str, param: str | None = Non
     if param is not None:
         error["limit"] = limit
     return web.json_response({"error": error}, status=status)
+
+
+@web.middleware
+async def refuse_deflate(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """A deflate-encoded body is answered 415 unread, and its connection closed (``noria.net.deflate_body`` says why)."""
+    if not deflate_body(request.headers):
+        return await handler(request)
+    response = error_response(415, "unsupported_encoding", DEFLATE_REFUSED)
+    response.force_close()
+    return response
 
 
 async def read_body(request: web.Request) -> Any:

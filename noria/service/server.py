@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from noria.errors import NoriaError
+from noria.net import DEFLATE_REFUSED, deflate_body
 from noria.service.core import Service
 from noria.service.state import NotFound
 from noria.service.step import NonFiniteStep
@@ -53,7 +54,12 @@ def _error(status: int, message: str, headers: dict | None = None) -> web.Respon
 
 @web.middleware
 async def _auth_and_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """The key names the tenant; the primitives' errors become their HTTP answers."""
+    """A deflate body is refused unread (``noria.net.deflate_body``); the key names the tenant; the
+    primitives' errors become their HTTP answers."""
+    if deflate_body(request.headers):
+        refused = _error(415, DEFLATE_REFUSED)
+        refused.force_close()
+        return refused
     if request.path != f"{PREFIX}/healthz":
         service: Service = request.app["service"]
         key = request.headers.get("X-API-Key") or request.headers.get("Authorization", "").removeprefix("Bearer ").strip()

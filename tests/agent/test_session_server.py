@@ -20,6 +20,7 @@ from noria.config import EngineConfig
 from noria.engine.protocol import GenerateOutput, GenerateRequest, SamplingParams
 from noria.router import LocalRouter
 from noria.types import Sample
+from engine_server_util import deflate_among_good_codes, split_deflate_status
 from session_util import Scripted, qwen3_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "arithmetic", "parameters": {"type": "object"}}}]
@@ -461,3 +462,25 @@ def test_fuzz_regression_malformed_chat_bodies_are_400_naming_the_field_never_50
     bad, good = asyncio.run(run())
     assert bad.status_code == 400 and named in bad.json()["error"]["message"], bad.text
     assert good["choices"][0]["message"]["content"] == "fine"
+
+
+def test_every_deflate_body_is_answered_415_unread_and_the_connections_go_on_serving(tmp_path):
+    """aiohttp left 18 of 48 concurrent deflate bodies sent to the session server disconnected without
+    an answer (``noria.net.deflate_body`` says why): a deflate body whose end comes after its headers
+    is answered 415 unread; sent with its headers, aiohttp's own parser answers 400 before any handler;
+    the plain requests beside them on one client are answered, and nothing reaches the engine."""
+    tok = qwen3_tokenizer(tmp_path)
+
+    async def run():
+        engine = Scripted(tok, [])
+        async with SessionServer(engine, tok, SamplingParams(max_new_tokens=8)) as server:
+            server.open("d")
+            url = f"{server.base_url('d')}/chat/completions"
+            split = [await split_deflate_status(url) for _ in range(3)]
+            codes = await deflate_among_good_codes(url, b"{}")
+            return split, codes, engine.requests, server.sessions["d"].ids
+
+    split, codes, sent, recorded = asyncio.run(run())
+    assert split == [415, 415, 415], split
+    assert set(codes[1::2]) <= {415, 400} and set(codes[::2]) == {400}, codes  # {} names no messages: 400, read and refused
+    assert sent == [] and recorded == []

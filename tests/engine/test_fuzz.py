@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from engine_server_util import deflate_among_good_codes, split_deflate_status
 
 from noria.bench import fuzz
 from noria.bench.fuzz_strategies import ROUTER_PATHS, RouteSpec, engine_specs, router_specs, session_specs
@@ -110,20 +111,8 @@ def test_fuzz_regression_every_deflate_body_is_answered_and_the_connections_go_o
     when the body came with the headers), and requests after them on the same client are answered."""
     import asyncio
 
-    import httpx
-
-    async def run() -> list[int]:
-        async with httpx.AsyncClient(base_url=rig.engine_url, timeout=30) as client:
-            async def one(i: int) -> int:
-                headers = {"Content-Type": "application/json", "Content-Encoding": "deflate" if i % 2 else "identity"}
-                return (await client.post("/discard_weights", content=b"{}", headers=headers)).status_code
-
-            codes = []
-            for start in range(0, 96, 24):
-                codes += await asyncio.gather(*(one(i) for i in range(start, start + 24)))
-            return codes
-
-    codes = asyncio.run(run())  # an unanswered request raises httpx.ReadTimeout here
+    assert asyncio.run(split_deflate_status(rig.engine_url + "/discard_weights")) == 415  # its end after the headers
+    codes = asyncio.run(deflate_among_good_codes(rig.engine_url + "/discard_weights", b"{}"))  # an unanswered one times out
     assert set(codes[1::2]) <= {415, 400} and 415 in codes[1::2] and set(codes[::2]) == {200}, codes
 
 

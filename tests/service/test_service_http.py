@@ -174,6 +174,19 @@ def test_another_tenants_adapter_is_not_found_and_keys_are_checked(service):
     assert trainer.get_info()["model_id"] == trainer.model_id
 
 
+def test_every_deflate_body_is_answered_415_unread_and_the_connections_go_on_serving(service):
+    """A deflate body is refused before the key or the body is read (``noria.net.deflate_body``: aiohttp
+    can leave such a request unanswered); the plain requests beside it on one client are answered."""
+    import asyncio
+
+    from engine_server_util import deflate_among_good_codes, split_deflate_status
+
+    url = service["proc"].url + "/api/v1/get_info"
+    assert asyncio.run(split_deflate_status(url, {"X-API-Key": KEYS["bob"]})) == 415  # its end after the headers
+    codes = asyncio.run(deflate_among_good_codes(url, b'{"model_id": "none"}', {"X-API-Key": KEYS["bob"]}))
+    assert set(codes[1::2]) <= {415, 400} and set(codes[::2]) == {404}, codes
+
+
 def test_quotas_are_answered_429_with_retry_after(service):
     carol = client(service, "carol")
     trainer = carol.create_lora_training_client(rank=2)

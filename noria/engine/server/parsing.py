@@ -21,6 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from noria.engine.protocol import RequestError, SamplingParams
 from noria.errors import NoriaError
+from noria.net import DEFLATE_REFUSED, deflate_body
 
 INVALID = "invalid_request"
 
@@ -41,14 +42,10 @@ async def maybe_await(value: Any) -> Any:
 
 
 def refuse_deflate(request: web.Request) -> None:
-    """Refuse a body sent with ``Content-Encoding: deflate`` (415), before anything reads it. aiohttp
-    (3.14) decodes it as it arrives and raises at its end when the stream is cut short; when the end
-    comes in a later packet than the headers, that error reaches neither the handler reading the body
-    nor the client, and the request is never answered (reproduced: 61 of 80 concurrent POSTs of a
-    2-byte body). gzip, which no such end check stops, is still decoded. The connection is closed
-    after the answer: aiohttp would otherwise wait on the unread body before the next request."""
-    if "deflate" in request.headers.get("Content-Encoding", "").lower():
-        raise HttpError(415, "Content-Encoding deflate is not accepted: send the body as it is, or gzip it", INVALID, close=True)
+    """Refuse a body sent with ``Content-Encoding: deflate`` (415, the connection closed after it),
+    before anything reads it: ``noria.net.deflate_body`` says why."""
+    if deflate_body(request.headers):
+        raise HttpError(415, DEFLATE_REFUSED, INVALID, close=True)
 
 
 async def read_json(request: web.Request, required: bool = True) -> dict[str, Any]:
