@@ -31,8 +31,13 @@ class ServiceSection:
     )
     queue_depth: int = option(16, "Default quota: a tenant's calls waiting or running at once; one more is answered 429.")
     batch_tokens: int = option(
-        16384, "forward / forward_backward calls of different tenants waiting at once run as one forward (each row with "
-        "its own adapter) of at most this many tokens; 1 runs every call alone.",
+        16384, "forward / forward_backward calls of different tenants waiting at once run together (each row with its "
+        "own adapter) up to this many tokens in all; 1 runs every call alone.",
+    )
+    micro_batch_tokens: int = option(
+        4096, "Padded tokens (rows x the longest row) through the model at once: calls run together, and one large "
+        "call, go through in micro-batches of at most this many, so a step's activations stay bounded (about 4.7 GB "
+        "for SmolLM2-135M in fp32 at 4096); a row longer than this gets one of its own.",
     )
     max_rank: int = option(64, "Largest LoRA rank a training client may ask for.")
     lora_alpha: float = option(32.0, "LoRA alpha of every adapter (peft scales B @ A by alpha / rank).")
@@ -43,7 +48,7 @@ class ServiceSection:
     seed: int = option(0, "Seed of each adapter's initialisation (with the adapter's own seed added).")
 
     def validate(self) -> None:
-        for key in ("max_adapters", "tokens_per_minute", "queue_depth", "max_rank", "batch_tokens"):
+        for key in ("max_adapters", "tokens_per_minute", "queue_depth", "max_rank", "batch_tokens", "micro_batch_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"service.{key} must be >= 1, got {getattr(self, key)}")
         if self.lora_alpha <= 0:

@@ -121,7 +121,7 @@ class Service:
         return self.scheduler.submit(tenant, key.removesuffix("_input"), None, tokens, batch=payload)
 
     def run_batch(self, payloads: list[tuple]) -> list[step.Outcome]:
-        """forward / forward_backward calls of several tenants as one forward (``step.run_calls``)."""
+        """forward / forward_backward calls of several tenants run together (``step.run_calls``)."""
         outcomes: list[step.Outcome | None] = [None] * len(payloads)
         calls, where = [], []
         for i, (model, data, loss_name, config, backward) in enumerate(payloads):
@@ -130,7 +130,7 @@ class Service:
                 where.append(i)
             except NotFound as e:
                 outcomes[i] = (None, e)
-        for i, outcome in zip(where, step.run_calls(self.lora, calls) if calls else []):
+        for i, outcome in zip(where, step.run_calls(self.lora, calls, self.cfg.micro_batch_tokens) if calls else []):
             outcomes[i] = outcome
         return outcomes
 

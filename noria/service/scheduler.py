@@ -8,8 +8,8 @@ the order they were sent.
 
 Batching: a call submitted with a ``batch`` payload (forward, forward_backward) is taken together
 with the BATCHABLE head calls of the other tenants, in turn order, up to ``batch_tokens`` tokens,
-and all of them run as one ``run_batch(payloads)`` (one forward over every tenant's rows, each with
-its own adapter: ``noria.service.step.run_calls``); each gets its own result or error. A tenant
+and all of them run as one ``run_batch(payloads)`` (every tenant's rows through the model together,
+each with its own adapter, in micro-batches: ``noria.service.step.run_calls``); each gets its own result or error. A tenant
 contributes at most one call to a batch, so its calls still run one after another. Other calls
 (optim_step, save, load, sample, ...) run alone. A call whose work returns a
 ``concurrent.futures.Future`` (sample: the engine generates on its own thread) is finished when

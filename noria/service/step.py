@@ -1,11 +1,13 @@
 """The training primitives on one adapter: forward, forward_backward, optim_step.
 
 ``run_calls`` runs forward and forward_backward calls of several adapters (one call per adapter)
-as ONE padded forward in which each row has its own adapter (``MultiLora.per_row``; right padding,
-so each datum's logprobs are those of a forward of that datum alone, up to float rounding), takes
-each call's named loss on its own rows, and computes the gradients of the adapters' parameters
-with one ``torch.autograd.grad`` over the sum of the finite losses (rows never mix in a causal LM,
-so each adapter's gradient is that of its own loss). Only a FINITE loss with
+together, in padded micro-batches of at most ``service.micro_batch_tokens`` tokens in which each
+row has its own adapter (``MultiLora.per_row``; right padding, so each datum's logprobs are those
+of a forward of that datum alone, up to float rounding), takes each call's named loss on its own
+rows of each micro-batch, and computes the gradients of the adapters' parameters with one
+``torch.autograd.grad`` per micro-batch over the sum of its finite losses (rows never mix in a
+causal LM, so each adapter's gradient is that of its own loss; losses are sums over tokens, so a
+call's loss and gradient are the sums over its micro-batches). Only a FINITE loss with
 FINITE gradients is added to the adapter's ``.grad``; otherwise the call fails with
 ``NonFiniteStep`` and nothing of any adapter changed (no gradient kept, no weight, no optimizer
 state): one tenant's NaN never reaches another's adapter, nor its own. Gradients of several calls
@@ -18,7 +20,7 @@ the tokens up to ``i``), in fp32, as Tinker's ``loss_fn_outputs[i]["logprobs"]``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,53 +79,107 @@ def _inputs(data: list[Datum], device: torch.device) -> dict[str, torch.Tensor]:
 Outcome = tuple[dict | None, BaseException | None]
 
 
-def run_calls(lora: MultiLora, calls: list[Call]) -> list[Outcome]:
-    """Several calls (at most one per adapter) in ONE forward, each row with its own adapter; then
-    one backward of the sum of the finite losses. Each call gets its result or its own error."""
+def micro_batches(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges [lo, hi) whose padded size (rows x the longest row) stays within
+    ``budget`` tokens; a row longer than the budget gets a range of its own."""
+    out, lo, width = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > lo and (i + 1 - lo) * max(width, n) > budget:
+            out.append((lo, i))
+            lo, width = i, 0
+        width = max(width, n)
+    return out + ([(lo, len(lengths))] if lengths else [])
+
+
+@dataclass
+class _Tally:
+    """One call's results so far, over the micro-batches its rows fall in."""
+
+    parts: list[torch.Tensor] = field(default_factory=list)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    grads: list[torch.Tensor] | None = None
+    error: BaseException | None = None
+
+    def add_metrics(self, metrics: dict[str, float], tokens: int) -> None:
+        """Tinker's ``name:sum`` metrics add up over the micro-batches; any other is a token-weighted mean."""
+        for key, value in metrics.items():
+            total, weight = self.metrics.get(key, [0.0, 0.0])
+            self.metrics[key] = [total + value, weight] if key.endswith(":sum") else [total + value * tokens, weight + tokens]
+
+    def merged(self) -> dict[str, float]:
+        return {k: total if k.endswith(":sum") else total / max(weight, 1.0) for k, (total, weight) in self.metrics.items()}
+
+
+def run_calls(lora: MultiLora, calls: list[Call], micro_batch_tokens: int = 4096) -> list[Outcome]:
+    """Several calls (at most one per adapter) through the model together, each row with its own
+    adapter, in micro-batches of at most ``micro_batch_tokens`` padded tokens (a merged batch of a
+    few tenants' calls would otherwise hold every layer's activations of all their tokens at once:
+    four tenants of the cookbook loop on SmolLM2 took 23 GB). Every loss is a sum over tokens, so
+    each call's loss and gradient are the sums of its micro-batches'; its gradient reaches its
+    adapter's ``.grad`` only when the whole is finite. Each call gets its result or its own error."""
+    rows = [(i, j) for i, c in enumerate(calls) for j in range(len(c.data))]
     names = [c.adapter.name if c.adapter else None for c in calls for _ in c.data]
-    with lora.per_row(names), torch.set_grad_enabled(any(c.backward for c in calls)):
-        lp, seq_index, lengths = target_logprobs(lora, [d for c in calls for d in c.data])
-    outcomes: list[Outcome] = []
-    losses: dict[int, torch.Tensor] = {}
-    tok0 = row0 = 0
-    for i, c in enumerate(calls):
-        rows = len(c.data)
-        n = sum(lengths[row0 : row0 + rows])
-        part, seqs = lp[tok0 : tok0 + n], seq_index[tok0 : tok0 + n] - row0
-        try:
-            loss, metrics = get_loss(c.loss_name)[0](part, _inputs(c.data, lp.device), seqs, c.config)
-            if c.backward and not math.isfinite(float(loss.detach())):
-                raise NonFiniteStep(f"forward_backward ({c.loss_name}): the loss is {float(loss.detach())}; nothing was applied to adapter {c.adapter.name}")
-            if c.backward:
-                losses[i] = loss
-            out = {"loss_fn_output_type": c.loss_name, "loss_fn_outputs": _outputs(part, lengths[row0 : row0 + rows]), "metrics": metrics}
-            outcomes.append((out, None))
-        except Exception as e:  # noqa: BLE001 -- this call's failure is its own answer, not the batch's
-            outcomes.append((None, e))
-        tok0, row0 = tok0 + n, row0 + rows
-    if losses:
-        _backward(calls, losses, outcomes)
-    return outcomes
+    tallies = [_Tally() for _ in calls]
+    for lo, hi in micro_batches([len(calls[i].data[j].tokens) for i, j in rows], micro_batch_tokens):
+        live = sorted({i for i, _ in rows[lo:hi] if tallies[i].error is None})
+        with lora.per_row(names[lo:hi]), torch.set_grad_enabled(any(calls[i].backward for i in live)):
+            lp, seq_index, lengths = target_logprobs(lora, [calls[i].data[j] for i, j in rows[lo:hi]])
+        losses: dict[int, torch.Tensor] = {}
+        tok0 = row0 = 0
+        for i in sorted({i for i, _ in rows[lo:hi]}):
+            mine = [j for k, j in rows[lo:hi] if k == i]
+            n = sum(lengths[row0 : row0 + len(mine)])
+            part, seqs = lp[tok0 : tok0 + n], seq_index[tok0 : tok0 + n] - row0
+            tok0, row0 = tok0 + n, row0 + len(mine)
+            if i in live:
+                _score(calls[i], tallies[i], part, seqs, [calls[i].data[j] for j in mine], losses, i)
+        if losses:
+            _accumulate(calls, tallies, losses)
+    return [_outcome(c, t) for c, t in zip(calls, tallies)]
 
 
-def _backward(calls: list[Call], losses: dict[int, torch.Tensor], outcomes: list[Outcome]) -> None:
-    """Gradients of the finite losses; each adapter's is added to its ``.grad`` only if finite."""
+def _score(call: Call, tally: _Tally, part: torch.Tensor, seqs: torch.Tensor, data: list[Datum], losses: dict, i: int) -> None:
+    """The call's loss on its rows of one micro-batch: logprobs and metrics kept, the loss queued for backward."""
+    try:
+        loss, metrics = get_loss(call.loss_name)[0](part, _inputs(data, part.device), seqs, call.config)
+        if call.backward and not math.isfinite(float(loss.detach())):
+            raise NonFiniteStep(f"forward_backward ({call.loss_name}): the loss is {float(loss.detach())}; nothing was applied to adapter {call.adapter.name}")
+        tally.parts.append(part.detach())
+        tally.add_metrics(metrics, part.numel())
+        if call.backward:
+            losses[i] = loss
+    except Exception as e:  # noqa: BLE001 -- this call's failure is its own answer, not the batch's
+        tally.error = e
+
+
+def _accumulate(calls: list[Call], tallies: list[_Tally], losses: dict[int, torch.Tensor]) -> None:
+    """One backward of a micro-batch's finite losses; each call's gradient added to its own tally."""
     params = {i: list(calls[i].adapter.params.values()) for i in losses}
-    flat = [p for i in losses for p in params[i]]
-    grads = iter(torch.autograd.grad(sum(losses.values()), flat, allow_unused=True))
+    grads = iter(torch.autograd.grad(sum(losses.values()), [p for i in losses for p in params[i]], allow_unused=True))
     for i in losses:
-        adapter, mine = calls[i].adapter, [next(grads) for _ in params[i]]
-        mine = [torch.zeros_like(p) if g is None else g for p, g in zip(params[i], mine)]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in mine])))
-        if not math.isfinite(norm):
-            message = f"forward_backward ({calls[i].loss_name}): the gradient norm is {norm}; nothing was applied to adapter {adapter.name}"
-            outcomes[i] = (None, NonFiniteStep(message))
-            continue
-        with torch.no_grad():
-            for p, g in zip(params[i], mine):
-                p.grad = g.clone() if p.grad is None else p.grad + g
-        adapter.grad_calls += 1
-        outcomes[i][0]["metrics"]["grad_norm:mean"] = norm
+        mine = [torch.zeros_like(p) if g is None else g for p, g in zip(params[i], [next(grads) for _ in params[i]])]
+        tallies[i].grads = mine if tallies[i].grads is None else [a + b for a, b in zip(tallies[i].grads, mine)]
+
+
+def _outcome(call: Call, tally: _Tally) -> Outcome:
+    """The call's answer; a forward_backward's whole gradient, if finite, added to its adapter's ``.grad``."""
+    if tally.error is not None:
+        return None, tally.error
+    lp = torch.cat(tally.parts) if tally.parts else torch.zeros(0)
+    out = {"loss_fn_output_type": call.loss_name, "loss_fn_outputs": _outputs(lp, [len(d.tokens) for d in call.data]),
+           "metrics": tally.merged()}  # fmt: skip
+    if not call.backward:
+        return out, None
+    adapter, grads = call.adapter, tally.grads or [torch.zeros_like(p) for p in call.adapter.params.values()]
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+    if not math.isfinite(norm):
+        return None, NonFiniteStep(f"forward_backward ({call.loss_name}): the gradient norm is {norm}; nothing was applied to adapter {adapter.name}")
+    with torch.no_grad():
+        for p, g in zip(adapter.params.values(), grads):
+            p.grad = g.clone() if p.grad is None else p.grad + g
+    adapter.grad_calls += 1
+    out["metrics"]["grad_norm:mean"] = norm
+    return out, None
 
 
 ADAM_KEYS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}

@@ -10,7 +10,7 @@ from noria.config import ServiceSection
 from noria.service.adapters import ATTN, MLP, AdapterSpec, MultiLora
 from noria.service.client import datum
 from noria.service.scheduler import Scheduler
-from noria.service.step import Call, NonFiniteStep, run_calls
+from noria.service.step import Call, NonFiniteStep, micro_batches, run_calls
 from noria.service.tenants import Tenant, load_tenants
 from noria.service.wire import read_data
 
@@ -60,6 +60,32 @@ def test_a_mixed_batch_gives_each_adapter_what_it_gets_alone(lora):
     # the adapters differ, so a row's logprobs are its own adapter's
     [(base_b, _)] = run_calls(lora, [Call(a, DATA_B, "cross_entropy", {}, False)])
     assert base_b["loss_fn_outputs"][0]["logprobs"]["data"] != alone["b"][0]["loss_fn_outputs"][0]["logprobs"]["data"]
+
+
+def test_micro_batches_give_each_call_the_loss_gradient_and_logprobs_of_one_forward(lora):
+    """Calls run in micro-batches of a few tokens (a call cut between them included) get what one
+    forward of everything gives: a loss's sum and its gradient add up over micro-batches."""
+    assert micro_batches([4, 2, 7], 8) == [(0, 2), (2, 3)]  # 2 rows x 4; then 7 alone
+    assert micro_batches([9, 3, 3], 8) == [(0, 1), (1, 3)] and micro_batches([], 8) == []
+    a, b = lora.adapters["a"], lora.adapters["b"]
+    ppo = read_data([datum([5, 6, 7], [6, 7, 8], logprobs=[-2.0, -2.5, -3.0], advantages=[1.0] * 3),
+                     datum([8, 9, 10, 11], [9, 10, 11, 12], logprobs=[-2.2] * 4, advantages=[-0.5] * 4)],
+                    512, ("logprobs", "advantages"))  # fmt: skip
+
+    def both(budget: int):
+        out = run_calls(lora, [Call(a, ppo, "ppo", {}, True), Call(b, DATA_A, "cross_entropy", {}, True)], budget)
+        return [(o, grads(adapter)) for (o, err), adapter in zip(out, (a, b)) if err is None]
+
+    whole, split = both(10_000), both(4)  # 4: every row in a micro-batch of its own
+    assert len(whole) == len(split) == 2
+    for (want, want_grads), (got, got_grads) in zip(whole, split):
+        for got_row, want_row in zip(got["loss_fn_outputs"], want["loss_fn_outputs"], strict=True):
+            torch.testing.assert_close(torch.tensor(got_row["logprobs"]["data"]), torch.tensor(want_row["logprobs"]["data"]), atol=1e-5, rtol=0)
+        assert got["metrics"].keys() == want["metrics"].keys()
+        for key in want["metrics"]:
+            assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-4, abs=1e-6), key
+        for n in want_grads:
+            torch.testing.assert_close(got_grads[n], want_grads[n], atol=1e-5, rtol=1e-4)
 
 
 def test_a_nonfinite_loss_in_a_mixed_batch_leaves_the_other_adapters_gradient(lora):
