@@ -110,7 +110,7 @@ class _Tally:
         return {k: total if k.endswith(":sum") else total / max(weight, 1.0) for k, (total, weight) in self.metrics.items()}
 
 
-def run_calls(lora: MultiLora, calls: list[Call], micro_batch_tokens: int = 4096) -> list[Outcome]:
+def run_calls(lora: MultiLora, calls: list[Call], micro_batch_tokens: int = 2048) -> list[Outcome]:
     """Several calls (at most one per adapter) through the model together, each row with its own
     adapter, in micro-batches of at most ``micro_batch_tokens`` padded tokens (a merged batch of a
     few tenants' calls would otherwise hold every layer's activations of all their tokens at once:
