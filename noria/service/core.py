@@ -19,6 +19,7 @@ from pathlib import Path
 
 from noria.config import ServiceSection
 from noria.errors import NoriaError
+from noria.process.usage import release_free_memory
 from noria.service import state, step
 from noria.service.adapters import AdapterSpec, MultiLora, target_modules
 from noria.service.scheduler import Scheduler
@@ -121,7 +122,9 @@ class Service:
         return self.scheduler.submit(tenant, key.removesuffix("_input"), None, tokens, batch=payload)
 
     def run_batch(self, payloads: list[tuple]) -> list[step.Outcome]:
-        """forward / forward_backward calls of several tenants run together (``step.run_calls``)."""
+        """forward / forward_backward calls of several tenants run together (``step.run_calls``); the
+        C heap's free pages go back to the kernel after them (``release_free_memory``), as after a
+        trainer's step: the activations of a batch are gigabytes that the next call may not need."""
         outcomes: list[step.Outcome | None] = [None] * len(payloads)
         calls, where = [], []
         for i, (model, data, loss_name, config, backward) in enumerate(payloads):
@@ -132,6 +135,7 @@ class Service:
                 outcomes[i] = (None, e)
         for i, outcome in zip(where, step.run_calls(self.lora, calls, self.cfg.micro_batch_tokens) if calls else []):
             outcomes[i] = outcome
+        release_free_memory()
         return outcomes
 
     def optim_step(self, tenant: Tenant, body: dict) -> str:
