@@ -19,6 +19,7 @@ the tokens up to ``i``), in fp32, as Tinker's ``loss_fn_outputs[i]["logprobs"]``
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -121,18 +122,18 @@ def run_calls(lora: MultiLora, calls: list[Call], micro_batch_tokens: int = 2048
     names = [c.adapter.name if c.adapter else None for c in calls for _ in c.data]
     tallies = [_Tally() for _ in calls]
     for lo, hi in micro_batches([len(calls[i].data[j].tokens) for i, j in rows], micro_batch_tokens):
-        live = sorted({i for i, _ in rows[lo:hi] if tallies[i].error is None})
-        with lora.per_row(names[lo:hi]), torch.set_grad_enabled(any(calls[i].backward for i in live)):
+        backward = any(calls[i].backward and tallies[i].error is None for i, _ in rows[lo:hi])
+        with lora.per_row(names[lo:hi]), torch.set_grad_enabled(backward):
             lp, seq_index, lengths = target_logprobs(lora, [calls[i].data[j] for i, j in rows[lo:hi]])
         losses: dict[int, torch.Tensor] = {}
         tok0 = row0 = 0
-        for i in sorted({i for i, _ in rows[lo:hi]}):
-            mine = [j for k, j in rows[lo:hi] if k == i]
+        for i, group in itertools.groupby(rows[lo:hi], key=lambda row: row[0]):  # rows come call by call
+            mine = [calls[i].data[j] for _, j in group]
             n = sum(lengths[row0 : row0 + len(mine)])
             part, seqs = lp[tok0 : tok0 + n], seq_index[tok0 : tok0 + n] - row0
             tok0, row0 = tok0 + n, row0 + len(mine)
-            if i in live:
-                _score(calls[i], tallies[i], part, seqs, [calls[i].data[j] for j in mine], losses, i)
+            if tallies[i].error is None:
+                _score(calls[i], tallies[i], part, seqs, mine, losses, i)
         if losses:
             _accumulate(calls, tallies, losses)
     return [_outcome(c, t) for c, t in zip(calls, tallies)]
