@@ -175,28 +175,28 @@ def sample_cases(folder: Path, name: str, device: str, dtype: str, trajectories:
                  repeats: int, noise_level: float, **_: Any) -> list[dict]:
     """The ode and sde cases of each batch (see the module docstring); ``trajectories`` receives the
     SDE outputs of the largest batch."""
-    from noria.diffusion.model import load_dit
-
-    model = load_dit(folder, getattr(torch, dtype), device)
-    bound = _sampling_bound(model, steps) if device.startswith("cuda") else None
+    bound = None
     out = []
     for batch in batches:
-        seconds = _sample_batch(folder, model, device, dtype, batch, steps, repeats, noise_level,
-                                trajectories if batch == max(batches) else [])  # fmt: skip
+        seconds, model = _sample_batch(folder, device, dtype, batch, steps, repeats, noise_level,
+                                       trajectories if batch == max(batches) else [])  # fmt: skip
+        if bound is None and device.startswith("cuda"):
+            bound = _sampling_bound(model, steps)
         for mode in ("ode", f"sde a={noise_level} logprobs"):
             case = {"case": f"{name} sample {mode} batch={batch} steps={steps}", "metric": "images_per_s",
                     "noria": batch / seconds[mode.split()[0]], "peers": {"diffusers_pipeline": batch / seconds["pipeline"]}}  # fmt: skip
             if bound is not None:
                 case["bound"] = bound
             out.append(case)
-    del model
     _free(device)
     return out
 
 
-def _sample_batch(folder: Path, model: Any, device: str, dtype: str, batch: int, steps: int, repeats: int,
-                  noise_level: float, trajectories: list) -> dict[str, float]:
-    """Seconds of the engine's ODE and SDE runs and of the diffusers loop at one batch size."""
+def _sample_batch(folder: Path, device: str, dtype: str, batch: int, steps: int, repeats: int,
+                  noise_level: float, trajectories: list) -> tuple[dict[str, float], Any]:
+    """Seconds of the engine's ODE and SDE runs and of the diffusers loop at one batch size, and the
+    model. The diffusers loop runs the engine's own module: one copy of the weights, so the sides
+    differ in their loops alone."""
     from noria.config import EngineConfig
     from noria.diffusion.engine import DiffusionEngine
 
@@ -205,8 +205,8 @@ def _sample_batch(folder: Path, model: Any, device: str, dtype: str, batch: int,
         return _best({
             "ode": lambda: _engine_images(engine, batch, steps, 0.0),
             "sde": lambda: trajectories.__setitem__(slice(None), _engine_images(engine, batch, steps, noise_level)),
-            "pipeline": lambda: pipeline_images(model, batch, steps, device),
-        }, repeats)  # fmt: skip
+            "pipeline": lambda: pipeline_images(engine.model, batch, steps, device),
+        }, repeats), engine.model  # fmt: skip
     finally:
         engine.shutdown()
 

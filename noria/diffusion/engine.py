@@ -64,6 +64,7 @@ from noria.diffusion.model import cast, latent_shape, load_dit, num_classes, set
 from noria.diffusion.protocol import ImageOutput, ImageRequest
 from noria.engine.thread import EngineThread, check_pause_mode, generate
 from noria.engine.weight_updates import WeightUpdates
+from noria.process.usage import pad_heap_top
 
 
 @dataclass(eq=False)  # compared by identity (the engine's lists hold each image once)
@@ -122,9 +123,12 @@ class _Batch:
     @classmethod
     def of(cls, images: list[_Image], device: torch.device) -> _Batch:
         longest = max(len(i.sigmas) for i in images)
-        schedule = torch.zeros(len(images), longest, device=device)
-        for row, image in enumerate(images):
-            schedule[row, : len(image.sigmas)] = image.sigmas
+        if all(len(i.sigmas) == longest for i in images):  # the common case: one stack, not a write per row
+            schedule = torch.stack([i.sigmas for i in images])
+        else:
+            schedule = torch.zeros(len(images), longest, device=device)
+            for row, image in enumerate(images):
+                schedule[row, : len(image.sigmas)] = image.sigmas
         levels = [float(i.req.noise_level) for i in images]
         x = torch.stack([i.latents[-1][-1] for i in images])
         stochastic = [row for row, level in enumerate(levels) if level > 0]
@@ -174,6 +178,8 @@ class DiffusionEngine:
         self.model = set_exact_numerics(model.eval()) if deterministic else model.eval()
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
+        if self.device.type == "cpu":
+            pad_heap_top()  # many small forwards: keep the freed activations' pages (noria.process.usage)
         self.max_batch, self.deterministic = max_batch, deterministic
         self.num_classes = num_classes(model)
         self.shape = latent_shape(model)
@@ -210,21 +216,24 @@ class DiffusionEngine:
 
     def submit(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> str:
         """Queue a request; ``callback`` (on the engine thread) gets its output. Returns the request id."""
-        image = self._image(req, callback)
+        image = self._images([req], [callback])[0]
         self._thread.post(lambda: self._waiting.append(image))
         return image.req.rid
 
     def submit_many(self, requests: list[ImageRequest], callbacks: list[Callable[[ImageOutput], None]]) -> list[str]:
         """``submit`` of several requests in one command: they join the batch at the same step (one
         by one, the engine may start a step with the first few and run the rest one step behind)."""
-        images = [self._image(req, callback) for req, callback in zip(requests, callbacks, strict=True)]
+        images = self._images(requests, callbacks)
         self._thread.post(lambda: self._waiting.extend(images))
         return [image.req.rid for image in images]
 
-    def _image(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> _Image:
+    def _images(self, requests: list[ImageRequest], callbacks: list[Callable[[ImageOutput], None]]) -> list[_Image]:
         self._thread.check_accepting()
         if self.device.type == "cpu" and threading.get_ident() != self._loop_thread:
-            openmp.release_workers()  # this thread waits for the image: its OpenMP team would throttle ours
+            openmp.release_workers()  # this thread waits for the images: its OpenMP team would throttle ours
+        return [self._image(req, callback) for req, callback in zip(requests, callbacks, strict=True)]
+
+    def _image(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> _Image:
         req.validate(self.num_classes)
         if not req.rid:
             req = replace(req, rid=uuid.uuid4().hex)

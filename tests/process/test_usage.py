@@ -61,3 +61,32 @@ def test_free_heap_pages_go_back_to_the_kernel():
     after = rss_bytes([os.getpid()])
     libc.free(keep)
     assert before - after > 50 << 20, (before >> 20, after >> 20)
+
+
+
+_FORWARDS = """
+import resource, sys, torch
+from noria.process.usage import pad_heap_top
+if sys.argv[1] == "pad":
+    assert pad_heap_top()
+x, w1, w2 = torch.randn(1024, 128), torch.randn(128, 512), torch.randn(512, 128)
+def forwards():
+    for _ in range(10):
+        y = torch.nn.functional.gelu(x @ w1) @ w2 + x
+forwards()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    forwards()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+"""
+
+
+@pytest.mark.skipif(not ctypes.util.find_library("c"), reason="needs the C library")
+def test_a_padded_heap_stops_refaulting_the_activations_of_small_forwards():
+    """200 small MLP forwards (2 MB activations, one thread): with glibc's defaults the heap's top
+    goes back to the kernel after each and comes back as fresh zeroed pages (about 33,000 page faults
+    on an EPYC); with ``pad_heap_top`` the pages stay (about 0)."""
+    run = [sys.executable, "-c", _FORWARDS]
+    faults = {mode: int(subprocess.run([*run, mode], capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout)
+              for mode in ("default", "pad")}  # fmt: skip
+    assert faults["default"] > 5000 and faults["pad"] < faults["default"] / 20, faults
