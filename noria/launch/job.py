@@ -26,21 +26,21 @@ What it owns: turning a ``RunConfig`` into running parts, and the parts' per-ste
   scheduler reads it through a callable, the buffer gets it per take, checkpoints store it once.
   The training step is ``noria.train.rl_step`` (every launcher runs the same one).
 
-Weight updates: a disaggregated engine is paused around each push (``rollout.pause_mode``: retract
-or in place); a colocated one is already paused, its KV memory released, for the trainer's turn.
-The ``broadcast`` transport's group (``sync.broadcast_backend: auto``) is NCCL when the trainer is
-on a GPU and the engine on another one, gloo otherwise (both on one GPU: NCCL refuses two ranks
-on one device, so the CUDA weights go through host memory).
+Weight updates: a disaggregated engine is paused around each push (``rollout.pause_mode``: retract or in place);
+a colocated one is already paused, its KV memory released, for the trainer's turn. The ``broadcast`` transport's
+group (``sync.broadcast_backend: auto``) is NCCL when the trainer is on a GPU and the engine on another one,
+gloo otherwise (both on one GPU: NCCL refuses two ranks on one device, so the CUDA weights go through host
+memory).
 
-Child processes (``noria.process.Child``, through ``noria.engine.child``) get this process's
-environment with NVLink multicast off; the ``noria serve`` child is started with a per-run API key
-(in its environment, never on its command line) that every request and weight push carries, and
-dies with this process; a group generated with a weight version this run never pushed stops
-the run (``check_served_versions``). A run that can train nothing stops with an error naming why
-(``rollout.buffer.max_consecutive_drops``, ``DropStreak``).
+Child processes (``noria.process.Child``, through ``noria.engine.child``) get this process's environment with
+NVLink multicast off; the ``noria serve`` child is started with a per-run API key (in its environment, never on
+its command line) that every request and weight push carries, and dies with this process; a group generated with
+a weight version this run never pushed stops the run (``check_served_versions``). A run that can train nothing
+stops with an error naming why (``rollout.buffer.max_consecutive_drops``, ``DropStreak``).
 
-Order of checks: the config is validated when loaded; prompts, reward and run folder are checked
-here before any model loads, so a bad input costs seconds, not a model load.
+Order of checks: the config is validated when loaded; prompts, reward and run folder are checked here before any
+model loads, so a bad input costs seconds, not a model load. A build that fails closes what it had started
+(engines, trainer ranks, Ray placement groups) before it raises.
 
 Resume (``--resume RUN_DIR``, ``noria.launch.continuation.restore_rl``): the last committed checkpoint (a
 finished run leaves one: ``train.save_final_state``) restores weights, AdamW, RNG, the data cursor, the groups
@@ -50,9 +50,8 @@ groups and the weight version; the engine, started from the base model, receives
 under that version before the first rollout, and what was recorded after the checkpoint is moved to
 ``superseded/`` so the resumed run repeats exactly the same steps.
 
-Not guaranteed: a colocated engine shares this process's CPU threads with the
-trainer (they never run at the same time in synchronous RL).
-"""
+Not guaranteed: a colocated engine shares this process's CPU threads with the trainer (they never run at the
+same time in synchronous RL)."""
 
 from __future__ import annotations
 
@@ -108,9 +107,14 @@ class LocalJob:
         folder = resolve_run_dir(config, run_dir, resume)
         check_run_folder(folder, config, resume is not None)
         job = cls(config, folder, progress)
-        with phase("reading the prompts and the tokenizer"):
-            job.load_data()  # prompts and reward are checked before any model loads
-        job.start_parts(resume is not None)
+        try:
+            with phase("reading the prompts and the tokenizer"):
+                job.load_data()  # prompts and reward are checked before any model loads
+            job.start_parts(resume is not None)
+        except BaseException:
+            with contextlib.suppress(Exception):  # what started before the failure: engines, ranks, Ray pools
+                job.close()
+            raise
         return job
 
     @staticmethod
@@ -170,6 +174,7 @@ class LocalJob:
     def load_data(self) -> None:
         from noria.data import PromptSource, drop_long, load_prompts, render_prompts
         from noria.data.chat import check_fit
+        from noria.data.curriculum import Curriculum
         from noria.data.vision_chat import load_processor
         from noria.train.images import SamplePixels
         from noria.models import load_tokenizer
@@ -192,8 +197,6 @@ class LocalJob:
         self.image_refs = [ref for r in kept for ref in r.images]  # its prompts' images (test prompts' added below)
         self.source = PromptSource.from_config([r.prompt for r in kept], cfg.data)
         if cfg.data.curriculum.enabled:  # difficulty pools over the same cursor (noria.data.curriculum)
-            from noria.data.curriculum import Curriculum
-
             self.source = Curriculum.from_config(self.source, [r.prompt for r in kept], cfg.data)
         self.dropped_prompts = dropped
         self.test_prompts: list[tuple[Prompt, list[int]]] = []
@@ -272,20 +275,17 @@ class LocalJob:
 
     def start_engine(self, path: Path) -> tuple[Any, Any]:
         """(the client rollout uses, the target weight sync pushes to)."""
+        from noria.engine import in_process_engine, serves_natively
+        from noria.launch.external import start_vllm_engine
+        from noria.sync.targets import HttpEngine
+
         cfg = self.config
         timeout = cfg.rollout.engine_timeout_s
         if cfg.rollout.placement == "colocated":
-            from noria.engine import in_process_engine
-
             m = cfg.model
             self.local_engine = in_process_engine(path, cfg.engine, m.impl, m.dtype, m.device, cfg.seed)
             return LocalEngineClient(self.local_engine, timeout, folder=path), self.local_engine
-        from noria.engine import serves_natively
-        from noria.sync.targets import HttpEngine
-
         if cfg.rollout.engine == "vllm":  # a vLLM OpenAI server (noria.launch.external)
-            from noria.launch.external import start_vllm_engine
-
             self.engine_process, client, target = start_vllm_engine(path, cfg, self.folder)
             self.children += [self.engine_process] if self.engine_process is not None else []
             return client, target

@@ -198,6 +198,9 @@ class RayJob(ScaledJob):
         try:
             ray.get(group.ready(), timeout=self.config.ray.ready_timeout_s)
         except ray.exceptions.GetTimeoutError as e:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(group)  # left pending, it would take the resources whenever they free up
             raise NoriaError(
                 f"the {what} pool ({n} x {resources}, {strategy}) was not placed within ray.ready_timeout_s="
                 f"{self.config.ray.ready_timeout_s:g} s: the cluster lacks those resources ({ray.available_resources()})"

@@ -26,6 +26,7 @@ inside_only = pytest.mark.skipif(not INSIDE, reason="runs inside its own network
 
 
 @pytest.mark.router
+@pytest.mark.alone  # Ray's placements and actor starts are timed (ray.ready_timeout_s): beside two busy workers one took over 120 s
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(INSIDE, reason="already inside the namespace")
 def test_ray_tests_run_in_their_own_network_namespace():
@@ -111,3 +112,22 @@ def test_an_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(cluster,
         job.ranks.call("push", job.fleet.targets(), job.weight_version, True)
     finally:
         job.close()
+
+
+@pytest.mark.ray
+@inside_only
+def test_a_job_whose_trainer_pool_cannot_be_placed_gives_back_its_engine_pool(cluster, tiny_model_dir, tmp_path):
+    """The engine pool fits, the trainer pool asks for more CPUs than the cluster has: the build stops
+    naming that pool, and no placement group is left holding the cluster's CPUs (a pool left behind
+    made every later job in the same driver wait for resources that never came)."""
+    import ray
+
+    from noria.errors import NoriaError
+    from noria.launch.ray import RayJob
+
+    config = load_config(None, ray_args(tiny_model_dir, cluster.address, **{"ray.trainer_resources": "{CPU: 8}", "ray.ready_timeout_s": 5}))
+    with pytest.raises(NoriaError, match="the trainer pool .* was not placed within ray.ready_timeout_s=5 s"):
+        RayJob.build(config, str(tmp_path / "run"), None, False)
+    groups = ray.util.placement_group_table().values()
+    assert any(g["name"].startswith("noria-engine-") for g in groups)  # the engine pool was placed first
+    assert [g["name"] for g in groups if g["state"] != "REMOVED"] == []
