@@ -9,8 +9,8 @@ VENV="${NORIA_VENV:-.venv}"
 "$VENV/bin/python" -c "from noria.engine.vllm_server import vllm_python_path; vllm_python_path()"
 # One test worker more than the cores, at most 4 (pytest-xdist: a test file per worker, the longest files
 # first; tests/conftest.py says how tests marked `alone` get the machine to themselves): most tests wait on
-# the processes they start, so a third worker on 2 cores keeps them busy (a 2-core EPYC Zen 3: 181% CPU,
-# 1,203 s against 1,282 s with two workers). NORIA_TEST_WORKERS=1: one process, the files in their own order.
+# the processes they start, so a third worker on 2 cores keeps them busy. NORIA_TEST_WORKERS=1: one
+# process, the files in their own order.
 cores=$(nproc)
 workers=${NORIA_TEST_WORKERS:-$(( cores + 1 < 4 ? cores + 1 : 4 ))}
 parallel=()

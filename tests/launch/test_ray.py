@@ -34,7 +34,9 @@ def test_ray_tests_run_in_their_own_network_namespace():
     if os.geteuid() != 0:
         pytest.skip("unshare -n needs root")
     inner = f"ip link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider -m ray {Path(__file__).name}"
-    env = {**os.environ, "NORIA_NETNS": "1", "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"}
+    # The inner pytest is no worker of this run: it must not wait for this run's room (tests/conftest.py).
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != "NORIA_TEST_ROOM"}
+    env = {**outer, "NORIA_NETNS": "1", "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(["unshare", "-n", "sh", "-c", inner], cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=880)
     print(done.stdout[-6000:], done.stderr[-3000:])
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
