@@ -122,13 +122,7 @@ class _Batch:
 
     @classmethod
     def of(cls, images: list[_Image], device: torch.device) -> _Batch:
-        longest = max(len(i.sigmas) for i in images)
-        if all(len(i.sigmas) == longest for i in images):  # the common case: one stack, not a write per row
-            schedule = torch.stack([i.sigmas for i in images])
-        else:
-            schedule = torch.zeros(len(images), longest, device=device)
-            for row, image in enumerate(images):
-                schedule[row, : len(image.sigmas)] = image.sigmas
+        schedule = torch.nn.utils.rnn.pad_sequence([i.sigmas for i in images], batch_first=True)  # shorter rows: 0
         levels = [float(i.req.noise_level) for i in images]
         x = torch.stack([i.latents[-1][-1] for i in images])
         stochastic = [row for row, level in enumerate(levels) if level > 0]

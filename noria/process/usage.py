@@ -83,7 +83,7 @@ HEAP_TOP_PAD = 64 << 20
 
 
 def _libc() -> object:
-    """glibc through ctypes, or False where the C library has no ``malloc_trim`` (musl, macOS)."""
+    """glibc through ctypes, or False where the C library lacks ``malloc_trim`` or ``mallopt`` (musl, macOS)."""
     global _LIBC
     if _LIBC is None:
         import ctypes
@@ -123,7 +123,7 @@ def pad_heap_top() -> bool:
     the digits DiT, 10 steps) a batch of 64 images took 364 ms (median of 25) with glibc's defaults
     and 231 ms with this pad; batch 8, 104 and 72 ms; and the spread from one call to the next
     (225 to 455 ms) shrank to 214-251 ms. The text engine and trainer measured no change (the main
-    job's five steps: 159 s either way), so only the CPU diffusion engine and trainer set it. The
+    job's five steps: 159 s either way), so only the CPU diffusion engine sets it. The
     cost is at most the pad per heap of resident memory; ``release_free_memory`` still trims it.
     Returns whether glibc took the setting.
     """
