@@ -96,18 +96,18 @@ class _Batch:
     images: list[_Image]
     x: torch.Tensor
     """[B, C, H, W] float32: each image's latest latent."""
+    start: torch.Tensor
+    """[B, C, H, W]: each image's latent when the batch was stacked."""
     labels: torch.Tensor
     """[B] class labels."""
     level: torch.Tensor
     """[B] SDE noise levels (0: the ODE)."""
-    schedule: torch.Tensor
-    """[B, L] each image's noise levels (``L`` = the longest schedule; shorter rows padded with 0)."""
-    sigma_max: torch.Tensor
-    """[B] each schedule's second level (the SDE's stand-in for s = 1)."""
-    position: torch.Tensor
-    """[B] (long) each image's step."""
-    rows: torch.Tensor
-    """[B] (long) 0 .. B-1."""
+    sigmas: list[torch.Tensor]
+    """Per step of the batch, each image's noise level [B] at that step."""
+    moves: list[sde.Transition] | list[torch.Tensor]
+    """Per step of the batch: its :class:`~noria.diffusion.sde.Transition` (columns [B, 1, 1, 1]) when
+    an image samples the SDE, else its ``dt`` column (the ODE step). Computed for all the batch's
+    steps at once when it is stacked: a step then runs the tensor ops of a plain loop's step."""
     noise_buffer: torch.Tensor | None
     """[B, C, H, W]: each step's noise, drawn in place (zero in ODE rows); None when all rows are ODE
     or the noise is drawn ahead (``ahead``)."""
@@ -122,18 +122,30 @@ class _Batch:
 
     @classmethod
     def of(cls, images: list[_Image], device: torch.device) -> _Batch:
-        schedule = torch.nn.utils.rnn.pad_sequence([i.sigmas for i in images], batch_first=True)  # shorter rows: 0
         levels = [float(i.req.noise_level) for i in images]
         x = torch.stack([i.latents[-1][-1] for i in images])
         stochastic = [row for row, level in enumerate(levels) if level > 0]
         until = min(i.req.steps - i.step for i in images)
+        # each image's levels for the batch's steps, [B, until + 1], and its schedule's stand-in for s = 1
+        first = images[0]
+        if all(i.sigmas is first.sigmas and i.step == first.step for i in images):  # one schedule, as generate_batch
+            sigmas = first.sigmas[first.step : first.step + until + 1].expand(len(images), -1)
+            sigma_max = first.sigmas[1].expand(len(images))
+        else:
+            sigmas = torch.stack([i.sigmas[i.step : i.step + until + 1] for i in images])
+            sigma_max = torch.stack([i.sigmas[1] for i in images])
+        level = torch.tensor(levels, device=device)
+        if stochastic:
+            steps = sde.transition(sigmas[:, :-1], sigmas[:, 1:], sigma_max[:, None].expand(-1, until),
+                                   level[:, None].expand(-1, until), latent_dims=x.dim() - 1)  # fmt: skip
+            moves = [sde.Transition(*fields) for fields in zip(*(f.unbind(1) for f in steps))]
+        else:
+            moves = (sigmas[:, 1:] - sigmas[:, :-1]).reshape(len(images), until, *([1] * (x.dim() - 1))).unbind(1)
         ahead = _draw_ahead(images, stochastic, x, until)
         buffer = torch.zeros_like(x) if stochastic and ahead is None else None
         return cls(
-            images=images, x=x,
-            labels=torch.tensor([i.req.label for i in images], device=device), level=torch.tensor(levels, device=device),
-            schedule=schedule, sigma_max=schedule[:, 1].clone(),
-            position=torch.tensor([i.step for i in images], device=device), rows=torch.arange(len(images), device=device),
+            images=images, x=x, start=x, labels=torch.tensor([i.req.label for i in images], device=device), level=level,
+            sigmas=list(sigmas[:, :-1].unbind(1)), moves=list(moves),
             noise_buffer=buffer, draws=[(buffer[row], images[row]) for row in stochastic] if buffer is not None else [],
             until=until, ahead=ahead,
         )  # fmt: skip
@@ -155,11 +167,11 @@ class _Batch:
     def keep_unused_noise(self) -> None:
         """Noise drawn ahead for steps this batch did not run goes back to its images (it ended early:
         an image joined or left), so their next steps use it rather than draw past it."""
-        if self.ahead is None:
-            return
         ran = len(self.steps)
+        if self.ahead is None or ran == self.until:
+            return
         for row, image in enumerate(self.images):
-            if self.level[row] > 0 and ran < self.until:
+            if self.level[row] > 0:
                 unused = self.ahead[row, ran:]
                 image.noise = unused.clone() if image.noise is None else torch.cat([unused, image.noise])
 
@@ -212,6 +224,7 @@ class DiffusionEngine:
         """Queue a request; ``callback`` (on the engine thread) gets its output. Returns the request id."""
         image = self._images([req], [callback])[0]
         self._thread.post(lambda: self._waiting.append(image))
+        self._give_back_workers()
         return image.req.rid
 
     def submit_many(self, requests: list[ImageRequest], callbacks: list[Callable[[ImageOutput], None]]) -> list[str]:
@@ -219,13 +232,18 @@ class DiffusionEngine:
         by one, the engine may start a step with the first few and run the rest one step behind)."""
         images = self._images(requests, callbacks)
         self._thread.post(lambda: self._waiting.extend(images))
+        self._give_back_workers()
         return [image.req.rid for image in images]
 
     def _images(self, requests: list[ImageRequest], callbacks: list[Callable[[ImageOutput], None]]) -> list[_Image]:
         self._thread.check_accepting()
-        if self.device.type == "cpu" and threading.get_ident() != self._loop_thread:
-            openmp.release_workers()  # this thread waits for the images: its OpenMP team would throttle ours
         return [self._image(req, callback) for req, callback in zip(requests, callbacks, strict=True)]
+
+    def _give_back_workers(self) -> None:
+        """A caller waits for its images: its OpenMP team would throttle ours, so it gives it back (after
+        posting them: the engine starts on them meanwhile)."""
+        if self.device.type == "cpu" and threading.get_ident() != self._loop_thread:
+            openmp.release_workers()
 
     def _image(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> _Image:
         req.validate(self.num_classes)
@@ -326,16 +344,15 @@ class DiffusionEngine:
         start = time.perf_counter()
         self._admit()
         batch = self._batch
-        sigma = batch.schedule[batch.rows, batch.position]
-        nxt = batch.schedule[batch.rows, batch.position + 1]
+        k = len(batch.steps)
+        sigma, move = batch.sigmas[k], batch.moves[k]
         v = velocity(self.model, batch.x, sigma, batch.labels)
         noise = batch.noise()
         if noise is None:  # all ODE: the SDE step with noise level 0 is this, and its log-probabilities are 0
-            x_next, logprobs = sde.ode_step(batch.x, v, sigma, nxt), torch.zeros_like(sigma)
+            x_next, logprobs = sde.ode_step(batch.x, v, move), torch.zeros_like(sigma)
         else:
-            x_next, logprobs = sde.sde_step(batch.x, v, sigma, nxt, batch.sigma_max, batch.level, noise)
+            x_next, logprobs = sde.sde_step(batch.x, v, move, noise)
         batch.x = x_next
-        batch.position += 1
         batch.steps.append((x_next, logprobs, self.weight_version))
         # Counted before the batch ends: ending it answers its callers, who may read the metrics at once.
         self._stats["steps"] += 1
@@ -364,23 +381,39 @@ class DiffusionEngine:
         batch.keep_unused_noise()
         if not batch.steps:
             return
-        latents = torch.stack([x for x, _, _ in batch.steps], dim=1)  # [B, S, C, H, W]
+        with torch.inference_mode(False):  # ordinary tensors: an image's chunk may be what its caller gets
+            latents = torch.stack([batch.start] + [x for x, _, _ in batch.steps], dim=1)  # [B, 1 + S, C, H, W]
         logprobs = torch.stack([lp for _, lp, _ in batch.steps], dim=1).tolist()
         versions = [version for _, _, version in batch.steps]
+        done = []
         for row, image in enumerate(batch.images):
-            image.latents.append(latents[row])
+            if image.step == 0:  # its first batch started from its initial noise: one chunk holds all its latents
+                image.latents[:] = [latents[row]]
+            else:
+                image.latents.append(latents[row, 1:])
             image.logprobs += logprobs[row]
             image.versions += versions
             image.step += len(versions)
             if image.step == image.req.steps:
-                self._finish(image)
+                done.append((image, self._output(image)))
+        # The callbacks come after all the tensor work: the first one wakes a waiting caller, and a torch
+        # op between two callbacks would then hand the GIL back and forth with it.
+        for image, _ in done:
+            self._running.remove(image)
+        self._stats["images"] += len(done)
+        for image, out in done:
+            image.callback(out)
 
-    def _finish(self, image: _Image) -> None:
-        self._running.remove(image)
-        self._stats["images"] += 1
-        with torch.inference_mode(False):  # an ordinary tensor for the caller (the steps' are inference tensors)
-            latents = torch.cat(image.latents).float().cpu()
-        image.callback(ImageOutput(image.req.rid, latents, image.logprobs, image.versions))
+    @staticmethod
+    def _output(image: _Image) -> ImageOutput:
+        if len(image.latents) == 1:  # it ran in one batch (written outside inference mode, see _end_batch)
+            latents = image.latents[0]
+        else:
+            with torch.inference_mode(False):  # an ordinary tensor for the caller
+                latents = torch.cat(image.latents)
+        if latents.device.type != "cpu" or latents.dtype != torch.float32:
+            latents = latents.float().cpu()
+        return ImageOutput(image.req.rid, latents, image.logprobs, image.versions)
 
     def _die(self, error: BaseException) -> None:
         self._thread.fail(error)  # queued submits join the waiting images first, so they are aborted too
@@ -406,12 +439,16 @@ def _draw_ahead(images: list[_Image], stochastic: list[int], x: torch.Tensor, un
     if (not stochastic or x.device.type != "cpu" or x.dtype != torch.float32 or per_step < 16 or per_step % 16
             or len(images) * until * per_step > AHEAD_MAX_ELEMENTS):  # fmt: skip
         return None
-    ahead = torch.zeros((len(images), until, *x.shape[1:]))
+    shape = (len(images), until, *x.shape[1:])
+    ahead = torch.empty(shape) if len(stochastic) == len(images) else torch.zeros(shape)
     for row in stochastic:
         image = images[row]
-        kept = image.noise[:until] if image.noise is not None else ahead[row, :0]
+        if image.noise is None:  # nothing drawn ahead before: the usual case, one draw
+            ahead[row].normal_(generator=image.generator)
+            continue
+        kept = image.noise[:until]
         ahead[row, : len(kept)] = kept
-        image.noise = image.noise[until:] if image.noise is not None and len(image.noise) > until else None
+        image.noise = image.noise[until:] if len(image.noise) > until else None
         if len(kept) < until:
             ahead[row, len(kept):].normal_(generator=image.generator)
     return ahead

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from noria.config import LossConfig
-from noria.diffusion.sde import mean_kl, step_std, transition_logprob, transition_mean
+from noria.diffusion.sde import mean_kl, transition, transition_logprob, transition_mean
 from noria.train.algorithms.aggregation import LossNorm
 from noria.train.algorithms.registry import lookup, register
 from noria.train.objective import rl_loss
@@ -128,10 +128,9 @@ def clip_advantages(advantages: list[float], clip: float) -> list[float]:
 @register_diffusion_objective("flow_grpo", "transition")
 def flow_grpo(cfg: LossConfig, dcfg: Any, mb: DiffusionMicroBatch, v: torch.Tensor, v_old: Any, v_ref: Any):
     """Flow-GRPO's loss of one micro-batch of (image, step) pairs; see the module docstring."""
-    args = (mb.sigma, mb.sigma_next, mb.sigma_max, mb.noise_level)
-    mean = transition_mean(mb.x, v, *args)
-    std = step_std(*args)
-    lp = transition_logprob(mb.x_next, mean, std)
+    step = transition(mb.sigma, mb.sigma_next, mb.sigma_max, mb.noise_level, latent_dims=mb.x.dim() - 1)
+    mean = transition_mean(mb.x, v, step)
+    lp = transition_logprob(mb.x_next, mean, step)
     old = lp.detach() if mb.old_logprobs is None else mb.old_logprobs
     mask = torch.ones_like(lp)
     loss, metrics = rl_loss(
@@ -139,7 +138,7 @@ def flow_grpo(cfg: LossConfig, dcfg: Any, mb: DiffusionMicroBatch, v: torch.Tens
         advantages=mb.advantages, loss_mask=mask, seq_index=mb.seq_index, norm=mb.norm,
     )  # fmt: skip
     if v_ref is not None:
-        kl = mean_kl(mean, transition_mean(mb.x, v_ref, *args), std)
+        kl = mean_kl(mean, transition_mean(mb.x, v_ref, step), step)
         loss = loss + cfg.kl_coef * kl.sum() / max(mb.norm.total_tokens, 1.0)
         metrics["ref_kl"] = (float(kl.detach().sum()), float(len(kl)))
         metrics["loss"] = (float(loss.detach()), metrics["loss"][1])

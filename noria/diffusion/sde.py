@@ -30,6 +30,7 @@ per-dimension geometric mean, and the clip range is set on that scale (Flow-GRPO
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -57,57 +58,79 @@ def _col(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
-def step_std(sigma: torch.Tensor, sigma_next: torch.Tensor, sigma_max: torch.Tensor, noise_level: torch.Tensor) -> torch.Tensor:
-    """Standard deviation [B] of the SDE transition from ``sigma`` to ``sigma_next`` (all [B]):
-    ``a sqrt(s / (1 - s)) sqrt(-dt)``, with ``sigma_max`` (the schedule's second level) standing in
-    for s = 1 in the denominator."""
-    denominator = 1 - torch.where(sigma == 1, sigma_max, sigma)
-    return noise_level * torch.sqrt(sigma / denominator) * torch.sqrt(sigma - sigma_next)
+class Transition(NamedTuple):
+    """The per-sample numbers of one SDE step's Gaussian transition, computed once from its noise
+    levels (:func:`transition`). Each field has the shape of the levels it came from followed by
+    ``latent_dims`` ones, so that it broadcasts over latents; ``density`` has the levels' shape."""
+
+    x_scale: torch.Tensor
+    """``1 + std_s^2 dt / (2 s)``: the mean's factor on x."""
+    v_scale: torch.Tensor
+    """``1 + std_s^2 (1 - s) / (2 s)``: the mean's factor on v (then times dt)."""
+    dt: torch.Tensor
+    """``s' - s`` (< 0)."""
+    std: torch.Tensor
+    """``std_s sqrt(-dt)``: the transition's standard deviation (0 for the ODE)."""
+    neg_two_var: torch.Tensor
+    """``-2 std^2`` (std taken as 1 where it is 0)."""
+    log_std: torch.Tensor
+    """``log std`` (0 where std is 0)."""
+    density: torch.Tensor
+    """``std > 0``: the step has a log-probability (a deterministic step has no density to train on)."""
 
 
-def transition_mean(
-    x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, sigma_max: torch.Tensor,
-    noise_level: torch.Tensor,
-) -> torch.Tensor:
+def transition(sigma: torch.Tensor, sigma_next: torch.Tensor, sigma_max: torch.Tensor, noise_level: torch.Tensor,
+               latent_dims: int = 3) -> Transition:
+    """:class:`Transition` of the steps from ``sigma`` to ``sigma_next`` (same shape, any: [N] for N
+    samples, or [B, T] for T steps of B samples at once), ``sigma_max`` the schedule's second level
+    (the stand-in for s = 1 in ``std_s``'s denominator) and ``noise_level`` ``a`` (0: the ODE).
+
+    Every number is elementwise and correctly rounded in float32 (``log`` is position-independent on
+    CPU and CUDA), so a sample's numbers are the same bits whatever the shape it was computed in: the
+    engine computes a whole batch's steps at once and the trainer one micro-batch of transitions."""
+    shape = (*sigma.shape, *([1] * latent_dims))
+    s, nxt, s_max, a = (t.float().reshape(shape) for t in (sigma, sigma_next, sigma_max, noise_level))
+    dt = nxt - s
+    denominator = 1 - torch.where(s == 1, s_max, s)
+    var_rate = a**2 * s / denominator  # std_s^2
+    std = a * torch.sqrt(s / denominator) * torch.sqrt(s - nxt)
+    density = std > 0
+    safe = torch.where(density, std, torch.ones_like(std))
+    return Transition(
+        x_scale=1 + var_rate * dt / (2 * s), v_scale=1 + var_rate * (1 - s) / (2 * s), dt=dt, std=std,
+        neg_two_var=-(2 * safe * safe), log_std=torch.log(safe), density=density.reshape(sigma.shape),
+    )  # fmt: skip
+
+
+def transition_mean(x: torch.Tensor, v: torch.Tensor, t: Transition) -> torch.Tensor:
     """Mean [B, ...] of the SDE transition (float32); ``noise_level`` 0 gives the ODE step."""
-    x, v = x.float(), v.float()
-    s, dt = _col(sigma, x), _col(sigma_next - sigma, x)
-    denominator = 1 - torch.where(sigma == 1, sigma_max, sigma)
-    var_rate = _col(noise_level**2 * sigma / denominator, x)  # std_s^2
-    return x * (1 + var_rate * dt / (2 * s)) + v * (1 + var_rate * (1 - s) / (2 * s)) * dt
+    return x.float() * t.x_scale + v.float() * t.v_scale * t.dt
 
 
-def sde_step(
-    x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, sigma_max: torch.Tensor,
-    noise_level: torch.Tensor, noise: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sde_step(x: torch.Tensor, v: torch.Tensor, t: Transition, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One denoising step: (x_next, log-probability [B] of x_next under the transition). With
     ``noise_level`` 0 for a sample, its step is the ODE step and its log-probability 0."""
-    mean = transition_mean(x, v, sigma, sigma_next, sigma_max, noise_level)
-    std = step_std(sigma, sigma_next, sigma_max, noise_level)
-    x_next = mean + _col(std, mean) * noise.float()
-    return x_next, transition_logprob(x_next, mean, std)
+    mean = transition_mean(x, v, t)
+    x_next = mean + t.std * noise.float()
+    return x_next, transition_logprob(x_next, mean, t)
 
 
-def transition_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def transition_logprob(x_next: torch.Tensor, mean: torch.Tensor, t: Transition) -> torch.Tensor:
     """Mean over latent dimensions of log N(x_next; mean, std^2), per sample [B] (float32); 0 where
     std is 0 (a deterministic step has no density to train on)."""
-    safe = torch.where(std > 0, std, torch.ones_like(std))
-    s = _col(safe, mean)
-    per_dim = -((x_next.float() - mean) ** 2) / (2 * s * s) - torch.log(s) - _LOG_SQRT_2PI
-    lp = per_dim.flatten(1).mean(1)
-    return torch.where(std > 0, lp, torch.zeros_like(lp))
+    per_dim = (x_next.float() - mean) ** 2 / t.neg_two_var - t.log_std - _LOG_SQRT_2PI  # -(d^2) / (2 std^2), one op fewer
+    return torch.where(t.density, per_dim.flatten(1).mean(1), 0.0)
 
 
-def mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, t: Transition) -> torch.Tensor:
     """KL between two transitions of equal std, per dimension, mean over dimensions [B]:
     ``|mean - ref_mean|^2 / (2 std^2)`` (Flow-GRPO's KL to the reference policy)."""
-    safe = torch.where(std > 0, std, torch.ones_like(std))
     diff = (mean - ref_mean).float().flatten(1)
-    kl = (diff * diff).mean(1) / (2 * safe * safe)
-    return torch.where(std > 0, kl, torch.zeros_like(kl))
+    kl = (diff * diff).mean(1) / -t.neg_two_var.flatten()
+    return torch.where(t.density, kl, 0.0)
 
 
-def ode_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
-    """Euler step of the flow ODE, ``x + (sigma_next - sigma) v`` (float32)."""
-    return x.float() + _col(sigma_next - sigma, x.float()) * v.float()
+def ode_step(x: torch.Tensor, v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """Euler step of the flow ODE, ``x + dt v`` (float32; ``dt`` [B] or already a column)."""
+    x = x.float()
+    return x + (dt if dt.dim() == x.dim() else _col(dt, x)) * v.float()

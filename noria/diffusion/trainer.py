@@ -220,8 +220,9 @@ class DiffusionTrainer:
     def _logprob(self, batch: dict[str, torch.Tensor], sl: slice, v: torch.Tensor) -> torch.Tensor:
         d = self.device
         args = (batch["sigma"][sl].to(d), batch["sigma_next"][sl].to(d), batch["sigma_max"][sl].to(d), batch["noise_level"][sl].to(d))
-        mean = sde.transition_mean(batch["x"][sl].to(d), v, *args)
-        return sde.transition_logprob(batch["x_next"][sl].to(d), mean, sde.step_std(*args))
+        x = batch["x"][sl].to(d)
+        step = sde.transition(*args, latent_dims=x.dim() - 1)
+        return sde.transition_logprob(batch["x_next"][sl].to(d), sde.transition_mean(x, v, step), step)
 
     def _rl_step(self, objective: Any, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         from noria.train.objective import reduce_metrics
