@@ -19,8 +19,8 @@ two steps, so a trajectory may hold several versions, like a text response acros
 Per-step cost (a full batch must run as tightly as diffusers' own loop, ``noria bench diffusion``):
 the batch's inputs (latents, labels, schedules, noise buffer) are stacked once when an image joins
 or leaves and carried from step to step; each step appends its batch tensors, which are written
-into the images' trajectories once, when the batch ends (one stack, one read-back of the
-log-probabilities); on a CPU, each SDE image's step noise is drawn for the whole batch at once, bit
+into the images' trajectories once, when the batch ends (one stack, the log-probabilities of all
+its steps in one go, one read-back); on a CPU, each SDE image's step noise is drawn for the whole batch at once, bit
 for bit the per-step draws (:func:`_draw_ahead`); steps run in inference mode. On a CPU the engine thread would share the cores
 with the waiting caller's OpenMP team, which libgomp then throttles along with its own (every
 parallel op waking a sleeping worker: the DiT ran ~40% slower on the engine thread), so the caller
@@ -47,7 +47,6 @@ no KV cache); bitwise trajectories across devices or dtypes; classifier-free gui
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import threading
 import time
@@ -62,7 +61,7 @@ import torch
 from noria.diffusion import openmp, sde
 from noria.diffusion.model import cast, latent_shape, load_dit, num_classes, set_exact_numerics, velocity
 from noria.diffusion.protocol import ImageOutput, ImageRequest
-from noria.engine.thread import EngineThread, check_pause_mode, generate
+from noria.engine.thread import EngineThread, check_pause_mode, generate, generate_batch
 from noria.engine.weight_updates import WeightUpdates
 from noria.process.usage import pad_heap_top
 
@@ -107,7 +106,10 @@ class _Batch:
     moves: list[sde.Transition] | list[torch.Tensor]
     """Per step of the batch: its :class:`~noria.diffusion.sde.Transition` (columns [B, 1, 1, 1]) when
     an image samples the SDE, else its ``dt`` column (the ODE step). Computed for all the batch's
-    steps at once when it is stacked: a step then runs the tensor ops of a plain loop's step."""
+    steps at once when it is stacked (``transitions``): a step then runs the tensor ops of a plain
+    loop's step, and the log-probabilities of all its steps are computed at once when it ends."""
+    transitions: sde.Transition | None
+    """Every step's transition, [B, until, 1, 1, 1] (``density`` [B, until]); None when all rows are ODE."""
     noise_buffer: torch.Tensor | None
     """[B, C, H, W]: each step's noise, drawn in place (zero in ODE rows); None when all rows are ODE
     or the noise is drawn ahead (``ahead``)."""
@@ -117,8 +119,9 @@ class _Batch:
     """Steps after which the first of its images is done (the batch then ends)."""
     ahead: torch.Tensor | None = None
     """[B, until, C, H, W]: every step's noise, drawn when the batch was stacked (:func:`_draw_ahead`)."""
-    steps: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
-    """Per step run: (latents [B, C, H, W], log-probabilities [B], weight version)."""
+    steps: list[tuple[torch.Tensor, torch.Tensor | None, int]] = field(default_factory=list)
+    """Per step run: (latents [B, C, H, W], the transition's mean [B, C, H, W] or None for an ODE
+    batch, weight version)."""
 
     @classmethod
     def of(cls, images: list[_Image], device: torch.device) -> _Batch:
@@ -135,17 +138,18 @@ class _Batch:
             sigmas = torch.stack([i.sigmas[i.step : i.step + until + 1] for i in images])
             sigma_max = torch.stack([i.sigmas[1] for i in images])
         level = torch.tensor(levels, device=device)
+        transitions = None
         if stochastic:
-            steps = sde.transition(sigmas[:, :-1], sigmas[:, 1:], sigma_max[:, None].expand(-1, until),
-                                   level[:, None].expand(-1, until), latent_dims=x.dim() - 1)  # fmt: skip
-            moves = [sde.Transition(*fields) for fields in zip(*(f.unbind(1) for f in steps))]
+            transitions = sde.transition(sigmas[:, :-1], sigmas[:, 1:], sigma_max[:, None].expand(-1, until),
+                                         level[:, None].expand(-1, until), latent_dims=x.dim() - 1)  # fmt: skip
+            moves = [sde.Transition(*fields) for fields in zip(*(f.unbind(1) for f in transitions))]
         else:
             moves = (sigmas[:, 1:] - sigmas[:, :-1]).reshape(len(images), until, *([1] * (x.dim() - 1))).unbind(1)
         ahead = _draw_ahead(images, stochastic, x, until)
         buffer = torch.zeros_like(x) if stochastic and ahead is None else None
         return cls(
             images=images, x=x, start=x, labels=torch.tensor([i.req.label for i in images], device=device), level=level,
-            sigmas=list(sigmas[:, :-1].unbind(1)), moves=list(moves),
+            sigmas=list(sigmas[:, :-1].unbind(1)), moves=list(moves), transitions=transitions,
             noise_buffer=buffer, draws=[(buffer[row], images[row]) for row in stochastic] if buffer is not None else [],
             until=until, ahead=ahead,
         )  # fmt: skip
@@ -196,9 +200,9 @@ class DiffusionEngine:
         self._waiting: list[_Image] = []
         self._running: list[_Image] = []
         self._batch: _Batch | None = None
+        """The running images' stacked inputs; None when an image joined or left since the last step."""
         self._loop_thread: int | None = None
         """The engine thread's id (set when it starts)."""
-        """The running images' stacked inputs; None when an image joined or left since the last step."""
         self._paused = False
         self._stats = {"images": 0, "steps": 0, "image_steps": 0, "seconds": 0.0}
         self._thread.start()
@@ -250,7 +254,7 @@ class DiffusionEngine:
         if not req.rid:
             req = replace(req, rid=uuid.uuid4().hex)
         gen = torch.Generator(self.device).manual_seed(req.seed % (1 << 64))
-        return _Image(req, callback, gen, _sigmas(req.steps, req.shift).to(self.device))
+        return _Image(req, callback, gen, _sigmas(req.steps, req.shift, self.device))
 
     async def generate(self, req: ImageRequest) -> ImageOutput:
         """Generate to completion; cancelling the await aborts the request."""
@@ -258,9 +262,7 @@ class DiffusionEngine:
 
     def generate_batch(self, requests: list[ImageRequest], timeout_s: float | None = None) -> list[ImageOutput]:
         """Blocking convenience for scripts, tests and benchmarks: submit all at once, wait for all, in order."""
-        futures = [concurrent.futures.Future() for _ in requests]
-        self.submit_many(requests, [lambda out, f=f: f.set_result(out) for f in futures])
-        return [f.result(timeout=timeout_s) for f in futures]
+        return generate_batch(self.submit_many, requests, timeout_s, many=True)
 
     def abort(self, rid: str, message: str = "aborted by request") -> None:
         """Abort a waiting or running request (its callback gets reason abort); unknown ids are ignored."""
@@ -346,14 +348,14 @@ class DiffusionEngine:
         batch = self._batch
         k = len(batch.steps)
         sigma, move = batch.sigmas[k], batch.moves[k]
-        v = velocity(self.model, batch.x, sigma, batch.labels)
+        v = velocity(self.model, batch.x, sigma, batch.labels, self.dtype)
         noise = batch.noise()
         if noise is None:  # all ODE: the SDE step with noise level 0 is this, and its log-probabilities are 0
-            x_next, logprobs = sde.ode_step(batch.x, v, move), torch.zeros_like(sigma)
+            x_next, mean = sde.ode_step(batch.x, v, move), None
         else:
-            x_next, logprobs = sde.sde_step(batch.x, v, move, noise)
+            x_next, mean = sde.sde_step(batch.x, v, move, noise)
         batch.x = x_next
-        batch.steps.append((x_next, logprobs, self.weight_version))
+        batch.steps.append((x_next, mean, self.weight_version))
         # Counted before the batch ends: ending it answers its callers, who may read the metrics at once.
         self._stats["steps"] += 1
         self._stats["image_steps"] += len(batch.images)
@@ -373,8 +375,9 @@ class DiffusionEngine:
             self._batch = _Batch.of(list(self._running), self.device)
 
     def _end_batch(self) -> None:
-        """Write the batch's steps into its images' trajectories (one stack, one read-back of the
-        log-probabilities) and hand the finished images back; the next step stacks a new batch."""
+        """Write the batch's steps into its images' trajectories (one stack; the log-probabilities of all
+        its steps at once, one read-back) and hand the finished images back; the next step stacks a
+        new batch."""
         batch, self._batch = self._batch, None
         if batch is None:
             return
@@ -383,8 +386,13 @@ class DiffusionEngine:
             return
         with torch.inference_mode(False):  # ordinary tensors: an image's chunk may be what its caller gets
             latents = torch.stack([batch.start] + [x for x, _, _ in batch.steps], dim=1)  # [B, 1 + S, C, H, W]
-        logprobs = torch.stack([lp for _, lp, _ in batch.steps], dim=1).tolist()
         versions = [version for _, _, version in batch.steps]
+        if batch.transitions is None:
+            logprobs = [[0.0] * len(versions)] * len(batch.images)
+        else:
+            ran = sde.Transition(*(f[:, : len(versions)] for f in batch.transitions))
+            means = torch.stack([mean for _, mean, _ in batch.steps], dim=1)
+            logprobs = sde.transition_logprob(latents[:, 1:], means, ran).tolist()
         done = []
         for row, image in enumerate(batch.images):
             if image.step == 0:  # its first batch started from its initial noise: one chunk holds all its latents
@@ -459,5 +467,6 @@ def _nothing() -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _sigmas(steps: int, shift: float) -> torch.Tensor:
-    return sde.flow_sigmas(steps, shift)
+def _sigmas(steps: int, shift: float, device: torch.device) -> torch.Tensor:
+    """One schedule tensor per (steps, shift, device), shared by every image that samples it (read only)."""
+    return sde.flow_sigmas(steps, shift).to(device)

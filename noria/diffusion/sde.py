@@ -108,18 +108,19 @@ def transition_mean(x: torch.Tensor, v: torch.Tensor, t: Transition) -> torch.Te
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, t: Transition, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One denoising step: (x_next, log-probability [B] of x_next under the transition). With
-    ``noise_level`` 0 for a sample, its step is the ODE step and its log-probability 0."""
+    """One denoising step: (x_next, the transition's mean). With ``noise_level`` 0 for a sample, its
+    step is the ODE step. Its log-probability is :func:`transition_logprob` of the two."""
     mean = transition_mean(x, v, t)
-    x_next = mean + t.std * noise.float()
-    return x_next, transition_logprob(x_next, mean, t)
+    return mean + t.std * noise.float(), mean
 
 
 def transition_logprob(x_next: torch.Tensor, mean: torch.Tensor, t: Transition) -> torch.Tensor:
-    """Mean over latent dimensions of log N(x_next; mean, std^2), per sample [B] (float32); 0 where
-    std is 0 (a deterministic step has no density to train on)."""
+    """Mean over latent dimensions of log N(x_next; mean, std^2), per sample (float32, the shape of
+    ``t.density``: [B], or [B, T] for T steps at once); 0 where std is 0 (a deterministic step has no
+    density to train on). Each sample's mean runs over its own contiguous latent: the same bits
+    whatever the leading shape."""
     per_dim = (x_next.float() - mean) ** 2 / t.neg_two_var - t.log_std - _LOG_SQRT_2PI  # -(d^2) / (2 std^2), one op fewer
-    return torch.where(t.density, per_dim.flatten(1).mean(1), 0.0)
+    return torch.where(t.density, per_dim.flatten(t.density.dim()).mean(-1), 0.0)
 
 
 def mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, t: Transition) -> torch.Tensor:

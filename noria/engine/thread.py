@@ -7,7 +7,7 @@ Data flow::
     callers (asyncio or threads)                  EngineThread (the only thread touching engine state)
     post(command) / post_future / call  ──▶ inbox ──▶ drain(): run every queued command between steps
     generate / generate_batch: submit(req, callback)   callback(output) on the engine thread
-      ◀── the output, through call_in_loop (asyncio) or a concurrent future (threads)
+      ◀── the output, through call_in_loop (asyncio) or an event per batch (threads)
 
 What blocks on what: ``post`` never blocks; ``call`` (and ``post_future``'s result) waits until the
 current step ends and the command has run, except on the engine thread itself (a callback) or after
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -166,12 +167,38 @@ async def generate(submit: Callable[..., str], abort: Callable[[str], None], req
         raise
 
 
-def generate_batch(submit: Callable[..., str], requests: list, timeout_s: float | None = None) -> list:
-    """Blocking convenience for scripts, tests and benchmarks: submit all, wait for all, in order."""
-    futures = [concurrent.futures.Future() for _ in requests]
-    for req, fut in zip(requests, futures):
-        submit(req, lambda out, f=fut: f.set_result(out))
-    return [f.result(timeout=timeout_s) for f in futures]
+def generate_batch(submit: Callable[..., Any], requests: list, timeout_s: float | None = None, *, many: bool = False) -> list:
+    """Blocking convenience for scripts, tests and benchmarks: submit all, wait for all (at most
+    ``timeout_s`` in all, then ``TimeoutError``), outputs in order. ``submit(req, callback)``, or with
+    ``many`` ``submit(requests, callbacks)`` (one command for all).
+
+    One event for the batch, not a future per request: each future's condition costs the engine
+    thread a notify per output (a 64-image batch of the digits DiT took ~0.3 ms more on a 2-core EPYC)."""
+    outputs: list = [_PENDING] * len(requests)
+    left = [len(requests)]
+    lock, done = threading.Lock(), threading.Event()
+
+    def deliver(i: int, out: Any) -> None:
+        with lock:
+            if outputs[i] is not _PENDING:  # a request's final output comes once; a second is not counted
+                return
+            outputs[i] = out
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+    callbacks = [functools.partial(deliver, i) for i in range(len(requests))]
+    if many:
+        submit(requests, callbacks)
+    else:
+        for req, callback in zip(requests, callbacks, strict=True):
+            submit(req, callback)
+    if requests and not done.wait(timeout_s):
+        raise TimeoutError(f"{left[0]} of {len(requests)} requests were not done after {timeout_s} s")
+    return outputs
+
+
+_PENDING = object()
 
 
 def call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:

@@ -210,3 +210,22 @@ def test_noise_drawn_ahead_is_the_noise_drawn_step_by_step(dit, monkeypatch):
 
     for (a, la), (b, lb) in zip(images(0), images(1000)):
         assert torch.equal(a, b) and la == lb
+
+
+def test_generate_batch_times_out_as_a_whole_naming_what_is_left(dit):
+    """One deadline for the batch (not one per request, which let a batch of n wait n times as long),
+    and the engine goes on serving once resumed."""
+    import asyncio
+
+    from noria.diffusion.protocol import ImageRequest
+
+    engine = engine_for(dit)
+    try:
+        asyncio.run(engine.pause())
+        with pytest.raises(TimeoutError, match="3 of 3 requests were not done after 0.2 s"):
+            engine.generate_batch([ImageRequest(label=c, seed=c, steps=2) for c in range(3)], timeout_s=0.2)
+        asyncio.run(engine.resume())
+        out = engine.generate_batch([ImageRequest(label=1, seed=1, steps=2)], timeout_s=60)
+    finally:
+        engine.shutdown()
+    assert out[0].finished_ok and len(out[0].latents) == 3
