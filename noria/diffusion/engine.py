@@ -18,11 +18,13 @@ two steps, so a trajectory may hold several versions, like a text response acros
 
 Per-step cost (a full batch must run as tightly as diffusers' own loop, ``noria bench diffusion``):
 the batch's inputs (latents, labels, schedules, noise buffer) are stacked once when an image joins
-or leaves and carried from step to step; each step appends its batch tensors, which are written
-into the images' trajectories once, when the batch ends (one stack, the log-probabilities of all
-its steps in one go, one read-back); on a CPU, each SDE image's step noise is drawn for the whole batch at once, bit
-for bit the per-step draws (:func:`_draw_ahead`); steps run in inference mode. On a CPU the engine thread would share the cores
-with the waiting caller's OpenMP team, which libgomp then throttles along with its own (every
+or leaves and carried from step to step, with the numbers of all its SDE steps
+(``sde.Transition``), so a step runs six tensor ops beyond the forward; each step appends its batch
+tensors, which are written into the images' trajectories once, when the batch ends (one stack, the
+log-probabilities of all its steps in one go, one read-back, then the callbacks); on a CPU, each
+SDE image's step noise is drawn for the whole batch at once, bit for bit the per-step draws
+(:func:`_draw_ahead`); steps run in inference mode. On a CPU the engine thread would share the
+cores with the waiting caller's OpenMP team, which libgomp then throttles along with its own (every
 parallel op waking a sleeping worker: the DiT ran ~40% slower on the engine thread), so the caller
 gives its team back when it submits, and the engine gives its own back when idle
 (``noria.diffusion.openmp``).
