@@ -32,13 +32,17 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_with_speculation_equals_greedy_without_on_cuda(tiny_model_dir, dtype):
+def test_greedy_with_speculation_equals_greedy_without_on_cuda(tiny_model_dir, dtype, caplog):
     """Token for token in one continuous batch. The greedy model repeats itself (a tiny random
     model does), so drafts are accepted; in bf16 a verify chunk's prefill rounding may differ from a
-    decode step's, so only the tokens are compared there, and the logprobs within bf16's rounding."""
+    decode step's, so only the tokens are compared there, and the logprobs within bf16's rounding.
+    An engine that speculates beside CUDA graphs says at start that it will decode slower."""
     from noria.engine import GenerateRequest, SamplingParams
 
-    plain, spec = _engine(tiny_model_dir, dtype, "none"), _engine(tiny_model_dir, dtype, "ngram")
+    plain = _engine(tiny_model_dir, dtype, "none")
+    assert "speculative" not in caplog.text
+    spec = _engine(tiny_model_dir, dtype, "ngram")
+    assert spec.runner.graphs is not None and "decode slower, not faster" in caplog.text
     try:
         params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
         requests = [GenerateRequest(input_ids=p, sampling=params) for p in _prompts()]
