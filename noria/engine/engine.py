@@ -128,12 +128,9 @@ class Engine(AdapterMethods):
         self.speculator = Speculator(spec, self.scheduler, config.max_batch_tokens) if spec.method != "none" else None
         """Speculative decoding (``noria.engine.speculative``), or None."""
         if self.speculator is not None and self.runner.graphs is not None:
-            log.warning(
-                "engine.speculative.method %s on CUDA: its verify steps run eagerly while plain decode steps replay CUDA "
-                "graphs, so speculating rows (at most engine.speculative.max_batch=%d running) decode slower, not faster "
-                "(0.07-0.18x at batch 1 on an H100, docs/engines.md); it is a CPU engine's option for now",
-                spec.method, spec.max_batch,
-            )  # fmt: skip
+            log.warning("engine.speculative.method %s on CUDA: its verify steps run eagerly while plain decode steps replay CUDA graphs, "
+                        "so speculating rows (at most engine.speculative.max_batch=%d running) decode slower, not faster (0.07-0.18x "
+                        "at batch 1 on an H100, docs/engines.md); it is a CPU engine's option for now", spec.method, spec.max_batch)
         self._thread = EngineThread(self._loop, "noria-engine")
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
