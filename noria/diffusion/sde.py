@@ -53,11 +53,6 @@ def flow_sigmas(steps: int, shift: float = 1.0) -> torch.Tensor:
     return scheduler.sigmas.to(torch.float32).clone()
 
 
-def _col(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Per-sample values [B] shaped to broadcast over a latent batch [B, ...]."""
-    return t.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
-
-
 class Transition(NamedTuple):
     """The per-sample numbers of one SDE step's Gaussian transition, computed once from its noise
     levels (:func:`transition`). Each field has the shape of the levels it came from followed by
@@ -132,6 +127,5 @@ def mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, t: Transition) -> torch.
 
 
 def ode_step(x: torch.Tensor, v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-    """Euler step of the flow ODE, ``x + dt v`` (float32; ``dt`` [B] or already a column)."""
-    x = x.float()
-    return x + (dt if dt.dim() == x.dim() else _col(dt, x)) * v.float()
+    """Euler step of the flow ODE, ``x + dt v`` (float32; ``dt`` a column [B, 1, ...] per sample)."""
+    return x.float() + dt * v.float()
