@@ -14,6 +14,10 @@ to the last loop's last (the held-out evaluations are outside it), and the ratio
 N = 1. The loops' client processes run on the same machine as the service and take a little of its
 CPU (tokenizing and scoring).
 
+``--placement colocated,disaggregated`` runs it all once per placement of the sampling engine
+(``service.placement``), one service after the other; the second placement's cases are prefixed
+with its name.
+
 Not measured: latency per call, quotas, the service's start (outside the clock).
 """
 
@@ -45,6 +49,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval", type=int, default=50, help="held-out problems per evaluation")
     parser.add_argument("--lr", type=float, default=5e-4, help="Adam learning rate of each loop")
     parser.add_argument("--seed", type=int, default=0, help="every tenant's seed (prompts, held-out problems, initial adapter)")
+    parser.add_argument("--placement", default="colocated", help="comma-separated service.placement values, run in turn: colocated "
+                        "(the sampling engine in the service's process), disaggregated (a noria serve child)")
     parser.add_argument("--async", dest="async_loop", action="store_true", help="run examples/service_grpo_async.py")
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds one N's loops may take")
     parser.add_argument("--work-dir", help="folder for the keys, states, logs and figures (default a new temp folder)")
@@ -56,32 +62,43 @@ def main(args) -> int:
     from noria.models.catalog import model_path
 
     counts = [int(n) for n in args.tenants.split(",")]
+    placements = args.placement.split(",")
+    unknown = sorted(set(placements) - {"colocated", "disaggregated"})
+    if unknown:
+        raise SystemExit(f"--placement: unknown {unknown}; known: colocated, disaggregated")
     model = str(model_path(args.model))  # a catalog model is built now, not on the clock
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="noria-bench-service-"))
     work.mkdir(parents=True, exist_ok=True)
-    keys = {f"n{n}-t{i}": f"tml-bench-{secrets.token_hex(12)}" for n in counts for i in range(n)}
-    service, url = start_service(model, args.dtype, keys, work)
-    try:
-        runs = {n: run_tenants(url, {t: k for t, k in keys.items() if t.startswith(f"n{n}-")}, args, work) for n in counts}
-    finally:
-        service.stop()
-    rows = [[n, t, f["accuracy_before"], f["accuracy_after"], f["sampled_tokens"], f["trained_tokens"], f["train_end"] - f["train_start"]]
-            for n, tenants in runs.items() for t, f in tenants.items()]  # fmt: skip
-    print_table(f"service: {args.model}, {args.steps} steps x {args.prompts} prompts x {args.samples} samples, {args.eval} held-out problems",
-                ["N", "tenant", "acc before", "acc after", "sampled tok", "trained tok", "train s"], rows)  # fmt: skip
-    totals = {n: throughput(tenants) for n, tenants in runs.items()}
-    print_table("service throughput (sampled + trained tokens over the loops' training wall time)",
-                ["N", "tokens", "wall s", "tokens/s"], [[n, *totals[n]] for n in counts])  # fmt: skip
-    ratio = totals[counts[-1]][2] / totals[counts[0]][2] if len(counts) > 1 and totals[counts[0]][2] else None
-    if ratio is not None:
-        print(f"{counts[-1]} tenants vs {counts[0]}: {ratio:.2f}x the tokens/s")
+    figures, every = [], {}
+    for placement in placements:
+        keys = {f"n{n}-t{i}": f"tml-bench-{secrets.token_hex(12)}" for n in counts for i in range(n)}
+        where = work / placement
+        where.mkdir(exist_ok=True)
+        service, url = start_service(model, args.dtype, keys, where, placement)
+        try:
+            runs = {n: run_tenants(url, {t: k for t, k in keys.items() if t.startswith(f"n{n}-")}, args, where) for n in counts}
+        finally:
+            service.stop()
+        rows = [[n, t, f["accuracy_before"], f["accuracy_after"], f["sampled_tokens"], f["trained_tokens"], f["train_end"] - f["train_start"]]
+                for n, tenants in runs.items() for t, f in tenants.items()]  # fmt: skip
+        print_table(f"service ({placement} sampler): {args.model}, {args.steps} steps x {args.prompts} prompts x {args.samples} samples, "
+                    f"{args.eval} held-out problems", ["N", "tenant", "acc before", "acc after", "sampled tok", "trained tok", "train s"], rows)  # fmt: skip
+        totals = {n: throughput(tenants) for n, tenants in runs.items()}
+        print_table(f"service throughput, {placement} sampler (sampled + trained tokens over the loops' training wall time)",
+                    ["N", "tokens", "wall s", "tokens/s"], [[n, *totals[n]] for n in counts])  # fmt: skip
+        ratio = totals[counts[-1]][2] / totals[counts[0]][2] if len(counts) > 1 and totals[counts[0]][2] else None
+        if ratio is not None:
+            print(f"{placement}: {counts[-1]} tenants vs {counts[0]}: {ratio:.2f}x the tokens/s")
+        prefix = "" if placement == "colocated" else f"{placement}: "
+        figures += [{**row, "case": prefix + row["case"]} for row in results(runs, totals, counts, ratio)]
+        every[placement] = runs
     if args.json:
-        write_json(args.json, "service", results(runs, totals, counts, ratio), tenants=runs, settings=vars(args))
+        write_json(args.json, "service", figures, tenants=every, settings=vars(args))
     return 0
 
 
-def start_service(model: str, dtype: str, keys: dict[str, str], work: Path) -> tuple[Any, str]:
-    """``noria service`` on a free loopback port with these tenants, ready."""
+def start_service(model: str, dtype: str, keys: dict[str, str], work: Path, placement: str = "colocated") -> tuple[Any, str]:
+    """``noria service`` on a free loopback port with these tenants and its sampler at ``placement``, ready."""
     from noria.net import free_port
     from noria.process import Child
 
@@ -91,7 +108,7 @@ def start_service(model: str, dtype: str, keys: dict[str, str], work: Path) -> t
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "noria", "service", "--model", model, "--port", str(port), "--model.dtype", dtype,
-           "--service.keys_file", str(keys_file), "--service.state_dir", str(work / "state")]  # fmt: skip
+           "--service.keys_file", str(keys_file), "--service.state_dir", str(work / "state"), "--service.placement", placement]  # fmt: skip
     service = Child.start(cmd, name=f"noria service at {url}", log_path=work / "service.log", env={"TOKENIZERS_PARALLELISM": "false"})
     try:
         service.wait_http(f"{url}/api/v1/healthz", 600)

@@ -6,6 +6,7 @@ configured by ``--model.*``, ``--service.*`` and ``--engine.*`` overrides (or a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from noria.config.engine import EngineConfig
 from noria.config.model import ModelConfig
@@ -46,6 +47,16 @@ class ServiceSection:
         True, "Start the built-in engine beside the trainer for sample (its own copy of the base model; the engine "
         "section configures it). false: training only, sample is refused.",
     )
+    placement: Literal["colocated", "disaggregated"] = option(
+        "colocated", "Where the sampling engine runs. colocated: in the service's process, on its own copy of the base "
+        "model. disaggregated: in its own `noria serve` process, started by the service on a free loopback port (its log "
+        "in state_dir/engine.log), or the server at engine_url; each adapter version reaches it as a peft folder written "
+        "under state_dir, so the engine must see that folder.",
+    )
+    engine_url: str | None = option(
+        None, "placement disaggregated: base URL of a running `noria serve` of the same base model, with LoRA slots "
+        "(engine.lora_max_adapters) and no API key, on this machine or a shared file system; null starts one.",
+    )
     seed: int = option(0, "Seed of each adapter's initialisation (with the adapter's own seed added).")
 
     def validate(self) -> None:
@@ -54,6 +65,10 @@ class ServiceSection:
                 raise ConfigError(f"service.{key} must be >= 1, got {getattr(self, key)}")
         if self.lora_alpha <= 0:
             raise ConfigError(f"service.lora_alpha must be > 0, got {self.lora_alpha}")
+        if self.placement == "disaggregated" and not self.sampler:
+            raise ConfigError("service.placement: disaggregated places the sampling engine: it needs service.sampler: true")
+        if self.engine_url is not None and self.placement != "disaggregated":
+            raise ConfigError("service.engine_url names an engine of its own process: it needs service.placement: disaggregated")
 
 
 @dataclass

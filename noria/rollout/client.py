@@ -145,6 +145,8 @@ class HttpEngineClient:
             body["priority"] = req.priority
         if req.image_data:  # a vision-language prompt's images (SGLang's field)
             body["image_data"] = list(req.image_data)
+        if req.adapter is not None:  # a served LoRA adapter, by name (SGLang's field)
+            body["lora_path"] = req.adapter
         data = await self._call(self.http.generate(body, routing_key=req.routing_key))
         return output_from_sglang(data, req)
 
@@ -155,6 +157,18 @@ class HttpEngineClient:
 
     async def pause(self, mode: str = "retract") -> None:
         await self._post("/pause_generation", {"mode": mode})
+
+    async def load_adapter(self, name: str, folder: str, version: int) -> None:
+        """Serve the peft folder ``folder`` (read by the engine: it must see this path) as LoRA adapter
+        ``name`` at ``version`` (``/load_lora_adapter``, SGLang's and vLLM's route)."""
+        await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": folder, "version": version})
+
+    async def adapters(self) -> dict[str, Any]:
+        """The LoRA adapters the engine serves: name -> its record (``/lora_adapters``)."""
+        response = await self._call(self.http.http.get("/lora_adapters"))
+        if response.is_error:
+            raise EngineFailure(f"{self.name}/lora_adapters answered {response.status_code}: {response.text[:300]}")
+        return response.json()
 
     async def resume(self) -> None:
         await self._post("/continue_generation", {})
@@ -257,6 +271,8 @@ def output_from_sglang(data: dict[str, Any], req: GenerateRequest) -> GenerateOu
         input_ids=list(req.input_ids) if scored[0] is not None else [],
         input_logprobs=scored[0],
         input_top_logprobs=scored[1],
+        adapter=info.get("adapter"),
+        adapter_version=info.get("adapter_version"),
     )
 
 

@@ -16,15 +16,27 @@ thread touches), then the requests go to the engine and the call's future resolv
 sample finishes: training calls queued behind it run meanwhile. Each returned token carries the
 engine's logprob (``log_softmax(logits / T)``, the quantity ``forward`` recomputes at T = 1).
 
+``service.placement: disaggregated`` puts the engine in a process of its own (``HttpSampler``): a
+``noria serve`` child started through the launcher every run uses (``noria.engine.child``), or the
+server at ``service.engine_url``. It is driven through its SGLang-style HTTP API with the rollout's
+client (``noria.rollout.client.HttpEngineClient``): an adapter version is written as a peft folder
+under ``service.state_dir``, loaded with ``/load_lora_adapter`` (the folder removed once the engine
+has read it) and named by ``/generate``'s ``lora_path``. The service's process then holds no
+engine, and the engine's decoding runs beside the trainer's steps rather than between them under one
+GIL. A dead or unanswering engine fails the sample with an error naming it; training goes on.
+
 Not guaranteed: an adapter may be evicted between two samples (it is loaded again, costing a
 copy); with every engine slot held by running requests a sample fails (retry it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import shutil
 import threading
 import uuid
+from pathlib import Path
 
 from noria.service.adapters import Adapter, MultiLora
 from noria.service.wire import BadRequest
@@ -93,8 +105,6 @@ class Sampler:
 
     def sample(self, prompt: list[int], params: dict, num_samples: int, adapter: str | None) -> concurrent.futures.Future:
         """Submit ``num_samples`` requests; a future of Tinker's ``SampleResponse`` JSON."""
-        from noria.engine.protocol import GenerateRequest, SamplingParams
-
         done: concurrent.futures.Future = concurrent.futures.Future()
         outputs: list = [None] * num_samples
         left = [num_samples]
@@ -106,13 +116,12 @@ class Sampler:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                _resolve(done, outputs)
+                try:
+                    done.set_result(sample_response(outputs))
+                except RuntimeError as e:
+                    done.set_exception(e)
 
-        for i in range(num_samples):
-            p = dict(params)
-            if p.get("seed") is not None:
-                p["seed"] = p["seed"] + i  # distinct samples of one call, reproducible as a whole
-            req = GenerateRequest(input_ids=list(prompt), sampling=SamplingParams.from_dict(p), rid=f"s-{uuid.uuid4().hex}", adapter=adapter)
+        for i, req in enumerate(requests(prompt, params, num_samples, adapter)):
             self.engine.submit(req, lambda out, i=i: finished(i, out))
         return done
 
@@ -120,14 +129,92 @@ class Sampler:
         self.engine.shutdown(drain_timeout_s=5.0)
 
 
-def _resolve(done: concurrent.futures.Future, outputs: list) -> None:
+class HttpSampler:
+    """The engine as a server of its own (``service.placement: disaggregated``): the same calls as
+    ``Sampler``, over HTTP. ``folder`` is where adapter versions are written for the engine to read;
+    ``process`` the ``noria serve`` child this service started (stopped by ``shutdown``), or None."""
+
+    def __init__(self, url: str, api_key: str | None, folder: Path, process=None, timeout_s: float = 600.0) -> None:
+        from noria.rollout.client import HttpEngineClient
+
+        self.folder, self.process = Path(folder), process
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="noria-service-sampler", daemon=True)
+        self.thread.start()
+        self.client = HttpEngineClient(url, api_key=api_key, timeout_s=timeout_s, process=process)
+
+    @classmethod
+    def start(cls, path: str, config) -> HttpSampler:
+        """``service.engine_url``, or a ``noria serve`` child of ``path`` with the service's ``engine.*``
+        keys, dtype and device, waited for until it answers."""
+        state = Path(config.service.state_dir)
+        folder = state / ".engine-adapters"
+        if config.service.engine_url is not None:
+            return cls(config.service.engine_url, None, folder)
+        from noria.engine.child import start_engine_server
+
+        state.mkdir(parents=True, exist_ok=True)
+        child, url, key = start_engine_server(Path(path), config, state, device=config.model.device)
+        return cls(url, key, folder, process=child)
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def current(self, lora: MultiLora, adapter: Adapter) -> str:
+        name = f"{adapter.name}@{adapter.version}"
+        if name not in self._run(self.client.adapters()):
+            folder = self.folder / name
+            lora.save_peft(adapter, folder)
+            try:
+                self._run(self.client.load_adapter(name, str(folder.resolve()), adapter.version))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)  # the engine holds the tensors once loaded
+        return name
+
+    def saved(self, tenant: str, path: str, folder) -> str:
+        name = f"{tenant}:{path}"
+        if name not in self._run(self.client.adapters()):
+            self._run(self.client.load_adapter(name, str(Path(folder).resolve()), 0))
+        return name
+
+    def sample(self, prompt: list[int], params: dict, num_samples: int, adapter: str | None) -> concurrent.futures.Future:
+        async def run() -> dict:
+            reqs = requests(prompt, params, num_samples, adapter)
+            return sample_response(await asyncio.gather(*(self.client.generate(r) for r in reqs)))
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop)
+
+    def shutdown(self) -> None:
+        try:
+            self._run(self.client.aclose())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5.0)
+            if self.process is not None:
+                self.process.stop()
+
+
+def requests(prompt: list[int], params: dict, num_samples: int, adapter: str | None) -> list:
+    """The engine requests of one sample call: ``num_samples`` rows of ``prompt`` on ``adapter``."""
+    from noria.engine.protocol import GenerateRequest, SamplingParams
+
+    out = []
+    for i in range(num_samples):
+        p = dict(params)
+        if p.get("seed") is not None:
+            p["seed"] = p["seed"] + i  # distinct samples of one call, reproducible as a whole
+        out.append(GenerateRequest(input_ids=list(prompt), sampling=SamplingParams.from_dict(p), rid=f"s-{uuid.uuid4().hex}", adapter=adapter))
+    return out
+
+
+def sample_response(outputs: list) -> dict:
+    """Tinker's ``SampleResponse`` JSON of a call's engine outputs; ``RuntimeError`` if one was aborted."""
     aborted = [o for o in outputs if (o.finish_reason or {}).get("type") == "abort"]
     if aborted:
-        done.set_exception(RuntimeError(f"sample aborted by the engine: {aborted[0].finish_reason.get('message')}"))
-        return
+        raise RuntimeError(f"sample aborted by the engine: {aborted[0].finish_reason.get('message')}")
     sequences = [
         {"tokens": o.output_ids, "logprobs": o.logprobs, "stop_reason": "length" if o.finish_reason["type"] == "length" else "stop",
          "adapter_version": o.adapter_version}
         for o in outputs
     ]  # fmt: skip
-    done.set_result({"type": "sample", "sequences": sequences, "prompt_logprobs": None})
+    return {"type": "sample", "sequences": sequences, "prompt_logprobs": None}

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from aiohttp import web
 
@@ -175,7 +176,13 @@ def serve_service(config, host: str = "127.0.0.1", port: int = 8000) -> int:
     say(f"noria service: loading {folder} ({config.model.dtype} on {config.model.device}) ...")
     lora = MultiLora.load(folder, config.model.dtype, config.model.device)
     sampler = None
-    if config.service.sampler:
+    if config.service.sampler and config.service.placement == "disaggregated":
+        from noria.service.sampler import HttpSampler
+
+        where = config.service.engine_url or f"a noria serve child (its log: {Path(config.service.state_dir) / 'engine.log'})"
+        say(f"noria service: sampling engine at {where} ...")
+        sampler = HttpSampler.start(folder, config)
+    elif config.service.sampler:
         from noria.service.sampler import Sampler
 
         sampler = Sampler.load(folder, config.engine, config.model.dtype, config.model.device)

@@ -10,10 +10,15 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+import torch
 
 from noria.net import free_port
+from noria.service.client import ServiceClient, ServiceError, datum
 
 REPO = Path(__file__).resolve().parents[2]
+PROMPT = [11, 12, 13, 14, 15, 16]
+PROBE = [datum(PROMPT, PROMPT[1:] + [17])]
 
 
 class ServiceProcess:
@@ -56,3 +61,46 @@ class ServiceProcess:
             code = self.process.wait()
         self.log.close()
         return code
+
+
+def logprobs(trainer, data=PROBE) -> list[list[float]]:
+    return [out["logprobs"]["data"] for out in trainer.forward(data).result()["loss_fn_outputs"]]
+
+
+def target_data(target: int) -> list[dict]:
+    return [datum(PROMPT, [target] * len(PROMPT))]
+
+
+def train(trainer, data, steps: int, lr: float = 0.01) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        fb = trainer.forward_backward(data, "cross_entropy")
+        trainer.optim_step({"learning_rate": lr}).result()
+        losses.append(fb.result()["metrics"]["loss:sum"])
+    return losses
+
+
+def check_samples_follow_the_adapter(alice: ServiceClient, bob: ServiceClient) -> None:
+    """A tenant's samples: logprobs that its training client recomputes, from its current weights
+    (moved by a step) or from weights saved for sampling (kept), which another tenant cannot reach."""
+    trainer = alice.create_lora_training_client(rank=4)
+    train(trainer, target_data(100), steps=2)
+    drawn = trainer.sampling_client().sample(PROMPT, num_samples=2, sampling_params={"max_tokens": 5, "seed": 7}).result()
+    for seq in drawn["sequences"]:
+        assert (len(seq["tokens"]), seq["stop_reason"]) == (5, "length") or seq["stop_reason"] == "stop"
+        tokens = PROMPT + seq["tokens"]
+        recomputed = logprobs(trainer, [datum(tokens[:-1], tokens[1:])])[0][len(PROMPT) - 1 :]
+        torch.testing.assert_close(torch.tensor(seq["logprobs"]), torch.tensor(recomputed), atol=1e-4, rtol=0)
+    greedy = {"max_tokens": 5, "temperature": 0.0}
+    now = trainer.sampling_client().sample(PROMPT, 1, greedy).result()["sequences"][0]
+    saved = trainer.save_weights_and_get_sampling_client("two-steps")
+    train(trainer, target_data(100), steps=1)  # the saved copy keeps the weights it was saved with
+    later = saved.sample(PROMPT, 1, greedy).result()["sequences"][0]
+    assert later["tokens"] == now["tokens"]
+    torch.testing.assert_close(torch.tensor(later["logprobs"]), torch.tensor(now["logprobs"]), atol=1e-5, rtol=0)
+    moved = trainer.sampling_client().sample(PROMPT, 1, greedy).result()["sequences"][0]
+    assert moved["logprobs"] != now["logprobs"]
+    assert moved["adapter_version"] > now["adapter_version"] >= 2, (now, moved)  # the versions that sampled them
+    with pytest.raises(ServiceError) as err:
+        bob.create_sampling_client(saved.model_path).sample(PROMPT)
+    assert err.value.status == 404

@@ -11,7 +11,7 @@ import threading
 import httpx
 import pytest
 import torch
-from service_util import ServiceProcess
+from service_util import PROBE, PROMPT, ServiceProcess, check_samples_follow_the_adapter, logprobs, target_data, train
 
 from noria.service.client import RequestFailed, ServiceClient, ServiceError, datum
 
@@ -20,8 +20,6 @@ KEYS = {
     "bob": "tml-bob-0123456789abcdef01",
     "carol": "tml-carol-0123456789abcdef",
 }
-PROMPT = [11, 12, 13, 14, 15, 16]
-PROBE = [datum(PROMPT, PROMPT[1:] + [17])]
 
 
 @pytest.fixture(scope="module")
@@ -42,23 +40,6 @@ def service(tiny_model_dir, tmp_path_factory):
 
 def client(service, tenant: str) -> ServiceClient:
     return ServiceClient(service["proc"].url, KEYS[tenant])
-
-
-def logprobs(trainer, data=PROBE) -> list[list[float]]:
-    return [out["logprobs"]["data"] for out in trainer.forward(data).result()["loss_fn_outputs"]]
-
-
-def target_data(target: int) -> list[dict]:
-    return [datum(PROMPT, [target] * len(PROMPT))]
-
-
-def train(trainer, data, steps: int, lr: float = 0.01) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        fb = trainer.forward_backward(data, "cross_entropy")
-        trainer.optim_step({"learning_rate": lr}).result()
-        losses.append(fb.result()["metrics"]["loss:sum"])
-    return losses
 
 
 def test_two_tenants_train_their_own_adapters_concurrently(service):
@@ -129,27 +110,7 @@ def test_importance_sampling_raises_a_positive_advantage_token(service):
 
 
 def test_samples_come_from_the_adapters_own_weights(service):
-    alice = client(service, "alice")
-    trainer = alice.create_lora_training_client(rank=4)
-    train(trainer, target_data(100), steps=2)
-    drawn = trainer.sampling_client().sample(PROMPT, num_samples=2, sampling_params={"max_tokens": 5, "seed": 7}).result()
-    for seq in drawn["sequences"]:
-        assert (len(seq["tokens"]), seq["stop_reason"]) == (5, "length") or seq["stop_reason"] == "stop"
-        tokens = PROMPT + seq["tokens"]
-        recomputed = logprobs(trainer, [datum(tokens[:-1], tokens[1:])])[0][len(PROMPT) - 1 :]
-        torch.testing.assert_close(torch.tensor(seq["logprobs"]), torch.tensor(recomputed), atol=1e-4, rtol=0)
-    greedy = {"max_tokens": 5, "temperature": 0.0}
-    now = trainer.sampling_client().sample(PROMPT, 1, greedy).result()["sequences"][0]
-    saved = trainer.save_weights_and_get_sampling_client("two-steps")
-    train(trainer, target_data(100), steps=1)  # the saved copy keeps the weights it was saved with
-    later = saved.sample(PROMPT, 1, greedy).result()["sequences"][0]
-    assert later["tokens"] == now["tokens"]
-    torch.testing.assert_close(torch.tensor(later["logprobs"]), torch.tensor(now["logprobs"]), atol=1e-5, rtol=0)
-    moved = trainer.sampling_client().sample(PROMPT, 1, greedy).result()["sequences"][0]
-    assert moved["logprobs"] != now["logprobs"]
-    with pytest.raises(ServiceError) as err:
-        client(service, "bob").create_sampling_client(saved.model_path).sample(PROMPT)
-    assert err.value.status == 404
+    check_samples_follow_the_adapter(client(service, "alice"), client(service, "bob"))
 
 
 def test_another_tenants_adapter_is_not_found_and_keys_are_checked(service):

@@ -53,3 +53,18 @@ def test_keys_authenticate_their_tenant_only(tmp_path):
 def test_bad_keys_files_name_the_field(tmp_path, text, message):
     with pytest.raises(NoriaError, match=message):
         registry(tmp_path, text)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--service.placement", "disaggregated", "--service.sampler", "false"], "service.placement: disaggregated .* needs service.sampler: true"),
+        (["--service.engine_url", "http://127.0.0.1:30000"], "service.engine_url .* needs service.placement: disaggregated"),
+        (["--service.placement", "apart"], "service.placement"),
+    ],
+)
+def test_sampler_placement_errors_name_the_key(overrides, message):
+    from noria.service.cli import load_service_config
+
+    with pytest.raises(NoriaError, match=message):
+        load_service_config(None, "some-model", overrides)
