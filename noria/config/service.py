@@ -41,6 +41,11 @@ class ServiceSection:
         "(SmolLM2-135M in fp32, rank-16 adapters on every projection: peak 8.0 GB at 2048 against 17.3 GB for 48 rows "
         "of about 85 tokens in one forward); a row longer than this gets one of its own.",
     )
+    activation_checkpointing: bool = option(
+        False, "Recompute each decoder layer's activations in the backward of forward_backward rather than keep them: "
+        "less memory, more compute (SmolLM2-135M in fp32, rank-16 adapters on every projection, four tenants' calls of "
+        "24 rows at micro_batch_tokens 4096 on a 2-core AMD EPYC Zen 3: peak RSS 14.1 -> 8.7 GB, 1.15-1.5x the time).",
+    )
     max_rank: int = option(64, "Largest LoRA rank a training client may ask for.")
     lora_alpha: float = option(32.0, "LoRA alpha of every adapter (peft scales B @ A by alpha / rank).")
     sampler: bool = option(

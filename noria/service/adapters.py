@@ -66,22 +66,28 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 class MultiLora:
     """The frozen base model and its adapters by name."""
 
-    def __init__(self, model: nn.Module, model_path: str) -> None:
+    def __init__(self, model: nn.Module, model_path: str, checkpointing: bool = False) -> None:
         self.model = model
         self.model_path = model_path
         for p in model.parameters():
             p.requires_grad_(False)
         model.eval()  # no dropout anywhere: the service's forwards are deterministic
+        if checkpointing:  # each decoder layer's activations recomputed in backward (inside ``per_row``)
+            from noria.train.fsdp import checkpoint_layer, decoder_layers
+
+            for layer in decoder_layers(model):
+                checkpoint_layer(layer)
         self.adapters: dict[str, Adapter] = {}
 
     @classmethod
-    def load(cls, path: str, dtype: str, device: str) -> MultiLora:
-        """The base model of an HF folder, in ``dtype`` on ``device``."""
+    def load(cls, path: str, dtype: str, device: str, checkpointing: bool = False) -> MultiLora:
+        """The base model of an HF folder, in ``dtype`` on ``device``; ``checkpointing``: each decoder
+        layer's activations recomputed in backward rather than kept."""
         from transformers import AutoModelForCausalLM
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
-        return cls(model, path)
+        return cls(model, path, checkpointing)
 
     @property
     def device(self) -> torch.device:

@@ -123,19 +123,22 @@ def run_calls(lora: MultiLora, calls: list[Call], micro_batch_tokens: int = 2048
     tallies = [_Tally() for _ in calls]
     for lo, hi in micro_batches([len(calls[i].data[j].tokens) for i, j in rows], micro_batch_tokens):
         backward = any(calls[i].backward and tallies[i].error is None for i, _ in rows[lo:hi])
-        with lora.per_row(names[lo:hi]), torch.set_grad_enabled(backward):
-            lp, seq_index, lengths = target_logprobs(lora, [calls[i].data[j] for i, j in rows[lo:hi]])
-        losses: dict[int, torch.Tensor] = {}
-        tok0 = row0 = 0
-        for i, group in itertools.groupby(rows[lo:hi], key=lambda row: row[0]):  # rows come call by call
-            mine = [calls[i].data[j] for _, j in group]
-            n = sum(lengths[row0 : row0 + len(mine)])
-            part, seqs = lp[tok0 : tok0 + n], seq_index[tok0 : tok0 + n] - row0
-            tok0, row0 = tok0 + n, row0 + len(mine)
-            if tallies[i].error is None:
-                _score(calls[i], tallies[i], part, seqs, mine, losses, i)
-        if losses:
-            _accumulate(calls, tallies, losses)
+        # The backward runs inside per_row too: with lora.checkpointing, it recomputes each layer's forward,
+        # which must see the same row adapters.
+        with lora.per_row(names[lo:hi]):
+            with torch.set_grad_enabled(backward):
+                lp, seq_index, lengths = target_logprobs(lora, [calls[i].data[j] for i, j in rows[lo:hi]])
+            losses: dict[int, torch.Tensor] = {}
+            tok0 = row0 = 0
+            for i, group in itertools.groupby(rows[lo:hi], key=lambda row: row[0]):  # rows come call by call
+                mine = [calls[i].data[j] for _, j in group]
+                n = sum(lengths[row0 : row0 + len(mine)])
+                part, seqs = lp[tok0 : tok0 + n], seq_index[tok0 : tok0 + n] - row0
+                tok0, row0 = tok0 + n, row0 + len(mine)
+                if tallies[i].error is None:
+                    _score(calls[i], tallies[i], part, seqs, mine, losses, i)
+            if losses:
+                _accumulate(calls, tallies, losses)
     return [_outcome(c, t) for c, t in zip(calls, tallies)]
 
 

@@ -15,9 +15,7 @@ from noria.service.tenants import Tenant, load_tenants
 from noria.service.wire import read_data
 
 
-@pytest.fixture(scope="module")
-def lora(tiny_model_dir):
-    lora = MultiLora.load(str(tiny_model_dir), "float32", "cpu")
+def two_adapters(lora: MultiLora) -> MultiLora:
     for name, seed, targets in (("a", 1, ATTN + MLP), ("b", 2, ATTN)):
         adapter = lora.add(name, name, AdapterSpec(rank=4, alpha=8.0, target_modules=targets, seed=seed))
         with torch.no_grad():  # B starts at 0 (the base model): give both adapters a distinct, non-zero update
@@ -25,6 +23,11 @@ def lora(tiny_model_dir):
                 if ".lora_B." in n:
                     p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(seed))
     return lora
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_model_dir):
+    return two_adapters(MultiLora.load(str(tiny_model_dir), "float32", "cpu"))
 
 
 DATA_A = read_data([datum([5, 6, 7, 8], [6, 7, 8, 9]), datum([9, 10], [10, 11])], 512, ())
@@ -60,6 +63,24 @@ def test_a_mixed_batch_gives_each_adapter_what_it_gets_alone(lora):
     # the adapters differ, so a row's logprobs are its own adapter's
     [(base_b, _)] = run_calls(lora, [Call(a, DATA_B, "cross_entropy", {}, False)])
     assert base_b["loss_fn_outputs"][0]["logprobs"]["data"] != alone["b"][0]["loss_fn_outputs"][0]["logprobs"]["data"]
+
+
+def test_checkpointed_layers_give_the_same_logprobs_and_gradients(lora, tiny_model_dir):
+    """``service.activation_checkpointing``: a mixed batch in micro-batches, its layers recomputed in
+    backward (with each row's adapter), gives bit for bit what the kept activations give."""
+    checkpointed = two_adapters(MultiLora.load(str(tiny_model_dir), "float32", "cpu", checkpointing=True))
+    results = []
+    for multi in (lora, checkpointed):
+        calls = [Call(multi.adapters["a"], DATA_A, "cross_entropy", {}, True), Call(multi.adapters["b"], DATA_B, "cross_entropy", {}, True)]
+        outs = run_calls(multi, calls, micro_batch_tokens=8)
+        assert all(err is None for _, err in outs)
+        results.append(([o["loss_fn_outputs"] for o, _ in outs], [grads(multi.adapters[n]) for n in ("a", "b")]))
+    (want_out, want_grads), (got_out, got_grads) = results
+    assert got_out == want_out
+    for want, got in zip(want_grads, got_grads):
+        assert want.keys() == got.keys() and want
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
 
 
 def test_micro_batches_give_each_call_the_loss_gradient_and_logprobs_of_one_forward(lora):
