@@ -46,6 +46,11 @@ class ServiceSection:
         "less memory, more compute (SmolLM2-135M in fp32, rank-16 adapters on every projection, four tenants' calls of "
         "24 rows at micro_batch_tokens 4096 on a 2-core AMD EPYC Zen 3: peak RSS 14.1 -> 8.7 GB, 1.15-1.5x the time).",
     )
+    logprob_chunk_tokens: int | None = option(
+        1024, "Tokens whose logits are computed at once (the LM head applied in chunks, each recomputed in backward, as "
+        "train.logprob_chunk_tokens does): bounds the [tokens, vocabulary] logits a call holds. null: all of a "
+        "micro-batch's at once.",
+    )
     max_rank: int = option(64, "Largest LoRA rank a training client may ask for.")
     lora_alpha: float = option(32.0, "LoRA alpha of every adapter (peft scales B @ A by alpha / rank).")
     sampler: bool = option(
@@ -65,8 +70,8 @@ class ServiceSection:
     seed: int = option(0, "Seed of each adapter's initialisation (with the adapter's own seed added).")
 
     def validate(self) -> None:
-        for key in ("max_adapters", "tokens_per_minute", "queue_depth", "max_rank", "batch_tokens", "micro_batch_tokens"):
-            if getattr(self, key) < 1:
+        for key in ("max_adapters", "tokens_per_minute", "queue_depth", "max_rank", "batch_tokens", "micro_batch_tokens", "logprob_chunk_tokens"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"service.{key} must be >= 1, got {getattr(self, key)}")
         if self.lora_alpha <= 0:
             raise ConfigError(f"service.lora_alpha must be > 0, got {self.lora_alpha}")

@@ -66,9 +66,11 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 class MultiLora:
     """The frozen base model and its adapters by name."""
 
-    def __init__(self, model: nn.Module, model_path: str, checkpointing: bool = False) -> None:
+    def __init__(self, model: nn.Module, model_path: str, checkpointing: bool = False, chunk_tokens: int | None = None) -> None:
         self.model = model
         self.model_path = model_path
+        self.chunk_tokens = chunk_tokens
+        """Tokens per chunk of the LM head in ``noria.service.step.target_logprobs``; None: all at once."""
         for p in model.parameters():
             p.requires_grad_(False)
         model.eval()  # no dropout anywhere: the service's forwards are deterministic
@@ -80,14 +82,26 @@ class MultiLora:
         self.adapters: dict[str, Adapter] = {}
 
     @classmethod
-    def load(cls, path: str, dtype: str, device: str, checkpointing: bool = False) -> MultiLora:
+    def load(cls, path: str, dtype: str, device: str, checkpointing: bool = False, chunk_tokens: int | None = None) -> MultiLora:
         """The base model of an HF folder, in ``dtype`` on ``device``; ``checkpointing``: each decoder
-        layer's activations recomputed in backward rather than kept."""
+        layer's activations recomputed in backward rather than kept; ``chunk_tokens``: the LM head
+        applied that many tokens at a time."""
         from transformers import AutoModelForCausalLM
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
-        return cls(model, path, checkpointing)
+        return cls(model, path, checkpointing, chunk_tokens)
+
+    def chunked_head(self) -> tuple[nn.Module, nn.Module] | None:
+        """(the decoder body, the LM head) when logprobs may be taken in chunks: ``chunk_tokens`` is set
+        and the model's logits are the head applied to the body's last hidden state (no scaling or
+        soft-capping between them, as in Llama, Qwen and Mistral); None otherwise."""
+        cfg = self.model.config
+        body, head = getattr(self.model, "model", None), self.model.get_output_embeddings()
+        plain = not any(getattr(cfg, key, None) not in (None, 1.0) for key in ("final_logit_softcapping", "logit_scale"))
+        if self.chunk_tokens is None or body is None or head is None or not plain:
+            return None
+        return body, head
 
     @property
     def device(self) -> torch.device:

@@ -174,7 +174,8 @@ def serve_service(config, host: str = "127.0.0.1", port: int = 8000) -> int:
     registry, generated = load_tenants(config.service)
     folder = str(model_path(config.model.path))
     say(f"noria service: loading {folder} ({config.model.dtype} on {config.model.device}) ...")
-    lora = MultiLora.load(folder, config.model.dtype, config.model.device, config.service.activation_checkpointing)
+    svc = config.service
+    lora = MultiLora.load(folder, config.model.dtype, config.model.device, svc.activation_checkpointing, svc.logprob_chunk_tokens)
     sampler = None
     if config.service.sampler and config.service.placement == "disaggregated":
         from noria.service.sampler import HttpSampler

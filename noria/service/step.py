@@ -36,7 +36,11 @@ class NonFiniteStep(NoriaError):
 
 
 def target_logprobs(lora: MultiLora, data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Logprobs of the targets [N] (datums concatenated, with the graph), seq_index [N], lengths."""
+    """Logprobs of the targets [N] (datums concatenated, with the graph), seq_index [N], lengths.
+
+    With ``lora.chunk_tokens`` the LM head runs on that many tokens at a time, each chunk's logits
+    recomputed in backward (``noria.train.logprobs.token_logprobs``, the trainer's): only one chunk
+    of [tokens, vocab] logits is alive at once."""
     device = lora.device
     lengths = [len(d.tokens) for d in data]
     width = max(lengths)
@@ -48,11 +52,21 @@ def target_logprobs(lora: MultiLora, data: list[Datum]) -> tuple[torch.Tensor, t
         mask[i, : lengths[i]] = 1
         targets[i, : lengths[i]] = d.targets.to(device)
     padded = min(lengths) < width  # without padding no mask: attention takes its causal fast path
-    logits = lora.model(input_ids=ids, attention_mask=mask if padded else None, use_cache=False).logits.float()
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     keep = mask.bool()
+    head = lora.chunked_head()
+    if head is None:
+        logits = lora.model(input_ids=ids, attention_mask=mask if padded else None, use_cache=False).logits.float()
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)[keep]
+    else:
+        from noria.train.logprobs import token_logprobs
+
+        body, head = head
+        hidden = body(input_ids=ids, attention_mask=mask if padded else None, use_cache=False).last_hidden_state
+        where = keep.flatten().nonzero().squeeze(-1)  # each kept position scores its own target
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        lp = token_logprobs(flat, head, targets.flatten(), torch.tensor([0, flat.shape[0]]), lora.chunk_tokens, pairs=(where, where))[0][where]
     seq_index = torch.arange(len(data), device=device).unsqueeze(1).expand_as(ids)[keep]
-    return lp[keep], seq_index, lengths
+    return lp, seq_index, lengths
 
 
 def _outputs(lp: torch.Tensor, lengths: list[int]) -> list[dict]:

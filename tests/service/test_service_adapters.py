@@ -65,22 +65,28 @@ def test_a_mixed_batch_gives_each_adapter_what_it_gets_alone(lora):
     assert base_b["loss_fn_outputs"][0]["logprobs"]["data"] != alone["b"][0]["loss_fn_outputs"][0]["logprobs"]["data"]
 
 
-def test_checkpointed_layers_give_the_same_logprobs_and_gradients(lora, tiny_model_dir):
-    """``service.activation_checkpointing``: a mixed batch in micro-batches, its layers recomputed in
-    backward (with each row's adapter), gives bit for bit what the kept activations give."""
-    checkpointed = two_adapters(MultiLora.load(str(tiny_model_dir), "float32", "cpu", checkpointing=True))
+@pytest.mark.parametrize(("checkpointing", "chunk_tokens"), [(True, None), (False, 3), (True, 3)])
+def test_checkpointed_layers_and_chunked_logits_give_the_same_logprobs_and_gradients(lora, tiny_model_dir, checkpointing, chunk_tokens):
+    """``service.activation_checkpointing`` and ``service.logprob_chunk_tokens``: a mixed batch in
+    micro-batches, its layers (and logit chunks) recomputed in backward with each row's adapter, gives
+    what the kept activations give: bit for bit with whole logits, within float rounding in chunks
+    (the head's matmul runs on fewer rows)."""
+    other = two_adapters(MultiLora.load(str(tiny_model_dir), "float32", "cpu", checkpointing=checkpointing, chunk_tokens=chunk_tokens))
     results = []
-    for multi in (lora, checkpointed):
+    for multi in (lora, other):
         calls = [Call(multi.adapters["a"], DATA_A, "cross_entropy", {}, True), Call(multi.adapters["b"], DATA_B, "cross_entropy", {}, True)]
         outs = run_calls(multi, calls, micro_batch_tokens=8)
         assert all(err is None for _, err in outs)
-        results.append(([o["loss_fn_outputs"] for o, _ in outs], [grads(multi.adapters[n]) for n in ("a", "b")]))
-    (want_out, want_grads), (got_out, got_grads) = results
-    assert got_out == want_out
+        logprobs = [torch.tensor([x for row in o["loss_fn_outputs"] for x in row["logprobs"]["data"]]) for o, _ in outs]
+        results.append((logprobs, [grads(multi.adapters[n]) for n in ("a", "b")]))
+    (want_lp, want_grads), (got_lp, got_grads) = results
+    tol = {"atol": 0.0, "rtol": 0.0} if chunk_tokens is None else {"atol": 1e-5, "rtol": 1e-5}
+    for want, got in zip(want_lp, got_lp):
+        torch.testing.assert_close(got, want, **tol)
     for want, got in zip(want_grads, got_grads):
         assert want.keys() == got.keys() and want
         for n in want:
-            assert torch.equal(got[n], want[n]), n
+            torch.testing.assert_close(got[n], want[n], **tol)
 
 
 def test_micro_batches_give_each_call_the_loss_gradient_and_logprobs_of_one_forward(lora):

@@ -6,7 +6,9 @@ from noria.service import step
 from noria.service.wire import Datum
 ck = sys.argv[1] == "1"; tenants = int(sys.argv[2]); budget = int(sys.argv[3])
 torch.manual_seed(0)
-lora = MultiLora.load(str(model_path("smollm2-135m-instruct")), "float32", "cpu", checkpointing=ck)
+chunk = int(sys.argv[4]) if len(sys.argv) > 4 else None
+lora = MultiLora.load(str(model_path("smollm2-135m-instruct")), "float32", "cpu", checkpointing=ck, chunk_tokens=chunk)
+assert (lora.chunked_head() is None) == (chunk is None)
 names = []
 for t in range(tenants):
     spec = AdapterSpec(rank=16, alpha=32.0, target_modules=("q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"), seed=t)
@@ -31,4 +33,4 @@ for rep in range(3):
     assert all(e is None for _, e in outs), outs
 g = [float(a.params[next(iter(a.params))].grad.norm()) for a in names]
 lp = outs[0][0]["loss_fn_outputs"][0]["logprobs"]["data"][:3]
-print(f"ckpt={ck} tenants={tenants} budget={budget} times={[round(x,2) for x in times]} maxrss={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1e6:.2f} GB grad0={g[0]:.6e} lp={lp}")
+print(f"ckpt={ck} chunk={chunk} tenants={tenants} budget={budget} times={[round(x,2) for x in times]} maxrss={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1e6:.2f} GB grad0={g[0]:.6e} lp={lp}")
