@@ -150,7 +150,13 @@ class HttpSampler:
         state = Path(config.service.state_dir)
         folder = state / ".engine-adapters"
         if config.service.engine_url is not None:
-            return cls(config.service.engine_url, None, folder)
+            sampler = cls(config.service.engine_url, None, folder)
+            try:  # an engine that is not there, or serves no LoRA adapters, stops the start naming it
+                sampler._run(sampler.client.adapters())
+            except BaseException:
+                sampler.shutdown()
+                raise
+            return sampler
         from noria.engine.child import start_engine_server
 
         state.mkdir(parents=True, exist_ok=True)

@@ -59,3 +59,17 @@ def test_a_dead_engine_fails_samples_naming_it_and_training_goes_on_then_nothing
     while Path(f"/proc/{engine}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(f"/proc/{engine}").exists()
+
+
+def test_an_engine_url_with_nothing_there_stops_the_start_naming_it(tiny_model_dir, tmp_path):
+    from noria.net import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"tenants:\n  alice: {{key: {KEYS['alice']}}}\n")
+    proc = ServiceProcess(tiny_model_dir, keys, tmp_path / "state", tmp_path, "--service.placement", "disaggregated", "--service.engine_url", url)
+    try:
+        assert proc.process.wait(180) != 0
+    finally:
+        proc.stop()
+    assert f"engine at {url} is unreachable" in proc.log_path.read_text(), proc.log_path.read_text()[-2000:]
