@@ -89,7 +89,7 @@ class Sampler:
 
     def current(self, lora: MultiLora, adapter: Adapter) -> str:
         """The engine's name of the adapter's current weights, loaded if the engine lacks them."""
-        name = f"{adapter.name}@{adapter.version}"
+        name = current_name(adapter)
         if name not in self.engine.adapters():
             tensors = {n: t.detach().clone() for n, t in lora.peft_tensors(adapter)}
             config = {"r": adapter.spec.rank, "lora_alpha": adapter.spec.alpha, "target_modules": list(adapter.spec.target_modules)}
@@ -98,7 +98,7 @@ class Sampler:
 
     def saved(self, tenant: str, path: str, folder) -> str:
         """The engine's name of a saved sampler folder, loaded if the engine lacks it."""
-        name = f"{tenant}:{path}"
+        name = saved_name(tenant, path)
         if name not in self.engine.adapters():
             self.engine.load_adapter(name, str(folder))
         return name
@@ -167,7 +167,7 @@ class HttpSampler:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def current(self, lora: MultiLora, adapter: Adapter) -> str:
-        name = f"{adapter.name}@{adapter.version}"
+        name = current_name(adapter)
         if name not in self._run(self.client.adapters()):
             folder = self.folder / name
             lora.save_peft(adapter, folder)
@@ -178,7 +178,7 @@ class HttpSampler:
         return name
 
     def saved(self, tenant: str, path: str, folder) -> str:
-        name = f"{tenant}:{path}"
+        name = saved_name(tenant, path)
         if name not in self._run(self.client.adapters()):
             self._run(self.client.load_adapter(name, str(Path(folder).resolve()), 0))
         return name
@@ -196,8 +196,20 @@ class HttpSampler:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5.0)
+            if not self.thread.is_alive():
+                self.loop.close()
             if self.process is not None:
                 self.process.stop()
+
+
+def current_name(adapter: Adapter) -> str:
+    """The engine's name of a training client's current weights: one per version."""
+    return f"{adapter.name}@{adapter.version}"
+
+
+def saved_name(tenant: str, path: str) -> str:
+    """The engine's name of a tenant's saved sampler weights."""
+    return f"{tenant}:{path}"
 
 
 def requests(prompt: list[int], params: dict, num_samples: int, adapter: str | None) -> list:
