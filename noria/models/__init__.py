@@ -112,7 +112,46 @@ def _save_native(model: DecoderLM, folder: Path, max_shard_bytes: int | None) ->
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The transformers tokenizer (with chat template) of a catalog name or checkpoint folder."""
+    """The transformers tokenizer (with chat template) of a catalog name or checkpoint folder.
+
+    A folder whose ``tokenizer_config.json`` names ``TokenizersBackend`` (as transformers 5 saves
+    every tokenizer backed by a ``tokenizer.json``: SmolLM2's, the tiny model's, Noria's own
+    checkpoints) is loaded with that class directly. ``AutoTokenizer`` picks the same class for it
+    (:func:`_tokenizers_backend` keeps the exceptions it makes), but first reads ``config.json``
+    through ``AutoConfig``, whose import of a model config pulls in transformers' kernel hub, weight
+    conversions and torch's DTensor: 1.5 s of every ``noria train`` and ``noria serve`` start on
+    2 cores, for a class it then does not use. Any other folder goes through ``AutoTokenizer``.
+    """
+    folder = model_path(path)
+    if _tokenizers_backend(Path(folder)):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(folder))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_path(path)))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+TOKENIZERS_BACKEND_FAMILIES: tuple[str, ...] = ("llama", "qwen3", "qwen3_moe")
+"""Native families (``NATIVE_FAMILIES``) whose ``TokenizersBackend`` folders ``AutoTokenizer`` loads
+as that class; not qwen2, for which it substitutes ``Qwen2Tokenizer``
+(``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``, checked in tests/models/test_tokenizer_load.py:
+importing that set would cost most of what the direct path saves)."""
+
+
+def _tokenizers_backend(folder: Path) -> bool:
+    """``AutoTokenizer`` would load ``folder``'s tokenizer as ``TokenizersBackend``: its config names
+    that class, without remote code, next to a ``tokenizer.json``, for a model type of
+    :data:`TOKENIZERS_BACKEND_FAMILIES`."""
+    import json
+
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        tokenizer_config.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in tokenizer_config
+        and "auto_map" not in config and config.get("model_type") in TOKENIZERS_BACKEND_FAMILIES
+        and (folder / "tokenizer.json").exists()
+    )  # fmt: skip
