@@ -350,11 +350,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             namespace = None if req.lora is None else req.lora.key  # adapters never share KV
-            match = self.radix.match_prefix(req.cache_ids(), self._match_limit(req), namespace)
+            limit = self._match_limit(req)
+            match = self.radix.match_prefix(req.cache_ids(), limit, namespace)
             keys = self._block_keys(req, namespace)
-            if match.tokens // self.kv.block_size < len(keys) and keys[match.tokens // self.kv.block_size] in pending:
+            following = match.tokens // self.kv.block_size
+            if match.tokens < limit and following < len(keys) and keys[following] in pending:
                 self.radix.unlock(match)  # its next block is being computed by another request: match it next step
                 deferred.append(self.waiting.popleft())
+                if len(deferred) >= self.config.max_running_requests:
+                    break  # no use looking further this step
                 continue
             req.block_table, req.num_computed = list(match.blocks), match.tokens
             shared = self._share_partial(req, match)
@@ -370,7 +374,8 @@ class Scheduler:
             self.waiting.popleft()
             self._start(req, match.tokens)
             req.namespace = namespace
-            pending.update(keys[req.num_computed // self.kv.block_size :])
+            if req.remaining > 1:  # prefilling: what it computes is cached as it goes (_cache_full_blocks)
+                pending.update(keys[req.num_computed // self.kv.block_size :])
             chunks.append(Chunk(req, req.num_computed, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # in their places: ahead of everything not yet looked at
@@ -525,7 +530,7 @@ class Scheduler:
                 continue
             # A verify chunk's K/V count up to its last accepted draft token; the rest is overwritten later.
             req.num_computed += chunk.n - len(chunk.draft) + (len(token_ids[row]) - 1 if chunk.draft else 0)
-            if chunk.n > 1 and not chunk.draft and req.num_computed >= self.kv.block_size:  # a prefill chunk
+            if not chunk.draft and (chunk.n > 1 or req.remaining > 0) and req.num_computed >= self.kv.block_size:  # prefill
                 self._cache_full_blocks(req)
             if not chunk.sample:
                 continue

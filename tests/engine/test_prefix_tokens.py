@@ -239,6 +239,20 @@ def test_a_groups_samples_submitted_together_prefill_their_prompt_once(model):
     assert engine.kv.allocator.num_free_blocks + engine.radix.num_cached_blocks == engine.kv.num_blocks  # no leak
 
 
+def test_requests_for_a_cached_prompt_are_admitted_together_not_one_per_step(model):
+    """Nothing is left to wait for once a prompt is cached up to its last token (the one every request
+    recomputes): 32 such requests take the steps of one batch. (The first version of the in-batch
+    deferral made each wait for the one admitted before it: one admission per step.)"""
+    engine = _engine(model, max_batch_tokens=256)
+    ids = prompt(16, 3)  # four full blocks: the last one is never wholly matched
+    engine.generate_batch([GenerateRequest(input_ids=ids, sampling=greedy(1))])
+    before = engine.metrics()["steps"]
+    outs = engine.generate_batch([GenerateRequest(input_ids=ids, sampling=greedy(4)) for _ in range(32)], timeout_s=120)
+    assert [o.cached_tokens for o in outs] == [15] * 32
+    assert engine.metrics()["steps"] - before <= 6, engine.metrics()["steps"] - before  # 4 tokens each, all side by side
+    engine.shutdown(1)
+
+
 @pytest.mark.parametrize("reuse", ["copy", "share"])
 def test_deterministic_partial_reuse_is_bitwise_from_scratch(tiny_model_dir, reuse):
     # bf16, exact numerics: a turn served from a partly reused block (copied or shared), then
