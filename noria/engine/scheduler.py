@@ -352,7 +352,7 @@ class Scheduler:
             namespace = None if req.lora is None else req.lora.key  # adapters never share KV
             limit = self._match_limit(req)
             match = self.radix.match_prefix(req.cache_ids(), limit, namespace)
-            keys = self._block_keys(req, namespace)
+            keys = self._block_keys(req, namespace) if self.radix.enabled else []  # no cache: nothing to wait for
             following = match.tokens // self.kv.block_size
             if match.tokens < limit and following < len(keys) and keys[following] in pending:
                 self.radix.unlock(match)  # its next block is being computed by another request: match it next step
