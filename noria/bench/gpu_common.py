@@ -35,13 +35,14 @@ def qwen3_config(name: str) -> dict[str, Any]:
 def random_model(name: str | dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     """A native DecoderLM of a Qwen3 size (``name``) or of an HF ``config.json`` dict, with N(0, 0.02)
     weights (norm weights 1), on ``device``."""
+    from noria.models.checkpoint import materialize
     from noria.models.config import ModelArgs
     from noria.models.decoder import DecoderLM
 
     config = qwen3_config(name) if isinstance(name, str) else name
     with torch.device("meta"):
         lm = DecoderLM(ModelArgs.from_hf_config(config), hf_config=config)
-    lm = lm.to_empty(device=device).to(dtype)
+    lm = materialize(lm, device).to(dtype)
     lm.tie_weights()
     gen = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():

@@ -201,6 +201,7 @@ def load_case_model(model: str, root: Path):
     if model not in RANDOM_MODELS:
         folder = model_path(model)
         return load_model(folder, dtype=torch.bfloat16), folder, Path(str(model)).name
+    from noria.models.checkpoint import materialize
     from noria.models.config import ModelArgs
     from noria.models.decoder import DecoderLM
     from noria.sync.disk import write_safetensors
@@ -208,7 +209,7 @@ def load_case_model(model: str, root: Path):
     config = RANDOM_MODELS[model]
     with torch.device("meta"):
         lm = DecoderLM(ModelArgs.from_hf_config(config), hf_config=config).to(torch.bfloat16)
-    lm = lm.to_empty(device="cpu")
+    lm = materialize(lm, "cpu")
     lm.tie_weights()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

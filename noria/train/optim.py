@@ -30,10 +30,12 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
             params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, state_dtype=dtype
         )
     # CUDA tensors (not sharded DTensors): the fused kernel, one launch for all parameters instead
-    # of the foreach path's several per group.
-    from torch.distributed.tensor import DTensor
+    # of the foreach path's several per group. DTensor is imported only then (with sympy, 0.4 s).
+    fused = None
+    if all(p.is_cuda for p in params):
+        from torch.distributed.tensor import DTensor
 
-    fused = all(p.is_cuda and not isinstance(p, DTensor) for p in params) or None
+        fused = not any(isinstance(p, DTensor) for p in params) or None
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused
     )
