@@ -2,7 +2,8 @@
 elementwise steps of a layer.
 
 One extension (``paged_attention.cpp`` + ``sampling.cpp`` + ``fused.cpp`` + ``int8_linear.cpp``,
-bound to Python by ``bind.cpp``: only it includes torch's pybind11 glue, see there) holds them;
+compiled as one unit, ``kernels.cpp``; bound to Python by ``bind.cpp``: only it includes torch's
+pybind11 glue, see there) holds them;
 ``sample_rows`` is used by ``noria.engine.sampling`` (see there), ``add_rmsnorm`` / ``rope`` /
 ``silu_mul`` by ``noria.engine.inference``, ``int8_linear`` by ``noria.engine.quant``; all are off,
 like the attention kernel, under ``NORIA_NO_CPU_KERNEL=1``.
@@ -46,7 +47,11 @@ from noria.console import phase
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp", "fused.cpp", "int8_linear.cpp", "bind.cpp")]
+_UNITS = [Path(__file__).with_name(n) for n in ("kernels.cpp", "bind.cpp")]
+"""What the compiler is given: ``kernels.cpp`` (the four kernel sources as one translation unit, see
+there) and ``bind.cpp``, compiled side by side."""
+_SOURCES = _UNITS + [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp", "fused.cpp", "int8_linear.cpp")]
+"""Every source of the build: in its name's hash, and checked for edits against the built library."""
 _lock = threading.Lock()
 _module = None
 _failure: str | None = None
@@ -119,9 +124,9 @@ def _build():
         if fresh:  # minutes on 2 cores: a line every few seconds says how far the compiler is
             what = f"building the C++ CPU kernels for {isa} in {folder} (once per CPU kind and torch version; about 20 s on 2 cores)"
             since = time.time()
-            building = phase(what, detail=lambda: f"{_compiled_since(folder, since)}/{len(_SOURCES)} sources compiled")
+            building = phase(what, detail=lambda: f"{_compiled_since(folder, since)}/{len(_UNITS)} units compiled")
         with building:
-            module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+            module = load(name=name, sources=[str(p) for p in _UNITS], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         write_stamp(folder, name, isa, flags)
     return module
 

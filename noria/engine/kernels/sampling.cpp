@@ -25,7 +25,7 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kBlock = 64;
+constexpr int64_t kSumBlock = 64;
 
 template <typename T>
 inline Vec load_f(const T* p) {
@@ -65,11 +65,11 @@ void sample_row(const T* x, int64_t V, float temp, float u, float* e, std::vecto
     }
   }
   // Pass 2: e = exp(s - m), summed per block.
-  const int64_t n_blocks = (V + kBlock - 1) / kBlock;
+  const int64_t n_blocks = (V + kSumBlock - 1) / kSumBlock;
   block_sums.resize(n_blocks);
   const Vec vm(m);
   for (int64_t b = 0; b < n_blocks; ++b) {
-    const int64_t lo = b * kBlock, hi = std::min(V, lo + kBlock);
+    const int64_t lo = b * kSumBlock, hi = std::min(V, lo + kSumBlock);
     int64_t i = lo;
     Vec acc(0.f);
     for (; i + Vec::size() <= hi; i += Vec::size()) {
@@ -100,7 +100,7 @@ void sample_row(const T* x, int64_t V, float temp, float u, float* e, std::vecto
     }
     arg = -1;
     if (b < n_blocks) {
-      const int64_t lo = b * kBlock, hi = std::min(V, lo + kBlock);
+      const int64_t lo = b * kSumBlock, hi = std::min(V, lo + kSumBlock);
       for (int64_t i = lo; i < hi; ++i) {
         if (e[i] > 0.f) arg = i;  // the last positive one, should rounding leave the target unreached
         run += e[i];
