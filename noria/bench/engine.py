@@ -24,6 +24,11 @@ integer decoder blocks, ``noria.engine.quant``), the peers once at the model dty
 quantized engine carry the mode (``... int8 batch=N ...``) and list the unquantized engine of the
 same run as the peer ``noria_none``; their bound is the same matmul rate with the integer layers.
 
+``--peers openvino``: OpenVINO GenAI's continuous-batching pipeline in its own venv, on a one-time
+export of the model per ``--quant`` value at the same precision class (``noria.bench.openvino_peer``
+says how it is installed, exported and matched to Noria's int8 and int4 recipes); each quantized
+engine is compared with OpenVINO's export of its own precision.
+
 ``--group N``: a batch of B requests is B/N prompts with N samples each, as an RL step submits a
 group's samples together (B a multiple of N; the case says ``group=N``). The built-in engine gets
 the N requests of a prompt side by side and computes the prompt once (in-batch prefix caching,
@@ -56,7 +61,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batches", default="1,8,32,128", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
-    parser.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu (empty for none)")
+    parser.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu, openvino (empty for none)")
     parser.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
     parser.add_argument("--group", type=int, default=1, help="samples per prompt: a batch of B is B/N prompts, N samples each "
                         "(an RL step's groups); every batch size must be a multiple of it")
@@ -74,6 +79,10 @@ def main(args) -> int:
     unknown = [q for q in quants if q not in QUANTS]
     if unknown or not quants:
         raise SystemExit(f"--quant: {','.join(unknown) or 'empty'} not supported; choose from {', '.join(QUANTS)}")
+    if unknown := [p for p in peers if p not in PEERS]:
+        raise SystemExit(f"--peers: {','.join(unknown)} unknown; choose from {', '.join(PEERS)}")
+    if args.lora > 0 and "openvino" in peers:
+        raise SystemExit("--peers openvino: not with --lora (OpenVINO GenAI serves one exported model, no adapters)")
     if args.group < 1 or any(b % args.group for b in batches):
         raise SystemExit(f"--group {args.group}: every batch size ({args.batches}) must be a positive multiple of it")
     if args.lora > 0:
@@ -84,6 +93,9 @@ def main(args) -> int:
     run(args.model, batches, args.new_tokens, peers, args.json, args.vllm_python, args.dtype, quants, args.group)
     return 0
 
+
+PEERS = ("hf_generate", "vllm_cpu", "openvino")
+"""``--peers`` values."""
 
 QUANTS = ("none", "int8", "int4")
 """``--quant`` values: the CPU engine's ``engine.quantization`` modes."""
@@ -112,6 +124,11 @@ def run(
         figures["hf_generate"] = _hf_generate(folder, prompts, batches, new_tokens, dtype, group > 1)
     if "vllm_cpu" in peers:
         figures["vllm_cpu"] = _vllm(folder, prompts, batches, new_tokens, vllm_python, dtype, group)
+    if "openvino" in peers:
+        from noria.bench.openvino_peer import openvino_figures
+
+        for q in quants:
+            figures[_openvino(q)] = openvino_figures(folder, prompts, batches, new_tokens, dtype, q, group)
     bounds = {q: _matmul_bound(folder, batches, dtype, q) for q in quants}
     name = model if group == 1 else f"{model} group={group}"
     results = [row for q in quants for row in _results(name, dtype, batches, new_tokens, figures, bounds[q], q)]
@@ -133,6 +150,11 @@ def _prompts(folder: Path, n: int) -> list[list[int]]:
 def _side(quant: str) -> str:
     """The figures' key of the built-in engine with ``engine.quantization: quant``."""
     return "noria" if quant == "none" else f"noria_{quant}"
+
+
+def _openvino(quant: str) -> str:
+    """The figures' key of the OpenVINO peer on ``quant``'s export (``noria.bench.openvino_peer``)."""
+    return "openvino" if quant == "none" else f"openvino_{quant}"
 
 
 def _noria(
@@ -315,8 +337,10 @@ def _print(results: list[dict], peers: list[str], quants: list[str] = ("none",))
     ``results``: :func:`_results`' rows of every quantization, in ``quants`` order."""
     sides = [_side(q) for q in quants]
     per_quant = len(results) // len(quants)
+    peers = [name for p in peers for name in ([_openvino(q) for q in quants] if p == "openvino" else [p])]
     against = [(s, "noria") for s in sides if s != "noria" and "noria" in sides]
-    against += [(s, p) for s in sides for p in peers]
+    # OpenVINO's exports against the built-in engine at the same precision only
+    against += [(s, p) for q, s in zip(quants, sides) for p in peers if not p.startswith("openvino") or p == _openvino(q)]
     header = ["case", *sides, *peers, *[f"{a}/{b}" for a, b in against], *[f"{s}/bound" for s in sides]]
     rows = []
     for i in range(per_quant):

@@ -29,3 +29,20 @@ def test_a_batch_that_is_not_a_multiple_of_the_group_is_refused():
     assert module is bench_engine
     with pytest.raises(SystemExit, match=r"--group 8: every batch size \(8,12\) must be a positive multiple of it"):
         bench_engine.main(args)
+
+
+@pytest.mark.slow
+def test_openvino_export_of_int8_is_the_int8_engines_peer(tiny_model_dir, tmp_path):
+    """``--peers openvino --quant int8``: the real OpenVINO GenAI pipeline (its venv, installed by
+    scripts/test.sh) on a one-time int8 export of the tiny model, the peer of the built-in int8
+    engine (the worker refuses a sequence that is not exactly the asked length); the export is
+    kept, complete, for the next run."""
+    from noria.bench import openvino_peer
+
+    path = tmp_path / "engine.json"
+    results = bench_engine.run(str(tiny_model_dir), [2, 4], 6, ["openvino"], str(path), None, "float32", ["int8"])
+    assert [r["case"].split()[2:4] for r in results] == [["int8", "batch=2"], ["int8", "batch=4"]]
+    assert all(row["noria"] > 0 and row["peers"]["openvino_int8"] > 0 for row in results)
+    export = openvino_peer.exported(tiny_model_dir, "int8")  # the run's, not made again
+    assert (export / "openvino_model.xml").is_file() and "-int8-" in export.name
+    assert not list(export.parent.glob("*.partial"))

@@ -50,7 +50,6 @@ def silences(lines: list[tuple[float, str]]) -> list[str]:
 def test_first_run_speaks_every_few_seconds_and_lifts_held_out_accuracy(tmp_path):
     env = {**os.environ, "NORIA_HOME": str(tmp_path / "home")}
     env.pop("PYTHONUNBUFFERED", None)  # the CLI itself must make its output line-buffered
-    env.pop("OMP_NUM_THREADS", None)  # alone, the machine is the run's, as a user's: scripts/test.sh's one thread per worker is not
     noria = [sys.executable, "-m", "noria"]
 
     imported = timed_lines([*noria, "models", "import", "tiny-llama"], env)

@@ -1,0 +1,106 @@
+"""OpenVINO GenAI as a peer of ``noria bench engine`` (``--peers openvino``).
+
+OpenVINO has the fastest CPU decode we have measured outside Noria, at int8 and int4 weights
+(``noria/engine/quant.py``'s recipes are the comparison: per-channel symmetric int8, group-wise
+asymmetric int4). It cannot load an HF folder: the model is exported once to OpenVINO IR by
+optimum-intel (NNCF compresses the weights at export), which is why it is not an RL rollout engine
+(a weight sync would be a re-export: 75 s to 3 min for SmolLM2-135M); here it is a decode peer.
+
+- The venv: ``$NORIA_HOME/bench/openvino`` with :data:`PACKAGES`, created on first use like vLLM's
+  (``noria.engine.vllm_server.vllm_python_path``; ``scripts/test.sh`` creates both before the tests).
+- The export: ``optimum-cli export openvino`` of the model folder per weight format, cached under
+  ``$NORIA_HOME/bench/openvino/models`` (the folder's path, its files' sizes and times and the format
+  in the name), written to a temporary folder and renamed when complete.
+- The run: ``openvino_worker.py`` in that venv, fed the same token ids as every engine of the bench.
+
+Weight formats, by ``--quant`` value: ``none`` the model's own fp32 weights (``--weight-format
+fp32``); ``int8``: ``int8 --sym`` (one scale per output channel, as Noria's); ``int4``: ``int4
+--group-size 32 --ratio 1.0`` (asymmetric groups of 32 input channels, as Noria's, every linear
+layer in int4). Not identical: OpenVINO's int8 also compresses the embedding and the LM head, its
+int4 keeps them in int8 (NNCF's backup precision), where Noria keeps both in the model dtype.
+Inference precision: OpenVINO's ``INFERENCE_PRECISION_HINT`` is set to the dtype the bench runs (on
+a CPU with native bf16 OpenVINO would otherwise pick bf16 for an fp32 run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from noria.process import run as run_command
+
+PACKAGES = ["torch==2.13.0", "openvino==2026.4.1", "openvino-tokenizers==2026.4.1.0", "openvino-genai==2026.4.1.0",
+            "optimum-intel[openvino]==2.2.0", "nncf==3.4.0", "transformers==5.5.4"]  # fmt: skip
+"""What the venv holds, installed in one resolve (OpenVINO's three packages share a release; torch is
+Noria's pinned CPU build, which optimum's export traces the model with; transformers is what
+optimum-intel 2.2 resolved to)."""
+
+EXPORT_ARGS = {
+    "none": ["--weight-format", "fp32"],
+    "int8": ["--weight-format", "int8", "--sym"],
+    "int4": ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"],
+}
+"""``optimum-cli export openvino`` arguments per ``--quant`` value (see the module docstring)."""
+
+
+def openvino_home() -> Path:
+    from noria.models.catalog import noria_home
+
+    return noria_home() / "bench" / "openvino"
+
+
+def openvino_python_path() -> Path:
+    """The OpenVINO venv's interpreter, creating the venv on first use (a few minutes)."""
+    venv = openvino_home()
+    python = venv / "bin" / "python"
+    marker = venv / (".installed-" + hashlib.sha256(" ".join(PACKAGES).encode()).hexdigest()[:12])
+    if not marker.exists():
+        print(f"installing OpenVINO GenAI and optimum-intel into {venv} (once; a few minutes)", file=sys.stderr)
+        run_command([sys.executable, "-m", "venv", str(venv)])
+        run_command([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *PACKAGES])
+        # optimum-intel pulls a torchvision built for another torch; transformers then fails to import
+        # its models (``torchvision::nms does not exist``). The export needs none of it.
+        run_command([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision"], check=False)
+        marker.touch()
+    return python
+
+
+def exported(folder: Path, quant: str) -> Path:
+    """The OpenVINO IR of the model ``folder`` with ``quant``'s weights, exported on first use."""
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    key = json.dumps([str(folder.resolve()), quant, [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]])
+    out = openvino_home() / "models" / f"{folder.name}-{quant}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (out / "openvino_model.xml").exists():
+        return out
+    python = openvino_python_path()
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"exporting {folder} to OpenVINO IR ({' '.join(EXPORT_ARGS[quant])}) into {out} (once)", file=sys.stderr)
+    cli = python.parent / "optimum-cli"
+    cmd = [str(cli), "export", "openvino", "--model", str(folder), "--task", "text-generation-with-past", *EXPORT_ARGS[quant], str(tmp)]
+    proc = run_command(cmd, check=False, capture=True, env={"HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0 or not (tmp / "openvino_model.xml").exists():
+        raise RuntimeError(f"OpenVINO export of {folder} ({quant}) failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    tmp.rename(out)
+    return out
+
+
+def openvino_figures(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str, quant: str,
+                     group: int = 1) -> dict[int, float]:  # fmt: skip
+    """tokens/s per batch size of OpenVINO GenAI's continuous-batching pipeline on ``quant``'s export."""
+    model = exported(folder, quant)
+    job = {"model": str(model), "prompts": prompts[::group], "batches": [b // group for b in batches], "n": group,
+           "new_tokens": new_tokens, "kv_space_gb": 4, "precision": {"float32": "f32", "bfloat16": "bf16"}[dtype]}  # fmt: skip
+    worker = Path(__file__).with_name("openvino_worker.py")
+    proc = run_command([str(openvino_python_path()), str(worker)], check=False, input=json.dumps(job), capture=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"OpenVINO worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[row["batch"] * group] = row["tokens"] / row["seconds"]
+    return out
