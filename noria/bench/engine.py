@@ -219,13 +219,22 @@ def _hf_generate(
 def _vllm(
     folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, python: str | None, dtype: str, group: int = 1
 ) -> dict[int, float]:
-    interpreter = vllm_python_path(python)
-    job = {"model": str(folder), "prompts": prompts[::group], "batches": [b // group for b in batches], "n": group,
-           "new_tokens": new_tokens, "kv_space_gb": 4, "dtype": dtype}
-    worker = Path(__file__).with_name("vllm_worker.py")
-    proc = run_command([str(interpreter), str(worker)], check=False, input=json.dumps(job), capture=True)
+    return worker_figures(vllm_python_path(python), "vllm_worker.py", "vLLM", folder, prompts, batches, new_tokens, group, dtype=dtype)
+
+
+def worker_figures(
+    python: Path, worker: str, what: str, model: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, group: int,
+    **extra,
+) -> dict[int, float]:  # fmt: skip
+    """tokens/s per batch size of a peer run by ``worker`` (a script beside this module) in its own
+    venv's ``python``: the job on its stdin (``model``, each group's prompt once, the batches in
+    prompts, ``n`` samples per prompt, ``new_tokens``, ``extra``), one JSON line per batch size on its
+    stdout (``batch``, ``seconds``, ``tokens``)."""
+    job = {"model": str(model), "prompts": prompts[::group], "batches": [b // group for b in batches], "n": group,
+           "new_tokens": new_tokens, "kv_space_gb": 4, **extra}  # fmt: skip
+    proc = run_command([str(python), str(Path(__file__).with_name(worker))], check=False, input=json.dumps(job), capture=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"vLLM worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{what} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     out = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):

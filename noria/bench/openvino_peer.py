@@ -91,16 +91,8 @@ def exported(folder: Path, quant: str) -> Path:
 def openvino_figures(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str, quant: str,
                      group: int = 1) -> dict[int, float]:  # fmt: skip
     """tokens/s per batch size of OpenVINO GenAI's continuous-batching pipeline on ``quant``'s export."""
-    model = exported(folder, quant)
-    job = {"model": str(model), "prompts": prompts[::group], "batches": [b // group for b in batches], "n": group,
-           "new_tokens": new_tokens, "kv_space_gb": 4, "precision": {"float32": "f32", "bfloat16": "bf16"}[dtype]}  # fmt: skip
-    worker = Path(__file__).with_name("openvino_worker.py")
-    proc = run_command([str(openvino_python_path()), str(worker)], check=False, input=json.dumps(job), capture=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"OpenVINO worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            out[row["batch"] * group] = row["tokens"] / row["seconds"]
-    return out
+    from noria.bench.engine import worker_figures
+
+    precision = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    return worker_figures(openvino_python_path(), "openvino_worker.py", "OpenVINO", exported(folder, quant), prompts, batches,
+                          new_tokens, group, precision=precision)  # fmt: skip
