@@ -242,9 +242,15 @@ def check_tools() -> dict[str, str]:
     return {tool: os.path.abspath(path) for tool, path in found.items() if path is not None}
 
 
+def caller_uids(pid: int) -> range:
+    """The 4,096 uids the sandboxes of the caller with this pid are given (:func:`sandbox_uid`)."""
+    low = SANDBOX_UID_BASE + ((pid & 0xFFFF) << 12)
+    return range(low, low + 4096)
+
+
 def sandbox_uid() -> int:
     """A uid no other sandbox of this machine is using now (by pid and a per-process counter)."""
-    return SANDBOX_UID_BASE + ((os.getpid() & 0xFFFF) << 12) + (next(_ids) & 0xFFF)
+    return caller_uids(os.getpid())[next(_ids) & 0xFFF]
 
 
 def _system_python() -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import noria.agent.sandbox as sandbox_module
-from noria.agent.sandbox import SANDBOX_UID_BASE, SandboxLimits, SandboxResult, SandboxUnavailable, run_python
+from noria.agent.sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, caller_uids, run_python
 
 FAST = SandboxLimits(timeout_s=6, cpu_s=4, memory_mb=256, max_procs=16)
 UNPRIVILEGED_UID = 4242
@@ -71,12 +71,12 @@ def sandbox_processes() -> set[str]:
     """Processes of this test process's sandboxes (root mode: the uids ``noria.agent.sandbox`` gives
     the sandboxes of a caller with this pid) or of the unprivileged test user. Not every sandbox uid:
     the agent tests of another worker run sandboxes of their own beside this file."""
-    low = SANDBOX_UID_BASE + ((os.getpid() & 0xFFFF) << 12)
+    ours = caller_uids(os.getpid())
     found = set()
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             uid = _uid(p)
-            if uid == UNPRIVILEGED_UID or low <= uid < low + 4096:
+            if uid == UNPRIVILEGED_UID or uid in ours:
                 found.add(p.name)
     return found
 
@@ -325,7 +325,7 @@ def _shim(stage: str, folder: Path) -> None:
 def _chain_processes(caller_pid: int, mode: str, shims: Path) -> dict[int, str]:
     """The set-up chain and sandbox of that caller, zombies aside: processes of its sandbox uid (root
     mode) or of ``CALLER_UID``, and the shim, whatever its uid; by pid, with their command lines."""
-    low = SANDBOX_UID_BASE + ((caller_pid & 0xFFFF) << 12)
+    uids = caller_uids(caller_pid)
     found = {}
     for p in Path("/proc").iterdir():
         try:
@@ -334,7 +334,7 @@ def _chain_processes(caller_pid: int, mode: str, shims: Path) -> dict[int, str]:
         except (OSError, ValueError):
             continue
         uid = int(status["Uid"].split()[0])
-        ours = uid == CALLER_UID if mode == "unprivileged" else low <= uid < low + 4096
+        ours = uid == CALLER_UID if mode == "unprivileged" else uid in uids
         if p.name.isdigit() and not status["State"].strip().startswith("Z") and (ours or str(shims) in cmdline):
             found[int(p.name)] = cmdline[:120]
     return found

@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 _UNITS = [Path(__file__).with_name(n) for n in ("kernels.cpp", "bind.cpp")]
 """What the compiler is given: ``kernels.cpp`` (the four kernel sources as one translation unit, see
 there) and ``bind.cpp``, compiled side by side."""
-_SOURCES = _UNITS + [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "sampling.cpp", "fused.cpp", "int8_linear.cpp")]
-"""Every source of the build: in its name's hash, and checked for edits against the built library."""
+_SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+"""Every source of the build (the units and what ``kernels.cpp`` includes): in its name's hash, and
+checked for edits against the built library."""
 _lock = threading.Lock()
 _module = None
 _failure: str | None = None
