@@ -222,7 +222,7 @@ def pack(slot, bucket):  # a spy: the names of the segments the push goes throug
     return handle, manifest
 transport._pack = pack
 sync.push(bucketize(weights, 30_000), version)
-print("pushed", *sorted(set(names)), flush=True)
+print(" ".join(["pushed", *sorted(set(names))]), flush=True)  # one write: PYTHONUNBUFFERED writes each of print's pieces
 time.sleep(120)
 """
 
@@ -245,10 +245,10 @@ def test_segments_live_for_one_push(server, tiny_model_dir, tmp_path):
                                stdout=open(out, "wb"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)  # noqa: SIM115
     try:
         deadline = time.monotonic() + 120
-        while not out.read_text().startswith("pushed"):
-            assert trainer.poll() is None and time.monotonic() < deadline, out.read_text()
+        while not (text := out.read_text()).startswith("pushed") or not text.endswith("\n"):  # the whole line
+            assert trainer.poll() is None and time.monotonic() < deadline, text
             time.sleep(0.1)
-        names = out.read_text().split()[1:]
+        names = text.split()[1:]
         assert names and all(n.startswith(f"noria_sync_{trainer.pid}_") for n in names)  # the push went through segments
         assert state(server)[0] == version + 1
     finally:
