@@ -119,6 +119,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("step_time_s", "s", "Trainer time of the last optimizer step."),
         ("optimizer_step", "count", "Optimizer steps done so far."),
         ("train/samples", "count", "Samples trained on this step."),
+        ("train/zero_advantage_skipped_frac", "fraction",
+         "Share of the step's samples left out of the forward and backward because their gradient is zero (train.skip_zero_advantage)."),
         ("train/pairs", "count", "Image runs: (image, denoising step) pairs (Flow-GRPO) or (image, noise draw) pairs (DiffusionNFT) trained on."),
         ("nft/*", "loss", "DiffusionNFT: positive_loss and negative_loss (the weighted x0 errors of the implicit policies) and "
          "optimality_mean (mean optimality weight r in [0, 1])."),

@@ -190,6 +190,10 @@ class TrainBatch:
     order of its image tokens, sequence after sequence (``image_counts`` says how many each has)."""
     image_counts: Any = None
     """LongTensor [S] or None: how many of ``pixel_values`` each sequence takes."""
+    step_totals: tuple[float, int] | None = None
+    """The optimizer step's (loss tokens, sequences with a loss token) when the batch leaves out
+    samples whose gradient is zero (``train.skip_zero_advantage``): the losses keep dividing by the
+    whole step's counts. None: counted from this batch (``noria.train.backend.step_totals``)."""
 
     @property
     def n_tokens(self) -> int:

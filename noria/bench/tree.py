@@ -9,7 +9,9 @@ samples without an advantage (failed ones) are left out, as the trainer leaves t
 - ``tokens``: tokens through the model: ``unshared`` (every sequence whole), ``prompts`` (the same
   trie with untrained tokens only: prompts, within and across groups, and untrained turns after
   them) and ``noria`` (the prefix tree, trained tokens too), trees capped at the run's
-  ``train.micro_batch_tokens``.
+  ``train.micro_batch_tokens``; ``skip``: the tree of the samples the trainer puts through the
+  model (``train.skip_zero_advantage``: samples whose advantage is 0 everywhere are left out, the
+  gradient unchanged; ``noria.train.rl_step.pack_step``).
 - ``tflop``: the step's training FLOPs, estimated as 6 x parameters x tokens plus the attention's
   12 x layers x query heads x head width per attended (query, key) pair (each token attends its
   ancestors and itself: ``sum(depth + 1)`` over the tokens through the model).
@@ -106,12 +108,16 @@ def measure(folder: Path, step: int, repeats: int) -> dict[str, Any]:
     from noria.train import build_backend
     from noria.train.packing import pack_samples
     from noria.train.prefix_tree import share_prefixes
+    from noria.train.rl_step import pack_step
 
     config, samples, advantages = load_step(folder, step)
     batch = pack_samples(samples, advantages)
     cap = config.train.micro_batch_tokens
     prompts, _, _ = share_prefixes(batch, max_tokens=cap)
     tree, _, _ = share_prefixes(batch, max_tokens=cap, trained=True)
+    config.train.skip_zero_advantage = True
+    live = pack_step(samples, advantages, config.train)  # the whole step's normalisers, fewer samples
+    live_tree, _, _ = share_prefixes(live, max_tokens=cap, trained=True)
     backend = build_backend(config.train, model_impl=config.model.impl, seed=config.seed)
     backend.init(model_path(config.model.path), total_steps=3 * repeats + 1)
     args = backend.lm.args
@@ -119,16 +125,17 @@ def measure(folder: Path, step: int, repeats: int) -> dict[str, Any]:
     per_pair = 12 * args.num_layers * args.num_heads * args.head_dim
     out: dict[str, Any] = {
         "run": str(folder), "step": step, "samples": len(samples), "sequences_trained_tokens": int(batch.loss_mask.sum()),
-        "tree_cap_tokens": cap, "params": params, "trees": tree.n_sequences,
+        "tree_cap_tokens": cap, "params": params, "trees": tree.n_sequences, "samples_through_model": live.n_sequences,
     }
-    for side, b in (("unshared", batch), ("prompts", prompts), ("noria", tree)):
+    for side, b in (("unshared", batch), ("prompts", prompts), ("noria", tree), ("skip", live_tree)):
         out[side] = {"tokens": b.n_tokens, "tflop": (6 * params * b.n_tokens + per_pair * attended_pairs(b)) / 1e12}
     backend.train_step(batch)  # warm-up: the optimizer state, the first kernels
-    times = {"unshared": [], "prompts": [], "noria": []}
+    times: dict[str, list[float]] = {"unshared": [], "prompts": [], "noria": [], "skip": []}
     for _ in range(repeats):
         # the prompts side trains the batch shared beforehand: a tree of untrained tokens, which the
         # trainer keeps as it is and computes losses on directly
-        for side, share, b in (("unshared", False, batch), ("prompts", True, prompts), ("noria", True, batch)):
+        sides = (("unshared", False, batch), ("prompts", True, prompts), ("noria", True, batch), ("skip", True, live))
+        for side, share, b in sides:
             backend.cfg.share_prefix = share
             t0 = time.perf_counter()
             backend.train_step(b)
@@ -149,27 +156,36 @@ def attended_pairs(batch) -> int:
     return sum(n * (n + 1) // 2 if t is None else sum(TreeLayout(t).depths) + n for n, t in zip(lens, trees))
 
 
+SIDES = ("unshared", "prompts", "skip")
+"""The packings measured beside the tree (``noria``); ``skip`` is absent from cases recorded before it."""
+
+
 def case_results(name: str, case: dict[str, Any]) -> list[dict[str, Any]]:
     """The case's rows: tokens and TFLOP (lower is better), tokens/s (higher is better)."""
     rows = []
     for metric, digits in (("tokens", 0), ("tflop", 3)):
         rows.append({"case": name, "metric": metric, "noria": round(case["noria"][metric], digits),
-                     "peers": {s: round(case[s][metric], digits) for s in ("unshared", "prompts")}, "bound": None})
+                     "peers": {s: round(case[s][metric], digits) for s in SIDES if s in case}, "bound": None})
     rows.append({"case": name, "metric": "tokens_per_s", "noria": round(case["noria"]["tokens_per_s"], 1),
-                 "peers": {s: round(case[s]["tokens_per_s"], 1) for s in ("unshared", "prompts")}, "bound": None})
+                 "peers": {s: round(case[s]["tokens_per_s"], 1) for s in SIDES if s in case}, "bound": None})
     return rows
 
 
 def report(results: list[dict[str, Any]]) -> None:
-    header = ["case", "metric", "noria (tree)", "prompts only", "unshared", "unshared/noria", "prompts/noria"]
+    header = ["case", "metric", "noria (tree)", "prompts only", "unshared", "unshared/noria", "prompts/noria",
+              "tree, zero-advantage samples left out", "noria/skip"]
     rows = []
     for r in results:
         peers = [r["peers"]["unshared"], r["peers"]["prompts"]]
+        skip = r["peers"].get("skip")
         if r["metric"] == "tokens_per_s":  # the speed-ups
             ratios = [r["noria"] / p if p else None for p in peers]
+            gain = skip / r["noria"] if skip and r["noria"] else None
         else:
             ratios = [p / r["noria"] if r["noria"] else None for p in peers]
-        rows.append([r["case"], r["metric"], r["noria"], peers[1], peers[0], *ratios])
+            gain = r["noria"] / skip if skip else None
+        rows.append([r["case"], r["metric"], r["noria"], peers[1], peers[0], *ratios, skip, gain])
     print_table("prefix-tree training on one recorded step: tokens and TFLOP through the trainer (lower is better), "
                 "trainer tokens/s (higher is better)", header, rows)
-    print("x/noria: how many times the tree's work the other packing's is (tokens/s rows: the tree's speed-up over it).")
+    print("x/noria: how many times the tree's work the other packing's is (tokens/s rows: the tree's speed-up over it); "
+          "noria/skip: the same for leaving out the samples whose gradient is zero (train.skip_zero_advantage).")

@@ -183,6 +183,14 @@ class TrainConfig:
         "through a prefix tree: each goes through forward and backward once; the same losses and gradients, fewer "
         "tokens through the model (a tree holds at most train.micro_batch_tokens tokens).",
     )
+    skip_zero_advantage: bool = option(
+        True,
+        "RL: leave out of the forward and backward the samples whose gradient is zero: advantage 0 on every token "
+        "(a GRPO group whose rewards are all equal) with no KL, entropy or router-balance term. The losses still "
+        "divide by the whole step's token and sequence counts, so the gradient is the same (to float rounding); "
+        "the step's logprob metrics (clip_frac, approx_kl, rollout_logprob_abs_diff, ...) then cover the samples "
+        "trained through the model. One sample is kept when none has a gradient, so the optimizer still steps.",
+    )
     optim: OptimConfig = option(factory=OptimConfig, help="Optimizer.")
     loss: LossConfig = option(factory=LossConfig, help="RL objective.")
     lora: LoraConfig = option(factory=LoraConfig, help="LoRA.")

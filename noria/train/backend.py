@@ -127,7 +127,10 @@ class TrainBackend(Protocol):
 
 
 def step_totals(batch: TrainBatch) -> tuple[float, int]:
-    """(loss tokens, sequences with any loss token) of a whole step's batch."""
+    """(loss tokens, sequences with any loss token) of a whole step's batch (``batch.step_totals``
+    when the batch left samples out)."""
+    if batch.step_totals is not None:
+        return batch.step_totals
     mask = batch.loss_mask.float()
     per_seq = torch.zeros_like(mask).index_add(0, seq_index(batch).to(mask.device), mask)
     return float(mask.sum()), int((per_seq > 0).sum())

@@ -6,7 +6,7 @@ every rank calls it with the same groups and the backend splits the work)::
     groups --trainable (completed or truncated, and scored)--> samples
       GRPO family (train.loss.advantage != gae):
         advantages per group (noria.train.algorithms, by name) -> K slices of samples, in order
-        -> pack each slice -> K > 1: every slice's logprobs under the weights BEFORE the first update
+        -> pack each slice (samples with a zero gradient left out: ``pack_step``) -> K > 1: every slice's logprobs under the weights BEFORE the first update
            (the "old" policy of the ratio) -> K backend.train_step calls
       PPO with GAE (advantage: gae): noria.train.critic.ppo_train (the critic gives per-token
         advantages; K slices likewise, policy and critic stepped together)
@@ -32,6 +32,7 @@ Not guaranteed: a step with no trainable sample trains nothing; it reports
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -71,7 +72,7 @@ def _rl_step(
     if not samples:
         return {"time/train_s": time.perf_counter() - t0, "train/skipped_no_samples": 1.0}
     k = cfg.steps_per_rollout
-    distill: dict[str, float] = {}
+    extra: dict[str, float] = {}
     if critic is not None:
         from noria.train.critic import ppo_train
 
@@ -84,19 +85,62 @@ def _rl_step(
         for sample, advantage in zip(samples, flat_adv):  # kept for the rollouts file (noria inspect)
             sample.advantage = float(advantage)
         if cfg.loss.opd_coef > 0:  # on-policy distillation: per-token advantages (noria.train.opd)
-            flat_adv, distill = distill_advantages(backend, samples, flat_adv, cfg, opd)
+            flat_adv, extra = distill_advantages(backend, samples, flat_adv, cfg, opd)
         size = math.ceil(len(samples) / k)
         slices = [(samples[i : i + size], flat_adv[i : i + size]) for i in range(0, len(samples), size)]
-        batches = [pack_samples(s, a, replay_routes, pixel_values=pixels(s) if pixels else None) for s, a in slices]
+        batches = [pack_step(s, a, cfg, replay_routes, pixels) for s, a in slices]
         old = [backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
         parts = [backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
+        skipped = len(samples) - sum(b.n_sequences for b in batches)
+        extra["train/zero_advantage_skipped_frac"] = skipped / len(samples)
+        if skipped:  # staleness over every sample of the step, those left out too
+            batches = [pack_samples(samples)]
     out = average(parts)
-    out.update(distill)
+    out.update(extra)
     out["optimizer_step"] = out.pop("step", float(backend.optimizer_steps))
     out["train/samples"] = float(len(samples))
     out.update(token_staleness(batches, weight_version))
     out["time/train_s"] = time.perf_counter() - t0
     return out
+
+
+def pack_step(
+    samples: list[Sample], advantages: list, cfg: TrainConfig, replay_routes: bool = False, pixels: Any = None
+) -> TrainBatch:
+    """One optimizer step's batch of ``samples``. With ``train.skip_zero_advantage``, the samples whose
+    gradient is zero (:func:`zero_gradient`) are left out and the batch carries the whole step's
+    normalisers (``TrainBatch.step_totals``): the same gradient, without their forward and backward.
+    One sample (the shortest with a trained token) stays when none has a gradient, so the optimizer
+    steps as it would."""
+    from noria.train import pack_samples
+    from noria.train.backend import step_totals
+
+    keep = list(range(len(samples)))
+    if cfg.skip_zero_advantage and not _other_terms(cfg):
+        keep = [i for i, a in enumerate(advantages) if not zero_gradient(a)] or [min(keep, key=lambda i: _cost(samples[i]))]
+    totals = step_totals(pack_samples(samples, advantages)) if len(keep) < len(samples) else None
+    chosen = [samples[i] for i in keep]
+    batch = pack_samples(chosen, [advantages[i] for i in keep], replay_routes, pixel_values=pixels(chosen) if pixels else None)
+    return batch if totals is None else dataclasses.replace(batch, step_totals=totals)
+
+
+def _cost(s: Sample) -> tuple[bool, int]:
+    """Order of the samples to keep when none has a gradient: one with a trained token, the shortest."""
+    trained = any(s.loss_mask[0 if s.prompt_ids else 1 :])  # a sequence's first token is never predicted
+    return not trained, len(s.prompt_ids) + len(s.response_ids)
+
+
+def zero_gradient(advantage: Any) -> bool:
+    """True when a sample's advantage (a number, or one per response token) is 0 everywhere: every
+    policy loss (``noria.train.algorithms.policy``) scales the sample's terms by it."""
+    if isinstance(advantage, (int, float)):
+        return advantage == 0
+    return all(a == 0 for a in advantage)
+
+
+def _other_terms(cfg: TrainConfig) -> bool:
+    """Loss terms that give every trained token a gradient whatever its advantage."""
+    return cfg.loss.kl_coef > 0 or cfg.loss.entropy_coef > 0 or cfg.loss.router_aux_coef > 0
 
 
 def distill_advantages(

@@ -65,3 +65,35 @@ def test_token_staleness_counts_trained_policy_tokens_only():
     assert got["train/token_staleness_max"] == 3.0
     assert abs(got["train/token_staleness_mean"] - float(expected.mean())) < 1e-9
     assert token_staleness([pack_samples([Sample(prompt_ids=[1], response_ids=[2], loss_mask=[0])])], 5) == {}
+
+
+def test_samples_without_gradient_are_left_out_and_the_gradient_is_the_same(tiny_model_dir):
+    """Groups whose rewards are all equal have advantage 0 on every token: left out of the forward and
+    backward (train.skip_zero_advantage), the step's gradient, loss and normalisers are unchanged."""
+    from train_util import record_grads
+
+    def step(skip: bool, rewards: list[list[float]], **loss):
+        backend = make_backend(tiny_model_dir, loss_fn=None, algorithm="rl", steps_per_rollout=1, skip_zero_advantage=skip, loss=loss)
+        groups = groups_of(random_samples(4 * len(rewards), seed=4), size=4, versions=[0])
+        for group, values in zip(groups, rewards):
+            for s, r in zip(group.samples, values):
+                s.reward = r
+        grads = record_grads(backend)
+        return rl_step(backend, groups, backend.cfg, weight_version=0), grads
+
+    mixed = [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    (full, g_full), (part, g_part) = step(False, mixed), step(True, mixed)
+    assert full["train/zero_advantage_skipped_frac"] == 0.0 and part["train/zero_advantage_skipped_frac"] == 8 / 12
+    assert part["tokens"] < full["tokens"] and part["loss_tokens"] == full["loss_tokens"]
+    assert abs(part["loss"] - full["loss"]) < 1e-6 and abs(part["grad_norm"] - full["grad_norm"]) < 1e-5 * full["grad_norm"]
+    assert g_full.keys() == g_part.keys() and full["grad_norm"] > 0
+    for name, grad in g_full.items():
+        torch.testing.assert_close(g_part[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+    flat = [[1.0] * 4, [0.0] * 4]  # no signal at all: one sample still goes through, the optimizer steps on zeros
+    out, grads = step(True, flat)
+    assert out["train/zero_advantage_skipped_frac"] == 7 / 8 and out["optimizer_step"] == 1.0 and out["grad_norm"] == 0.0
+    assert "rollout_logprob_abs_diff" in out and all(not g.any() for g in grads.values())
+
+    entropy, _ = step(True, mixed, entropy_coef=0.01)  # a term every token has a gradient from: nothing left out
+    assert entropy["train/zero_advantage_skipped_frac"] == 0.0
