@@ -82,20 +82,20 @@ def quantize_into(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, ta
     ``code_table``'s ``table``) and block scales."""
     n = codes.numel()
     pad = (-x.numel()) % BLOCK
-    xb = torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK)
-    scale = xb.abs().amax(dim=1).clamp_min_(1e-30)
-    scales.copy_(scale)
-    bits = (xb / scale[:, None]).to(torch.bfloat16).view(torch.int16).view(-1)[:n]
-    codes.copy_(table[bits.int() & 0xFFFF])
+    xb = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(-1, BLOCK)
+    torch.amax(xb.abs(), dim=1, out=scales).clamp_min_(1e-30)  # the largest |value| of each block
+    bits = (xb / scales[:, None]).to(torch.bfloat16).view(torch.int16).view(-1)[:n].int().bitwise_and_(0xFFFF)
+    torch.index_select(table, 0, bits, out=codes)  # index_select: 3x faster than table[bits] here
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
     """fp32 values of ``codes`` (a whole number of blocks, or the tensor's tail) under block ``scales``."""
     n = codes.numel()
-    values = qmap[codes.int()]
+    values = qmap.index_select(0, codes.int())
     pad = (-n) % BLOCK
-    values = torch.nn.functional.pad(values, (0, pad)).view(-1, BLOCK) * scales[:, None]
-    return values.view(-1)[:n]
+    if pad:
+        values = torch.nn.functional.pad(values, (0, pad))
+    return values.view(-1, BLOCK).mul_(scales[:, None]).view(-1)[:n]
 
 
 class CompactAdamW(torch.optim.Optimizer):
@@ -198,10 +198,11 @@ class CompactAdamW(torch.optim.Optimizer):
             chunk = flat_p[a:b]
             if weight_decay:
                 chunk.mul_(1 - lr * weight_decay)
-            chunk.addcdiv_(m, v.sqrt().div_(root_bc2).add_(eps), value=-step_size)
+            root = v.sqrt()  # the update's denominator, and what the int8 state stores
+            chunk.addcdiv_(m, root.div(root_bc2).add_(eps), value=-step_size)
             if quantized:
                 quantize_into(m, state["exp_avg"][a:b], state["exp_avg_scale"][sa:sb], codes_m)
-                quantize_into(v.sqrt_(), state["exp_avg_sqrt"][a:b], state["exp_avg_sqrt_scale"][sa:sb], codes_r)
+                quantize_into(root, state["exp_avg_sqrt"][a:b], state["exp_avg_sqrt_scale"][sa:sb], codes_r)
             else:
                 state["exp_avg"][a:b].copy_(m)
                 state["exp_avg_sq"][a:b].copy_(v)
