@@ -114,7 +114,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("skipped", "flag", "1 when the optimizer step was skipped (non-finite loss or gradient)."),
         ("pair_accuracy", "fraction", "Reward models (train.algorithm reward_model): share of the step's preference pairs scored r(chosen) > r(rejected); their `loss` is the mean -log sigmoid(r(chosen) - r(rejected))."),
         ("margin", "reward", "Reward models: mean r(chosen) - r(rejected) over the step's pairs."),
-        ("tokens", "tokens", "Tokens (prompt + response) through the trainer this step."),
+        ("tokens", "tokens", "Tokens (prompt + response) of the samples trained this step, a token several share counted in each "
+         "(samples left out of the forward by train.skip_zero_advantage included); train tok/s is this over time/train_s."),
         ("loss_tokens", "tokens", "Tokens with loss_mask 1 (trained on)."),
         ("step_time_s", "s", "Trainer time of the last optimizer step."),
         ("optimizer_step", "count", "Optimizer steps done so far."),

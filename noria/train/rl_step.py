@@ -91,6 +91,8 @@ def _rl_step(
         batches = [pack_step(s, a, cfg, replay_routes, pixels) for s, a in slices]
         old = [backend.compute_logprobs(b).logprobs for b in batches] if len(batches) > 1 else [None]
         parts = [backend.train_step(b, old_logprobs=o) for b, o in zip(batches, old)]
+        for part, (chosen, _) in zip(parts, slices):  # the step's work, samples left out included (train tok/s)
+            part["tokens"] = float(sum(len(x.prompt_ids) + len(x.response_ids) for x in chosen))
         skipped = len(samples) - sum(b.n_sequences for b in batches)
         extra["train/zero_advantage_skipped_frac"] = skipped / len(samples)
         if skipped:  # staleness over every sample of the step, those left out too
