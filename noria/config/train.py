@@ -186,7 +186,8 @@ class TrainConfig:
     skip_zero_advantage: bool = option(
         True,
         "RL: leave out of the forward and backward the samples whose gradient is zero: advantage 0 on every token "
-        "(a GRPO group whose rewards are all equal) with no KL, entropy or router-balance term. The losses still "
+        "(a GRPO group whose rewards are all equal) with no KL, entropy or router-balance term, under a policy loss that "
+        "scales every term by the advantage (ppo_clip, gspo, cispo; a plugin's loss only if registered so). The losses still "
         "divide by the whole step's token and sequence counts, so the gradient is the same (to float rounding); "
         "the step's logprob metrics (clip_frac, approx_kl, rollout_logprob_abs_diff, ...) then cover the samples "
         "trained through the model. One sample is kept when none has a gradient, so the optimizer still steps.",

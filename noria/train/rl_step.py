@@ -141,8 +141,12 @@ def zero_gradient(advantage: Any) -> bool:
 
 
 def _other_terms(cfg: TrainConfig) -> bool:
-    """Loss terms that give every trained token a gradient whatever its advantage."""
-    return cfg.loss.kl_coef > 0 or cfg.loss.entropy_coef > 0 or cfg.loss.router_aux_coef > 0
+    """Loss terms that may give a token a gradient whatever its advantage: KL, entropy, the MoE
+    router's balance, or a policy loss not known to scale every term by the advantage."""
+    from noria.train.algorithms.policy import ADVANTAGE_SCALED
+
+    loss = cfg.loss
+    return loss.kl_coef > 0 or loss.entropy_coef > 0 or loss.router_aux_coef > 0 or loss.policy_loss not in ADVANTAGE_SCALED
 
 
 def distill_advantages(

@@ -97,3 +97,20 @@ def test_samples_without_gradient_are_left_out_and_the_gradient_is_the_same(tiny
 
     entropy, _ = step(True, mixed, entropy_coef=0.01)  # a term every token has a gradient from: nothing left out
     assert entropy["train/zero_advantage_skipped_frac"] == 0.0
+
+
+def test_a_policy_loss_not_declared_advantage_scaled_trains_every_sample(tiny_model_dir):
+    """A plugin's policy loss may have a term that does not scale with the advantage: unless it is
+    registered with advantage_scaled=True, no sample is left out."""
+    from noria.train.algorithms.policy import POLICY_LOSSES, ppo_clip, register_policy_loss
+
+    register_policy_loss("ppo_clip_plugin_copy")(ppo_clip)
+    try:
+        backend = make_backend(tiny_model_dir, loss_fn=None, algorithm="rl", steps_per_rollout=1,
+                               loss={"policy_loss": "ppo_clip_plugin_copy"})
+        groups = groups_of(random_samples(8, seed=5), size=4, versions=[0])
+        for s in groups[1].samples:
+            s.reward = 1.0  # no signal in the second group
+        assert rl_step(backend, groups, backend.cfg, weight_version=0)["train/zero_advantage_skipped_frac"] == 0.0
+    finally:
+        POLICY_LOSSES.pop("ppo_clip_plugin_copy")

@@ -32,8 +32,18 @@ MAX_LOG_RATIO = 20.0
 """Log importance ratios are clamped to +-this before exponentiation."""
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss with the contract of this module."""
+ADVANTAGE_SCALED: set[str] = set()
+"""Policy losses whose every token's term is a multiple of that token's advantage: a sample whose
+advantage is 0 everywhere has no gradient from them, so ``train.skip_zero_advantage`` may leave it
+out of the forward (``noria.train.rl_step.pack_step``). A loss is in it only if registered with
+``advantage_scaled=True``; every other loss trains every sample."""
+
+
+def register_policy_loss(name: str, advantage_scaled: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy loss with the contract of this module (``advantage_scaled``:
+    see :data:`ADVANTAGE_SCALED`)."""
+    if advantage_scaled:
+        ADVANTAGE_SCALED.add(name)
     return register(POLICY_LOSSES, "policy loss", name)
 
 
@@ -54,7 +64,7 @@ def _clipped_surrogate(cfg: LossConfig, ratio: torch.Tensor, advantages: torch.T
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss("ppo_clip", advantage_scaled=True)
 def ppo_clip(
     cfg: LossConfig,
     logprobs: torch.Tensor,
@@ -86,7 +96,7 @@ def ppo_clip(
     return loss, {"clip_frac": (clipped | dual).float(), "dual_clip_frac": dual.float()}
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", advantage_scaled=True)
 def gspo(
     cfg: LossConfig,
     logprobs: torch.Tensor,
@@ -115,7 +125,7 @@ def gspo(
     return loss, {"clip_frac": clipped.float()}
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", advantage_scaled=True)
 def cispo(
     cfg: LossConfig,
     logprobs: torch.Tensor,
