@@ -10,7 +10,9 @@ optimum-intel (NNCF compresses the weights at export), which is why it is not an
   (``noria.engine.vllm_server.vllm_python_path``; ``scripts/test.sh`` creates both before the tests).
 - The export: ``optimum-cli export openvino`` of the model folder per weight format, cached under
   ``$NORIA_HOME/bench/openvino/models`` (the folder's path, its files' sizes and times and the format
-  in the name), written to a temporary folder and renamed when complete.
+  in the name), written to a temporary folder and renamed when complete. Each export records its
+  model folder (:data:`SOURCE`); a new export first deletes those whose model folder is gone (a
+  test's temporary model, say), which nothing else would ever remove.
 - The run: ``openvino_worker.py`` in that venv, fed the same token ids as every engine of the bench.
 
 Weight formats, by ``--quant`` value: ``none`` the model's own fp32 weights (``--weight-format
@@ -68,6 +70,10 @@ def openvino_python_path() -> Path:
     return python
 
 
+SOURCE = "noria_source.json"
+"""The file in each export naming the model folder it was made from."""
+
+
 def exported(folder: Path, quant: str) -> Path:
     """The OpenVINO IR of the model ``folder`` with ``quant``'s weights, exported on first use."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
@@ -76,6 +82,7 @@ def exported(folder: Path, quant: str) -> Path:
     if (out / "openvino_model.xml").exists():
         return out
     python = openvino_python_path()
+    prune_exports(out.parent)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"exporting {folder} to OpenVINO IR ({' '.join(EXPORT_ARGS[quant])}) into {out} (once)", file=sys.stderr)
@@ -84,8 +91,24 @@ def exported(folder: Path, quant: str) -> Path:
     proc = run_command(cmd, check=False, capture=True, env={"HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0 or not (tmp / "openvino_model.xml").exists():
         raise RuntimeError(f"OpenVINO export of {folder} ({quant}) failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    (tmp / SOURCE).write_text(json.dumps({"folder": str(folder.resolve()), "quant": quant}))
     tmp.rename(out)
     return out
+
+
+def prune_exports(models: Path) -> list[Path]:
+    """Delete the exports under ``models`` whose model folder no longer exists; returns them. An
+    export without :data:`SOURCE` (made before it existed) is kept."""
+    gone = []
+    for export in sorted(models.glob("*")):
+        try:
+            source = Path(json.loads((export / SOURCE).read_text())["folder"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not source.is_dir():
+            shutil.rmtree(export, ignore_errors=True)
+            gone.append(export)
+    return gone
 
 
 def openvino_figures(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str, quant: str,

@@ -39,6 +39,9 @@ def test_openvino_export_of_int8_is_the_int8_engines_peer(tiny_model_dir, tmp_pa
     kept, complete, for the next run."""
     from noria.bench import openvino_peer
 
+    stale = openvino_peer.openvino_home() / "models" / f"gone-{tmp_path.name}-int8-0"  # an earlier test session's model
+    stale.mkdir(parents=True)
+    (stale / openvino_peer.SOURCE).write_text(json.dumps({"folder": str(tmp_path / "deleted-model"), "quant": "int8"}))
     path = tmp_path / "engine.json"
     results = bench_engine.run(str(tiny_model_dir), [2, 4], 6, ["openvino"], str(path), None, "float32", ["int8"])
     assert [r["case"].split()[2:4] for r in results] == [["int8", "batch=2"], ["int8", "batch=4"]]
@@ -46,3 +49,5 @@ def test_openvino_export_of_int8_is_the_int8_engines_peer(tiny_model_dir, tmp_pa
     export = openvino_peer.exported(tiny_model_dir, "int8")  # the run's, not made again
     assert (export / "openvino_model.xml").is_file() and "-int8-" in export.name
     assert not list(export.parent.glob("*.partial"))
+    assert json.loads((export / openvino_peer.SOURCE).read_text())["folder"] == str(tiny_model_dir.resolve())
+    assert not stale.exists()  # its model folder is gone: removed when this export was made
