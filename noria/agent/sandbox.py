@@ -57,7 +57,9 @@ root and as an unprivileged user):
   killed, every process it started dies: ``test_grandchild_holding_the_pipes_dies_with_it``), a
   process limit (``test_fork_bomb_is_contained``), and the sandbox dies with its caller (above).
 - other sandboxes: each has its own mount, PID, IPC, UTS, cgroup and network namespace and, when
-  the caller is root, its own uid (so the process limit is per sandbox); none sees another's
+  the caller is root, its own uid (so the process limit is per sandbox: each caller process holds
+  a slot of 4,096 uids, claimed with a lock file under :data:`UID_SLOTS` for its life, so two
+  callers never share one); none sees another's
   folder or processes (``test_concurrent_sandboxes_cannot_see_each_other``).
 - time: a wall-clock timeout kills the whole process group (``test_infinite_loop_is_killed``), and
   RLIMIT_CPU bounds CPU seconds; memory: RLIMIT_AS (``test_memory_bomb_is_refused``); output:
@@ -88,6 +90,7 @@ This module imports only the standard library, so that it runs as any user with 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import itertools
 import os
 import resource
@@ -97,6 +100,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +139,11 @@ SETUP_TOOLS = ("bwrap", "unshare", "setpriv", "mount", "cp", "sh")
 """The chain's tools: a failure before the program starts writes ``TOOL:`` (or ``/path/to/TOOL:``) first on stderr."""
 
 _ids = itertools.count()
+UID_SLOTS = Path("/run/lock/noria-sandbox-uids") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir(), "noria-sandbox-uids")
+"""Root mode: one lock file per slot of 4,096 sandbox uids (65,536 slots), held (flock) by the caller
+process using the slot and naming its pid; the lock goes with the process, whatever kills it."""
+_slot: tuple[int, int, object] | None = None  # (pid, slot, the locked file) of this process
+_slot_lock = threading.Lock()
 
 
 class SandboxUnavailable(RuntimeError):
@@ -243,14 +252,53 @@ def check_tools() -> dict[str, str]:
 
 
 def caller_uids(pid: int) -> range:
-    """The 4,096 uids the sandboxes of the caller with this pid are given (:func:`sandbox_uid`)."""
-    low = SANDBOX_UID_BASE + ((pid & 0xFFFF) << 12)
+    """The 4,096 uids the sandboxes of the caller with this pid are given (:func:`sandbox_uid`): its
+    slot's, as its lock file under :data:`UID_SLOTS` names it; a caller that has not claimed one
+    yet would first try slot ``pid & 0xFFFF``."""
+    slot = pid & 0xFFFF
+    try:
+        held = {f.read_text().strip(): int(f.name) for f in UID_SLOTS.iterdir() if f.name.isdigit()}
+        slot = held.get(str(pid), slot)
+    except OSError:  # no slot was ever claimed on this machine
+        pass
+    return _slot_uids(slot)
+
+
+def _slot_uids(slot: int) -> range:
+    low = SANDBOX_UID_BASE + (slot << 12)
     return range(low, low + 4096)
 
 
 def sandbox_uid() -> int:
-    """A uid no other sandbox of this machine is using now (by pid and a per-process counter)."""
-    return caller_uids(os.getpid())[next(_ids) & 0xFFF]
+    """A uid no other sandbox of this machine is using now: this process's slot (:func:`_claim_slot`)
+    and a per-process counter."""
+    return _slot_uids(_claim_slot())[next(_ids) & 0xFFF]
+
+
+def _claim_slot() -> int:
+    """This process's uid slot: the first from ``pid & 0xFFFF`` on whose lock file it gets (no other
+    live process holds it), kept for the process's life. A forked child claims its own."""
+    global _slot
+    with _slot_lock:
+        pid = os.getpid()
+        if _slot is not None and _slot[0] == pid:
+            return _slot[1]
+        UID_SLOTS.mkdir(mode=0o755, parents=True, exist_ok=True)
+        for i in range(0x10000):
+            slot = (pid + i) & 0xFFFF
+            f = open(UID_SLOTS / str(slot), "a+")  # noqa: SIM115 - held open, locked, for the process's life
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            f.seek(0)
+            f.truncate()
+            f.write(str(pid))
+            f.flush()
+            _slot = (pid, slot, f)
+            return slot
+        raise SandboxUnavailable(f"every sandbox uid slot under {UID_SLOTS} is held by a live process")
 
 
 def _system_python() -> str:

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -478,3 +479,32 @@ def test_missing_bubblewrap_is_a_clear_error(monkeypatch, tmp_path):
 def test_unisolated_executor_is_explicit():
     r = run_python("import os; print(os.getuid())", FAST, UNSAFE_no_isolation=True)
     assert r.status == "ok" and r.stdout.strip() == str(os.getuid())
+
+
+
+HOLDER = """
+import fcntl, os, sys
+from pathlib import Path
+import noria.agent.sandbox as s
+s.UID_SLOTS = Path(sys.argv[1])  # this test's, not the machine's
+s.UID_SLOTS.mkdir(parents=True)
+mine = os.getpid() & 0xFFFF
+other = open(s.UID_SLOTS / str(mine), "a+")  # another caller whose pid agrees with ours modulo 65,536 holds it
+fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+other.write("1")
+other.flush()
+uid = s.sandbox_uid()
+print(mine, (uid - s.SANDBOX_UID_BASE) >> 12, s.caller_uids(os.getpid()).start == s.SANDBOX_UID_BASE + (((mine + 1) & 0xFFFF) << 12))
+"""
+
+
+def test_two_callers_never_share_a_uid_slot(tmp_path):
+    """Root mode gives each caller process a slot of 4,096 uids by a lock file held for its life: a
+    caller whose first slot (pid & 0xFFFF) another live caller holds takes the next free one, and
+    its slot's file names it."""
+    slots = tmp_path / "slots"
+    out = subprocess.run([sys.executable, "-c", HOLDER, str(slots)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    mine, got, found = out.stdout.split()
+    assert int(got) == (int(mine) + 1) & 0xFFFF and found == "True", out.stdout
+    assert (slots / got).read_text().isdigit() and (slots / got).read_text() != "1"
