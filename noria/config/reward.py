@@ -78,14 +78,16 @@ class RewardModelConfig:
         "response, label, metadata and criterion (a rubric item, else empty); empty: a built-in 0-10 grading prompt.",
     )
     system_prompt: str | None = option(None, "A system message before the judge's prompt.")
-    parser: Literal["number", "label", "boxed"] = option(
+    parser: Literal["number", "label", "boxed", "answer"] = option(
         "number",
         "How the verdict becomes a score: number (the number captured by `pattern`, default `Score: N`, else the last "
         "number; mapped from score_range to [0, 1]), label (the first key of `labels` found, whole word, case-insensitive; "
-        "its value), boxed (the number in the last \\boxed{}, from score_range). No verdict: the sample fails (unparseable).",
+        "its value), boxed (the number in the last \\boxed{}, from score_range), answer (the judge states the response's "
+        "final answer, captured by `pattern`, else its last \\boxed{}, else its last number: 1 when it equals the sample's "
+        "label as a number, else 0; a reference-guided grader). No verdict: the sample fails (unparseable).",
     )
     pattern: str = option(
-        "", "A regex whose first group captures the verdict (number parser: a number; label parser: a label); empty: "
+        "", "A regex whose first group captures the verdict (number and answer parsers: a number; label parser: a label); empty: "
         "`Score:\\s*(-?\\d+(?:\\.\\d+)?)` for number, the labels themselves for label."
     )
     labels: dict[str, float] = option(factory=dict, help="parser label: each label's reward, e.g. {correct: 1.0, incorrect: 0.0}.")

@@ -5,7 +5,9 @@ What this module owns: ``render_messages`` (the template, sandboxed, given the s
 response, label, metadata and a rubric criterion), ``JudgeClient`` (one request: SGLang's native
 ``/generate`` with a request id the answer must echo, or OpenAI's ``/v1/chat/completions`` with an
 ``X-Request-Id`` header; per-request timeout and retries) and ``parse_verdict`` / ``parse_verdicts``
-(a number, a label or a ``\\boxed{}`` score, mapped to [0, 1]).
+(a number, a label or a ``\\boxed{}`` score, mapped to [0, 1]; or, with ``parser: answer``, the
+final answer the judge read off the response, scored 1 when it equals the sample's label: a judge
+too small to grade, such as SmolLM2-135M, can still extract an answer reliably).
 
 Failure (``JudgeFailure``, its ``kind`` one of the runner's failure kinds): a request that times out
 or cannot connect is tried ``retries`` more times, then fails the sample (``timeout`` or
@@ -89,17 +91,20 @@ def render_messages(
 # --------------------------------------------------------------------------------------- verdict
 
 
-def parse_verdict(cfg: RewardModelConfig, text: str) -> float:
-    """The judge's reply as a score in [0, 1]; ``JudgeFailure("unparseable")`` when it holds none."""
-    return parse_verdicts(cfg, text, 1)[0]
+def parse_verdict(cfg: RewardModelConfig, text: str, label: Any = None) -> float:
+    """The judge's reply as a score in [0, 1]; ``JudgeFailure("unparseable")`` when it holds none.
+    ``label``: the sample's reference answer (``parser: answer`` compares with it)."""
+    return parse_verdicts(cfg, text, 1, label)[0]
 
 
-def parse_verdicts(cfg: RewardModelConfig, text: str, n: int) -> list[float]:
+def parse_verdicts(cfg: RewardModelConfig, text: str, n: int, label: Any = None) -> list[float]:
     """The first ``n`` verdicts of a reply, in order (rubric_mode all: one per criterion)."""
     if cfg.parser == "label":
         found = _labels(cfg, text)
     elif cfg.parser == "boxed":
         found = _boxed_numbers(text)
+    elif cfg.parser == "answer":
+        found = _answers(cfg, text)
     else:
         found = _numbers(cfg, text)
     if len(found) < n:
@@ -107,6 +112,9 @@ def parse_verdicts(cfg: RewardModelConfig, text: str, n: int) -> list[float]:
         raise JudgeFailure("unparseable", f"judge {cfg.name!r}: {len(found)} of {n} verdicts ({cfg.parser}) in its reply {shown!r}")
     if cfg.parser == "label":
         return [float(cfg.labels[_label_key(cfg, v)]) for v in found[:n]]
+    if cfg.parser == "answer":
+        reference = _reference(cfg, label)
+        return [1.0 if v == reference else 0.0 for v in found[:n]]
     return [_scale(cfg, v) for v in found[:n]]
 
 
@@ -116,6 +124,21 @@ def _numbers(cfg: RewardModelConfig, text: str) -> list[float]:
         return [float(v[0] if isinstance(v, tuple) else v) for v in values if _is_number(v[0] if isinstance(v, tuple) else v)]
     numbers = _LAST_NUMBER.findall(text)
     return [float(numbers[-1])] if numbers else []
+
+
+def _answers(cfg: RewardModelConfig, text: str) -> list[float]:
+    if cfg.pattern:
+        values = [v if isinstance(v, str) else v[0] for v in re.findall(cfg.pattern, text)]
+        return [float(v.replace(",", "")) for v in values if _is_number(v.replace(",", ""))]
+    return _boxed_numbers(text) or [float(v) for v in _LAST_NUMBER.findall(text.replace(",", ""))[-1:]]
+
+
+def _reference(cfg: RewardModelConfig, label: Any) -> float:
+    """The sample's label as a number (``parser: answer``); a label that is none fails the sample."""
+    text = str(label).strip().replace(",", "") if label is not None else ""
+    if not _is_number(text):
+        raise JudgeFailure("raised", f"judge {cfg.name!r}: parser answer compares with the sample's label, a number; got {label!r}")
+    return float(text)
 
 
 def _boxed_numbers(text: str) -> list[float]:

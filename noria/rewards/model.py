@@ -124,15 +124,15 @@ class ModelReward:
             return text
 
         if not cfg.rubric:
-            return parse_verdict(cfg, await ask(""))
+            return parse_verdict(cfg, await ask(""), row.label)
         weights = [float(item.get("weight", 1.0)) for item in cfg.rubric]
         criteria = [str(item["criterion"]) for item in cfg.rubric]
         if cfg.rubric_mode == "all":
             listed = "\n".join(f"{i + 1}. {c}" for i, c in enumerate(criteria))
-            scores = parse_verdicts(cfg, await ask(listed), len(criteria))
+            scores = parse_verdicts(cfg, await ask(listed), len(criteria), row.label)
         else:
             texts = await asyncio.gather(*(ask(c) for c in criteria))
-            scores = [parse_verdict(cfg, t) for t in texts]
+            scores = [parse_verdict(cfg, t, row.label) for t in texts]
         return sum(w * s for w, s in zip(weights, scores)) / sum(weights)
 
     def cache_key(self, row: Row) -> str:

@@ -64,6 +64,17 @@ def test_parsers_number_label_boxed_and_unparseable():
     assert parse_verdicts(regex, "a [[2]] b [[10]]", 2) == [pytest.approx(0.2), 1.0]
     with pytest.raises(JudgeFailure):
         parse_verdicts(regex, "a [[2]]", 2)
+    answer = RewardModelConfig(kind="judge", url="http://x", parser="answer")
+    assert parse_verdict(answer, "The final answer is 1,082.", "1082") == 1.0  # the last number, as a number
+    assert parse_verdict(answer, r"It says \boxed{82}, then 7 more words", " 82") == 1.0  # a \boxed{} first
+    assert parse_verdict(answer, "The final answer is 83.", "82") == 0.0
+    assert parse_verdict(answer, "To add 39 + 43, we need", "82") == 0.0  # the judge's last number is what it read
+    with pytest.raises(JudgeFailure) as out:
+        parse_verdict(answer, "I cannot tell.", "82")
+    assert out.value.kind == "unparseable"
+    with pytest.raises(JudgeFailure) as out:
+        parse_verdict(answer, "42", None)  # nothing to compare with: the sample fails, naming why
+    assert out.value.kind == "raised" and "label" in str(out.value)
 
 
 def test_config_checks_name_the_key():
