@@ -21,8 +21,17 @@ summed over scoring calls), ``time/reward_hidden_s`` (the part spent while the s
 still generating) and their ratio, the judge's p50/p99 request seconds. A judge verdict that does
 not parse fails its sample (counted, not retried): the figures are about cost, not about grading.
 
-Not measured: a training step (the trainer's share of a step is the same in every case), several
-engines, GPUs. On a small CPU the judge's process and the policy's engine share the cores, so a
+Whole steps (``--steps N``, with ``--staleness k``): ``noria train`` of the main job's recipe
+(SmolLM2 on the arithmetic task, 8 prompts x 8 samples) in fully asynchronous mode (``max_staleness``
+k, ``tis``), the policy's engine its own ``noria serve`` process, three times in fresh subprocesses:
+scored by the rule; by the judge on an engine of its own (a third process; the judge of
+``examples/grpo_smollm2_judge.yaml``, reading each answer for ``parser: answer``); by that judge on
+the policy's engine (``shared``). Per case: seconds per step over the steps after the first (the
+first builds kernels) and their ratio to the rule's, the scoring seconds and the part hidden behind
+generation, the judge's p50/p99. The runs differ in their rewards, so in what they train from step 2
+on: read the step time as the cost of a step of this recipe, not of the same samples.
+
+Not measured: several engines, GPUs. On a small CPU the judge's process and the policy's engine share the cores, so a
 judge's cost shows in the rollout's wall time: say what else ran.
 """
 
@@ -48,6 +57,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--judge-tokens", type=int, default=8, help="judge tokens per verdict")
     parser.add_argument("--rows", type=int, default=16, help="rows of the throughput cases")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each rollout case (interleaved); the fastest is reported")
+    parser.add_argument("--steps", type=int, default=0, help="whole-step cases: `noria train` steps per case (0: none)")
+    parser.add_argument("--staleness", type=int, default=2, help="whole-step cases: rollout.max_staleness (fully async)")
+    parser.add_argument("--work-dir", default=None, help="whole-step cases: folder for the configs and run folders")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
 
 
@@ -79,6 +91,8 @@ def main(args) -> int:
             engine.shutdown(1.0)
     results = throughput + rollout
     _print(throughput, rollout)
+    if args.steps > 0:
+        results += whole_steps(str(policy), judge, args.steps, args.staleness, args.work_dir)
     if args.json:
         write_json(args.json, "reward", results, policy=str(args.model), judge=args.judge or str(args.model))
     return 0
@@ -212,3 +226,74 @@ def _print(throughput: list[dict], rollout: list[dict]) -> None:
         [[r["case"], r["noria"], r["vs_rule"], r["reward_s"], r["reward_hidden_s"], r["hidden_frac"], r["latency_p50_s"], r["latency_p99_s"],
           r["scored"], r["failed"]] for r in rollout],
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------- whole steps
+
+ANSWER_JUDGE = {
+    "kind": "judge", "name": "judge", "weight": 1.0, "parser": "answer", "max_new_tokens": 16, "temperature": 0.0,
+    "template": "Text: {{ response }}\n\nWhat is the final answer in the text above? Reply with the number only.",
+    "timeout_s": 120.0, "retries": 1,
+}  # fmt: skip
+"""The judge of ``examples/grpo_smollm2_judge.yaml``: it reads each answer off the response."""
+
+
+def step_config(policy: str, judge: str | None, steps: int, staleness: int) -> dict[str, Any]:
+    """The main job's recipe, fully asynchronous, scored by the rule (``judge`` None), by a judge
+    served by its own engine (a model), or by the policy's engine (``shared``)."""
+    reward: dict[str, Any] = {"name": "numeric"}
+    if judge is not None:
+        reward.update(rule_weight=0.0, model={**ANSWER_JUDGE, "engine": judge})
+    return {
+        "name": f"bench-reward-{'rule' if judge is None else 'shared' if judge == 'shared' else 'judge'}",
+        "seed": 0,
+        "model": {"path": policy},
+        "data": {"task": "arithmetic", "task_args": {"n_train": 2000, "n_test": 200, "seed": 0, "ops": ["+"]}, "shuffle": True},
+        "reward": reward,
+        "rollout": {"n_samples": 8, "prompts_per_step": 8, "max_new_tokens": 32, "temperature": 0.7,
+                    "placement": "disaggregated", "max_staleness": staleness},
+        "train": {"max_steps": steps, "micro_batch_tokens": 4096, "activation_checkpointing": True, "logprob_chunk_tokens": 128,
+                  "onednn_cache_capacity": 64, "loss": {"off_policy": "tis"},
+                  "optim": {"state_dtype": "int8", "lr": 5e-6, "warmup_steps": 0, "grad_clip": 1.0}},
+        "eval": {"every": 1000, "limit": 8},
+    }  # fmt: skip
+
+
+STEP_CASES = {"steps_rule": None, "steps_judge_engine": "engine", "steps_judge_shared": "shared"}
+"""The whole-step cases and where each one's judge runs (None: the rule scores)."""
+
+
+def whole_steps(
+    policy: str, judge: str, steps: int, staleness: int, work_dir: str | None, cases: tuple[str, ...] = tuple(STEP_CASES)
+) -> list[dict[str, Any]]:
+    """The whole-step cases (module docstring): one ``noria train`` per case, in a fresh subprocess;
+    the first of ``cases`` is the baseline of ``vs_rule``."""
+    from noria.bench.async_rl import read_rows, train
+
+    work = Path(work_dir or tempfile.mkdtemp(prefix="noria-bench-reward-steps-"))
+    work.mkdir(parents=True, exist_ok=True)
+    out = []
+    for case in cases:
+        who = {"engine": judge, "shared": "shared"}.get(STEP_CASES[case])
+        f = train(work, case, step_config(policy, who, steps, staleness), f"async k={staleness}, reward {who or 'rule'}")
+        rows = read_rows(work / case / "metrics.jsonl")[1:]
+        total = lambda key: sum(r.get(key, 0.0) for r in rows)  # noqa: E731
+        scoring, hidden = total("time/reward_s"), total("time/reward_hidden_s")
+        out.append({
+            "case": case, "metric": "step s", "noria": round(f["wall_s"] / f["steps"], 3), "peers": {}, "bound": None,
+            "steps": f["steps"], "staleness": staleness, "reward_s": round(scoring, 3), "reward_hidden_s": round(hidden, 3),
+            "hidden_frac": round(hidden / scoring, 3) if scoring > 0 else None,
+            "latency_p50_s": rows[-1].get("reward/model_latency_s_p50"), "latency_p99_s": rows[-1].get("reward/model_latency_s_p99"),
+            "agreement": rows[-1].get("reward/agreement"), "failed": int(total("reward/failed")),
+            "trainer_idle_frac": f["trainer_idle_frac"],
+        })  # fmt: skip
+    for row in out:
+        row["vs_rule"] = round(row["noria"] / out[0]["noria"], 3)
+    print()
+    print_table(
+        f"whole steps, fully async (max_staleness {staleness}), the policy's engine a process of its own (s per step, lower is better)",
+        ["case", "step s", "vs rule", "reward s", "hidden frac", "p50 s", "p99 s", "agreement", "failed", "trainer idle"],
+        [[r["case"], r["noria"], r["vs_rule"], r["reward_s"], r["hidden_frac"], r["latency_p50_s"], r["latency_p99_s"], r["agreement"],
+          r["failed"], r["trainer_idle_frac"]] for r in out],
+    )  # fmt: skip
+    return out

@@ -112,6 +112,9 @@ class ModelReward:
             return await self._judge(http, row, limit, out)
         except JudgeFailure as failure:
             return failure
+        except Exception as e:  # classify: never raise from a shielded task, which may outlive its caller
+            # (a scoring call cancelled as the run stops closes the client under it): a failed sample
+            return JudgeFailure("raised", f"{self.client.name}: {type(e).__name__}: {e}")
 
     async def _judge(self, http: Any, row: Row, limit: asyncio.Semaphore, out: Scored) -> float:
         cfg = self.cfg

@@ -4,8 +4,13 @@ do not depend on the clock. Timings are never asserted."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import yaml
 
 from noria.bench import parse_bench_args
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_bench_reward_json(tiny_model_dir, tmp_path):
@@ -25,3 +30,27 @@ def test_bench_reward_json(tiny_model_dir, tmp_path):
     for case in ("judge_each", "judge_group", "judge_shared"):
         assert rows[case]["scored"] + rows[case]["failed"] == 4 and rows[case]["latency_p50_s"] is not None
     assert rows["judge_group"]["reward_hidden_s"] == 0  # scored once the group was done: nothing hidden
+
+
+
+def test_bench_reward_whole_steps(tiny_model_dir, tmp_path):
+    """A whole-step case: a real `noria train` run, fully async, the policy's engine a process of its own.
+    (The judge cases need a judge that answers with a number: the tiny random model replies nothing.)"""
+    from noria.bench.reward import whole_steps
+
+    rows = whole_steps(str(tiny_model_dir), str(tiny_model_dir), steps=3, staleness=1, work_dir=str(tmp_path), cases=("steps_rule",))
+    assert [r["case"] for r in rows] == ["steps_rule"] and rows[0]["vs_rule"] == 1.0
+    assert rows[0]["steps"] == 2 and rows[0]["noria"] > 0 and rows[0]["latency_p50_s"] is None  # the first step is not timed
+    assert yaml.safe_load((tmp_path / "steps_rule" / "config.yaml").read_text())["rollout"]["max_staleness"] == 1
+
+
+def test_bench_reward_judge_is_the_judge_example():
+    """The whole-step judge is examples/grpo_smollm2_judge.yaml's, as the bench's docs say."""
+    from noria.bench.reward import step_config
+    from noria.config import RunConfig, load
+
+    example = load(RunConfig, str(EXAMPLES / "grpo_smollm2_judge.yaml"), [])
+    bench = step_config("smollm2-135m-instruct", "smollm2-135m-instruct", 4, 2)["reward"]
+    assert bench["rule_weight"] == example.reward.rule_weight == 0.0
+    for key, value in bench["model"].items():
+        assert getattr(example.reward.model, key) == value, key

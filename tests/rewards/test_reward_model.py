@@ -191,6 +191,33 @@ def test_a_judge_that_never_answers_times_out_per_request_with_retries():
     assert "judge 'scripted' at " + url in samples[0].status_reason
 
 
+def test_a_scoring_call_cancelled_mid_request_leaves_no_failing_task_behind():
+    """A run that stops cancels its scoring call; the request it shares (shielded, so that another
+    waiter keeps it) goes on, and its retry meets a closed client: that is a failed sample, never an
+    exception that no one retrieves ("Task exception was never retrieved" at every stop)."""
+    import gc
+
+    async def main(url: str) -> list[dict]:
+        seen: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: seen.append(context))
+        reward = reward_with(judge_cfg(url, timeout_s=0.2, retries=1), rule_weight=0.0)
+        call = asyncio.ensure_future(score_async(samples_of("4"), reward, ["4"], prompts=["2+2?"]))
+        await asyncio.sleep(0.1)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0.6)  # the shielded request's first try times out; its retry finds the client closed
+        gc.collect()
+        return seen
+
+    with socket.socket() as hole:  # accepts connections (the backlog) and never answers
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)
+        unbind_judge("scripted")
+        seen = asyncio.run(main(f"http://127.0.0.1:{hole.getsockname()[1]}"))
+    assert seen == []
+
+
 # ------------------------------------------------------------------------- a real judge engine
 
 
