@@ -1,6 +1,9 @@
 """``noria bench reward``: a generative judge's throughput and latency, and how much of its scoring
 hides behind generation when each sample is scored as it finishes versus per group.
 
+The judge everywhere is the one of ``examples/grpo_smollm2_judge.yaml`` (``ANSWER_JUDGE``: it is asked
+for each response's final answer, compared with the reference, ``parser: answer``).
+
 Throughput: ``--rows`` distinct (prompt, response) rows scored by the judge served by ``noria serve``
 (``reward.model.engine``, the run's machinery), the cache off, every request sent at once (the
 engine batches them) and then one at a time (``reward.model.max_concurrency`` 1): rows/s and the
@@ -18,8 +21,8 @@ real rollout scheduler, each case with the same seeds (the same answers), scored
 
 Per case: the wall seconds until every group is in the buffer, ``time/reward_s`` (scoring seconds,
 summed over scoring calls), ``time/reward_hidden_s`` (the part spent while the sample's group was
-still generating) and their ratio, the judge's p50/p99 request seconds. A judge verdict that does
-not parse fails its sample (counted, not retried): the figures are about cost, not about grading.
+still generating) and their ratio, the judge's p50/p99 request seconds, its agreement with the rule.
+A judge verdict that does not parse fails its sample (counted, not retried).
 
 Whole steps (``--steps N``, with ``--staleness k``): ``noria train`` of the main job's recipe
 (SmolLM2 on the arithmetic task, 8 prompts x 8 samples) in fully asynchronous mode (``max_staleness``
@@ -76,6 +79,7 @@ def main(args) -> int:
         "--model.path", str(policy), "--data.task", "arithmetic", "--reward.name", "numeric", "--reward.rule_weight", "0",
         "--reward.model.kind", "judge", "--reward.model.engine", judge, "--reward.model.max_new_tokens", str(args.judge_tokens),
         "--reward.model.cache", "false", "--reward.model.retries", "0", "--reward.model.timeout_s", "300",
+        "--reward.model.parser", ANSWER_JUDGE["parser"], "--reward.model.template", ANSWER_JUDGE["template"],
     ])  # fmt: skip
     tokenizer = load_tokenizer(policy)
     engine = Engine.from_path(str(policy), EngineConfig(kv_cache_tokens=16384), dtype=config.model.dtype)
