@@ -62,6 +62,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each rollout case (interleaved); the fastest is reported")
     parser.add_argument("--steps", type=int, default=0, help="whole-step cases: `noria train` steps per case (0: none)")
     parser.add_argument("--staleness", type=int, default=2, help="whole-step cases: rollout.max_staleness (fully async)")
+    parser.add_argument("--judge-threads", type=int, default=None,
+                        help="whole-step cases: reward.model.engine_threads of the judge's own engine (default: as the run)")
     parser.add_argument("--work-dir", default=None, help="whole-step cases: folder for the configs and run folders")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
 
@@ -96,7 +98,7 @@ def main(args) -> int:
     results = throughput + rollout
     _print(throughput, rollout)
     if args.steps > 0:
-        results += whole_steps(str(policy), judge, args.steps, args.staleness, args.work_dir)
+        results += whole_steps(str(policy), judge, args.steps, args.staleness, args.work_dir, judge_threads=args.judge_threads)
     if args.json:
         write_json(args.json, "reward", results, policy=str(args.model), judge=args.judge or str(args.model))
     return 0
@@ -268,7 +270,8 @@ STEP_CASES = {"steps_rule": None, "steps_judge_engine": "engine", "steps_judge_s
 
 
 def whole_steps(
-    policy: str, judge: str, steps: int, staleness: int, work_dir: str | None, cases: tuple[str, ...] = tuple(STEP_CASES)
+    policy: str, judge: str, steps: int, staleness: int, work_dir: str | None, cases: tuple[str, ...] = tuple(STEP_CASES),
+    judge_threads: int | None = None,
 ) -> list[dict[str, Any]]:
     """The whole-step cases (module docstring): one ``noria train`` per case, in a fresh subprocess;
     the first of ``cases`` is the baseline of ``vs_rule``."""
@@ -279,13 +282,16 @@ def whole_steps(
     out = []
     for case in cases:
         who = {"engine": judge, "shared": "shared"}.get(STEP_CASES[case])
-        f = train(work, case, step_config(policy, who, steps, staleness), f"async k={staleness}, reward {who or 'rule'}")
+        cfg = step_config(policy, who, steps, staleness)
+        if judge_threads is not None and STEP_CASES[case] == "engine":
+            cfg["reward"]["model"]["engine_threads"] = judge_threads
+        f = train(work, case, cfg, f"async k={staleness}, reward {who or 'rule'}")
         rows = read_rows(work / case / "metrics.jsonl")[1:]
         total = lambda key: sum(r.get(key, 0.0) for r in rows)  # noqa: E731
         scoring, hidden = total("time/reward_s"), total("time/reward_hidden_s")
         out.append({
             "case": case, "metric": "step s", "noria": round(f["wall_s"] / f["steps"], 3), "peers": {}, "bound": None,
-            "steps": f["steps"], "staleness": staleness, "reward_s": round(scoring, 3), "reward_hidden_s": round(hidden, 3),
+            "steps": f["steps"], "staleness": staleness, "judge_threads": cfg["reward"].get("model", {}).get("engine_threads"), "reward_s": round(scoring, 3), "reward_hidden_s": round(hidden, 3),
             "hidden_frac": round(hidden / scoring, 3) if scoring > 0 else None,
             "latency_p50_s": rows[-1].get("reward/model_latency_s_p50"), "latency_p99_s": rows[-1].get("reward/model_latency_s_p99"),
             "agreement": rows[-1].get("reward/agreement"), "failed": int(total("reward/failed")),

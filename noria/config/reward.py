@@ -56,6 +56,11 @@ class RewardModelConfig:
         "standardizes it within each group) or sigmoid (in (0, 1): mixes with a 0/1 rule and agreement_threshold 0.5)."
     )
     engine_device: str | None = option(None, "Torch device of the judge's `noria serve` (e.g. cuda:1); null uses model.device.")
+    engine_threads: int | None = option(
+        None, "Torch threads of the judge's `noria serve` on a CPU (OMP_NUM_THREADS, which wins when set); null: as many as "
+        "the run's own process. On a small CPU the judge's engine shares the cores with rollout and training: fewer threads "
+        "oversubscribe them less (docs/rewards.md, costs)."
+    )
     api: Literal["sglang", "openai"] = option(
         "sglang",
         "kind judge: sglang: POST /generate with the chat prompt rendered by the judge's tokenizer and a request id (rid) the answer "
@@ -126,6 +131,8 @@ class RewardModelConfig:
             raise ConfigError(f"{p}.in_process needs kind scalar and {p}.engine (the reward model's folder)")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"{p}.url must be a base URL http://HOST:PORT, got {self.url!r}")
+        if self.engine_threads is not None and self.engine_threads < 1:
+            raise ConfigError(f"{p}.engine_threads must be >= 1 (or null), got {self.engine_threads}")
         if self.timeout_s <= 0 or self.retries < 0 or self.max_concurrency < 1 or self.max_new_tokens < 1:
             raise ConfigError(f"{p}: timeout_s must be > 0, retries >= 0, max_concurrency >= 1 and max_new_tokens >= 1")
         if self.temperature < 0:

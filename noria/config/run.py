@@ -233,9 +233,13 @@ def _check_reward_model(config: RunConfig) -> None:
         )
     if data.path is not None:
         for key, path in (("data.path", data.path), ("data.test_path", data.test_path)):
-            if path is not None and not (data.format == "jsonl" or (data.format == "auto" and path.endswith(".jsonl"))):
-                raise ConfigError(f'{what} reads JSONL rows of {{"prompt", "chosen", "rejected"}}; {key} {path!r} is not a .jsonl file')
-        if config.eval.every > 0 and data.test_path is None:
+            jsonl = data.format == "jsonl" or (data.format == "auto" and path is not None and path.endswith(".jsonl"))
+            if path is not None and not jsonl and not Path(path).is_dir():  # a folder: an RL run's (its rollouts' pairs)
+                raise ConfigError(
+                    f'{what} reads JSONL rows of {{"prompt", "chosen", "rejected"}} or an RL run\'s folder (pairs from its '
+                    f"rollouts); {key} {path!r} is neither a .jsonl file nor a folder"
+                )
+        if config.eval.every > 0 and data.test_path is None and not Path(data.path).is_dir():
             raise ConfigError(f"eval.every > 0 with {what} evaluates held-out pairs: set data.test_path (a JSONL of pairs) or eval.every: 0")
 
 

@@ -22,6 +22,15 @@ arithmetic task), the chosen response gives the label in the form the prompt ask
 [-10, 10], never 0), in one of a few answer styles; the style and the offset are drawn from a
 generator seeded by the task's own seed and the split, so a split always gives the same pairs.
 
+Pairs from a run (``rollout_pairs``; ``data.path`` naming an RL run's folder): on-policy pairs, made
+from the trajectories the run recorded (``RUN/rollouts/step-*.jsonl``, as ``noria inspect`` reads
+them). Within each group, a sample with a higher reward is preferred to one with a lower reward of
+the same group (failed samples, without a reward, are left out); at most ``per_group`` pairs a
+group, the best against the worst first; a pair whose two texts are equal is left out. Prompts are
+split by a hash of their text: one in ten is held out (``part="test"``), so no prompt is trained on
+and evaluated. These are the pairs a reward model meets in an RL run of that policy: the policy's
+own right and wrong answers, not a right answer and a number made up.
+
 Not guaranteed: that a file's pairs are consistent (the same pair preferred both ways is accepted);
 rows are read whole into memory.
 """
@@ -61,8 +70,11 @@ class PreferencePair:
     """Where the pair came from, for errors: ``file:line``, or ``task:NAME/split #i``."""
 
 
-def read_pairs(path: str | Path) -> list[PreferencePair]:
-    """Every pair of a JSONL file, in file order; ``DataError`` names the file, line and field of the first bad row."""
+def read_pairs(path: str | Path, part: str = "train") -> list[PreferencePair]:
+    """Every pair of a JSONL file, in file order; ``DataError`` names the file, line and field of the
+    first bad row. A folder is an RL run's: its recorded rollouts' pairs (``rollout_pairs``, ``part``)."""
+    if Path(path).is_dir():
+        return rollout_pairs(path, part)
     if not Path(path).is_file():
         raise DataError(f"{path}: file not found")
     pairs = []
@@ -102,6 +114,58 @@ def response_of(row: dict[str, Any], key: str) -> str:
     if not value.strip():
         raise DataError(f"field '{key}': the response is empty")
     return value
+
+
+def rollout_pairs(run_dir: str | Path, part: str = "train", per_group: int = 4) -> list[PreferencePair]:
+    """On-policy pairs from a run's recorded rollouts (module docstring); ``part``: train or test
+    (one prompt in ten, by a hash of its text). ``DataError`` names the run, file and line of a bad row."""
+    if part not in ("train", "test"):
+        raise ValueError(f"rollout_pairs: part must be train or test, got {part!r}")
+    files = sorted((Path(run_dir) / "rollouts").glob("step-*.jsonl"))
+    if not files:
+        raise DataError(f"{run_dir}: a folder of preference pairs must be an RL run's, with rollouts/step-*.jsonl; found none")
+    groups: dict[tuple[str, int, int], list[tuple[dict[str, Any], str]]] = {}
+    for path in files:
+        for line, row in jsonl_rows(path):
+            where = f"{path}:{line.removeprefix('line ')}"
+            if isinstance(row, BadRow):
+                raise DataError(f"{where}: {row.reason}")
+            missing = [k for k in ("step", "group_id", "prompt", "response", "reward") if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise DataError(f"{where}: not a recorded trajectory: field(s) {', '.join(missing)} missing")
+            if row["reward"] is not None and _held_out(row["prompt"]) == (part == "test"):
+                groups.setdefault((path.name, row["step"], row["group_id"]), []).append((row, where))
+    pairs: list[PreferencePair] = []
+    for members in groups.values():
+        ranked = sorted(members, key=lambda m: -float(m[0]["reward"]))
+        made = 0
+        for best, worst in _best_against_worst(ranked):
+            if made == per_group:
+                break
+            (a, where), (b, _) = best, worst
+            if float(a["reward"]) > float(b["reward"]) and a["response"] != b["response"]:
+                prompt = a["prompt"] if isinstance(a["prompt"], str) else tuple(a["prompt"])
+                pairs.append(PreferencePair(prompt, a["response"], b["response"], where))
+                made += 1
+    if not pairs:
+        raise DataError(f"{run_dir}: no {part} pairs: no recorded group held two samples with different rewards")
+    return pairs
+
+
+def _best_against_worst(ranked: list) -> Any:
+    """(i-th best, j-th worst) of a group ranked best first, the best against the worst first."""
+    for shift in range(len(ranked)):
+        for i in range(len(ranked)):
+            j = len(ranked) - 1 - ((i + shift) % len(ranked))
+            if i < j:
+                yield ranked[i], ranked[j]
+
+
+def _held_out(prompt: Any) -> bool:
+    """One prompt in ten is held out, by a stable hash of its text."""
+    import hashlib
+
+    return hashlib.sha256(repr(prompt).encode()).digest()[0] % 10 == 0
 
 
 def task_pairs(prompts: Sequence[Prompt], task: str, split: str, seed: int) -> list[PreferencePair]:

@@ -6,6 +6,7 @@ of chat rows.
 How data moves::
 
     data.path: JSONL of {"prompt", "chosen", "rejected"}  (noria.data.pairs.read_pairs)
+    or an RL run's folder: its recorded groups, a higher reward preferred (noria.data.pairs.rollout_pairs)
     or data.task: a task's train split -> pairs, the right answer preferred (noria.data.pairs.task_pairs)
       -> each response after the prompt, through the base model's chat template: the token ids the
          scalar reward (noria.rewards.scalar.rm_input_ids) reads in an RL run
@@ -111,8 +112,9 @@ def prepare_pairs(config: RunConfig) -> PairData:
         train = task_pairs(load_prompts(data, "train"), data.task, "train", seed)
         test = task_pairs(load_prompts(data, "test"), data.task, "test", seed) if every else []
     else:
-        train = read_pairs(data.path)
-        test = read_pairs(data.test_path) if every and data.test_path else []
+        train = read_pairs(data.path)  # a JSONL file, or an RL run's folder (its rollouts: on-policy pairs)
+        held = data.test_path or (data.path if Path(data.path).is_dir() else None)  # a run's held-out tenth
+        test = read_pairs(held, part="test") if every and held else []
     test = test[: config.eval.limit] if config.eval.limit else test
     tokenizer = load_tokenizer(model_path(config.model.path))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

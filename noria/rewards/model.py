@@ -230,13 +230,15 @@ def judge_tokenizer(cfg: RewardModelConfig, url: str, api_key: str | None) -> An
 
 def start_judge_engine(config: Any, folder: Path) -> tuple[Any, ModelReward]:
     """``noria serve`` of ``reward.model.engine`` (``noria.engine.child``: on ``reward.model.engine_device``,
-    else ``model.device``; logging to ``folder/judge.log``), bound as the run's judge: (child, scorer)."""
+    else ``model.device``, on ``reward.model.engine_threads``; logging to ``folder/judge.log``), bound as
+    the run's judge: (child, scorer)."""
     from noria.engine.child import engine_device, start_engine_server
     from noria.models.catalog import model_path
 
     cfg = config.reward.model
     path = model_path(cfg.engine)
-    child, url, key = start_engine_server(path, config, folder, cfg.engine_device or engine_device(config), "judge.log")
+    device = cfg.engine_device or engine_device(config)
+    child, url, key = start_engine_server(path, config, folder, device, "judge.log", threads=cfg.engine_threads)
     try:
         scorer = bind_judge(cfg, url, key, judge_tokenizer(cfg, url, key) if cfg.api == "sglang" or cfg.kind == "scalar" else None)
     except BaseException:

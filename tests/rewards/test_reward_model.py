@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import re
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -226,14 +227,18 @@ def engine_metrics(url: str, headers: dict) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^noria_engine_(\w+) ([-\d.e+]+)$", text, re.MULTILINE)}
 
 
-def test_real_judge_engine_batches_then_dies_and_the_run_stops_naming_it(tiny_model_dir, tmp_path):
+def test_real_judge_engine_batches_then_dies_and_the_run_stops_naming_it(tiny_model_dir, tmp_path, monkeypatch):
     config = load(RunConfig, None, [
         "--model.path", str(tiny_model_dir), "--data.task", "arithmetic", "--reward.model.kind", "judge",
         "--reward.model.engine", str(tiny_model_dir), "--reward.model.max_new_tokens", "12",
         "--reward.model.retries", "0", "--reward.rule_weight", "0", "--engine.kv_cache_tokens", "4096",
+        "--reward.model.engine_threads", "1",
     ])  # fmt: skip
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # set, it would win over engine_threads
     (child,) = start_judge(config, tmp_path)
     try:
+        environ = (Path("/proc") / str(child.pid) / "environ").read_bytes().split(b"\0")
+        assert b"OMP_NUM_THREADS=1" in environ  # reward.model.engine_threads
         scorer = model_reward(config.reward.model)
         url, headers = scorer.client.url, scorer.client.headers
         reward = dataclasses.replace(config.reward, name="exact_match")

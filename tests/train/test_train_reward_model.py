@@ -209,9 +209,48 @@ def test_bad_pair_rows_are_named(tmp_path, tiny_model_dir, capsys):
         ({"data.task": "arithmetic", "train.lora.enabled": "true"}, "train.lora.enabled is not supported"),
         ({"data.task": "arithmetic", "data.chat_template": "chat.jinja"}, "data.chat_template must be true or false"),
         ({"data.path": "pairs.jsonl"}, "eval.every > 0 with train.algorithm reward_model"),
-        ({"data.path": "pairs.csv", "eval.every": 0}, "'pairs.csv' is not a .jsonl file"),
+        ({"data.path": "pairs.csv", "eval.every": 0}, "'pairs.csv' is neither a .jsonl file nor a folder"),
     ],
 )
 def test_config_refuses_what_a_reward_model_run_cannot_do(tiny_model_dir, overrides, message):
     with pytest.raises(NoriaError, match=message):
         load_config(None, rm_args(tiny_model_dir, **overrides))
+
+
+def write_rollouts(run, groups) -> None:
+    """A run folder's rollouts/step-*.jsonl in the recorded format (the fields rollout_pairs reads)."""
+    (run / "rollouts").mkdir(parents=True)
+    for step in (1, 2):
+        rows = [{"step": step, "group_id": g, "index": i, "prompt": prompt, "label": "0", "response": text, "reward": reward,
+                 "status": "completed" if reward is not None else "failed"}
+                for g, (prompt, answers) in enumerate(groups) if g % 2 == step - 1 for i, (text, reward) in enumerate(answers)]  # fmt: skip
+        (run / "rollouts" / f"step-{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_pairs_from_a_runs_rollouts(tmp_path, tiny_model_dir):
+    from noria.data.pairs import rollout_pairs
+    from noria.launch.reward_model import prepare_pairs
+
+    run = tmp_path / "grpo-run"
+    groups = [(f"What is {a} + 1?", [(f"{a + 1}", 1.0), (f"{a + 2}", 0.0), (f"{a}", 0.0), ("no idea", None), (f"{a + 1}.", 1.0),
+                                     (f"{a + 2}", 0.0), (f"{a + 9}", 0.0)]) for a in range(60)]  # fmt: skip
+    groups.append(("What is 7 + 7?", [("14", 1.0), ("14", 1.0)]))  # one reward only: no pair
+    write_rollouts(run, groups)
+    train, test = rollout_pairs(run, "train"), rollout_pairs(run, "test")
+    assert train and test and not {p.prompt for p in train} & {p.prompt for p in test}  # a prompt is trained on or held out
+    assert len(train) + len(test) == 60 * 4  # at most 4 pairs a group
+    for pair in train + test:
+        a = int(pair.prompt.split()[2])
+        assert pair.chosen.rstrip(".") == str(a + 1) and pair.rejected in (str(a + 2), str(a), str(a + 9)), pair  # never the failed one
+        assert pair.where.startswith(str(run / "rollouts" / "step-"))
+    first = [p for p in train + test if p.prompt == "What is 0 + 1?"]
+    assert [p.rejected for p in first][:2] == ["9", "2"]  # the best against the worst first
+    # a run folder as data.path: train pairs from it, held-out pairs from its held-out tenth
+    data = prepare_pairs(load_config(None, rm_args(tiny_model_dir, **{"data.path": run, "eval.every": 5})))
+    assert len(data.pairs) == len(train) and len(data.held_out) == len(test)
+    (run / "rollouts" / "step-000002.jsonl").write_text('{"step": 2, "group_id": 1}\n')
+    with pytest.raises(NoriaError, match=r"step-000002.jsonl:1: not a recorded trajectory: field\(s\) prompt, response, reward missing"):
+        rollout_pairs(run, "train")
+    (tmp_path / "not-a-run").mkdir()
+    with pytest.raises(NoriaError, match="must be an RL run's, with rollouts/step-"):
+        rollout_pairs(tmp_path / "not-a-run")
