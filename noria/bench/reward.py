@@ -26,12 +26,14 @@ A judge verdict that does not parse fails its sample (counted, not retried).
 
 Whole steps (``--steps N``, with ``--staleness k``): ``noria train`` of the main job's recipe
 (SmolLM2 on the arithmetic task, 8 prompts x 8 samples) in fully asynchronous mode (``max_staleness``
-k, ``tis``), the policy's engine its own ``noria serve`` process, three times in fresh subprocesses:
+k, ``tis``), the policy's engine its own ``noria serve`` process, in fresh subprocesses, in
+``--step-rounds`` rounds of three runs (interleaved: a slow stretch of the machine hits each case):
 scored by the rule; by the judge on an engine of its own (a third process; the judge of
 ``examples/grpo_smollm2_judge.yaml``, reading each answer for ``parser: answer``); by that judge on
 the policy's engine (``shared``). Per case: seconds per step over the steps after the first (the
-first builds kernels) and their ratio to the rule's, the scoring seconds and the part hidden behind
-generation, the judge's p50/p99. The runs differ in their rewards, so in what they train from step 2
+first builds kernels), the median over rounds, and ``vs_rule``, the median over rounds of the ratio
+to the rule's step time in the same round; the scoring seconds and the part hidden behind
+generation, the judge's p50/p99 (of the middle round). The runs differ in their rewards, so in what they train from step 2
 on: read the step time as the cost of a step of this recipe, not of the same samples.
 
 Not measured: several engines, GPUs. On a small CPU the judge's process and the policy's engine share the cores, so a
@@ -62,6 +64,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each rollout case (interleaved); the fastest is reported")
     parser.add_argument("--steps", type=int, default=0, help="whole-step cases: `noria train` steps per case (0: none)")
     parser.add_argument("--staleness", type=int, default=2, help="whole-step cases: rollout.max_staleness (fully async)")
+    parser.add_argument("--step-rounds", type=int, default=1, help="whole-step cases: rounds of the cases, interleaved (medians)")
     parser.add_argument("--judge-threads", type=int, default=None,
                         help="whole-step cases: reward.model.engine_threads of the judge's own engine (default: as the run)")
     parser.add_argument("--work-dir", default=None, help="whole-step cases: folder for the configs and run folders")
@@ -98,7 +101,8 @@ def main(args) -> int:
     results = throughput + rollout
     _print(throughput, rollout)
     if args.steps > 0:
-        results += whole_steps(str(policy), judge, args.steps, args.staleness, args.work_dir, judge_threads=args.judge_threads)
+        results += whole_steps(str(policy), judge, args.steps, args.staleness, args.work_dir, judge_threads=args.judge_threads,
+                               rounds=args.step_rounds)
     if args.json:
         write_json(args.json, "reward", results, policy=str(args.model), judge=args.judge or str(args.model))
     return 0
@@ -238,7 +242,7 @@ def _print(throughput: list[dict], rollout: list[dict]) -> None:
 
 ANSWER_JUDGE = {
     "kind": "judge", "name": "judge", "weight": 1.0, "parser": "answer", "max_new_tokens": 16, "temperature": 0.0,
-    "template": "Text: {{ response }}\n\nWhat is the final answer in the text above? Reply with the number only.",
+    "template": "What is the final answer in the text below? Reply with the number only.\n\nText: {{ response }}",
     "timeout_s": 120.0, "retries": 1,
 }  # fmt: skip
 """The judge of ``examples/grpo_smollm2_judge.yaml``: it reads each answer off the response."""
@@ -271,39 +275,55 @@ STEP_CASES = {"steps_rule": None, "steps_judge_engine": "engine", "steps_judge_s
 
 def whole_steps(
     policy: str, judge: str, steps: int, staleness: int, work_dir: str | None, cases: tuple[str, ...] = tuple(STEP_CASES),
-    judge_threads: int | None = None,
+    judge_threads: int | None = None, rounds: int = 1,
 ) -> list[dict[str, Any]]:
-    """The whole-step cases (module docstring): one ``noria train`` per case, in a fresh subprocess;
-    the first of ``cases`` is the baseline of ``vs_rule``."""
-    from noria.bench.async_rl import read_rows, train
+    """The whole-step cases (module docstring): one ``noria train`` per case and round, each in a fresh
+    subprocess, the cases interleaved round by round (a slow stretch of the machine hits each); the
+    first of ``cases`` is the baseline. Per case: the median step time over the rounds, and
+    ``vs_rule`` the median over rounds of its step time over the baseline's in the same round."""
+    import statistics
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="noria-bench-reward-steps-"))
     work.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
+    for r in range(rounds):
+        for case in cases:
+            who = {"engine": judge, "shared": "shared"}.get(STEP_CASES[case])
+            cfg = step_config(policy, who, steps, staleness)
+            if judge_threads is not None and STEP_CASES[case] == "engine":
+                cfg["reward"]["model"]["engine_threads"] = judge_threads
+            name = case if rounds == 1 else f"{case}-{r + 1}"
+            runs[case].append(_step_run(work, name, cfg, f"async k={staleness}, reward {who or 'rule'}"))
     out = []
-    for case in cases:
-        who = {"engine": judge, "shared": "shared"}.get(STEP_CASES[case])
-        cfg = step_config(policy, who, steps, staleness)
-        if judge_threads is not None and STEP_CASES[case] == "engine":
-            cfg["reward"]["model"]["engine_threads"] = judge_threads
-        f = train(work, case, cfg, f"async k={staleness}, reward {who or 'rule'}")
-        rows = read_rows(work / case / "metrics.jsonl")[1:]
-        total = lambda key: sum(r.get(key, 0.0) for r in rows)  # noqa: E731
-        scoring, hidden = total("time/reward_s"), total("time/reward_hidden_s")
-        out.append({
-            "case": case, "metric": "step s", "noria": round(f["wall_s"] / f["steps"], 3), "peers": {}, "bound": None,
-            "steps": f["steps"], "staleness": staleness, "judge_threads": cfg["reward"].get("model", {}).get("engine_threads"), "reward_s": round(scoring, 3), "reward_hidden_s": round(hidden, 3),
-            "hidden_frac": round(hidden / scoring, 3) if scoring > 0 else None,
-            "latency_p50_s": rows[-1].get("reward/model_latency_s_p50"), "latency_p99_s": rows[-1].get("reward/model_latency_s_p99"),
-            "agreement": rows[-1].get("reward/agreement"), "failed": int(total("reward/failed")),
-            "trainer_idle_frac": f["trainer_idle_frac"],
-        })  # fmt: skip
-    for row in out:
-        row["vs_rule"] = round(row["noria"] / out[0]["noria"], 3)
+    for case, done in runs.items():
+        row = dict(done[len(done) // 2] if rounds % 2 else done[0], case=case, staleness=staleness)
+        row["noria"] = round(statistics.median(d["noria"] for d in done), 3)
+        row["rounds_s"] = [d["noria"] for d in done]
+        row["vs_rule"] = round(statistics.median(d["noria"] / b["noria"] for d, b in zip(done, runs[cases[0]])), 3)
+        out.append(row)
     print()
     print_table(
-        f"whole steps, fully async (max_staleness {staleness}), the policy's engine a process of its own (s per step, lower is better)",
-        ["case", "step s", "vs rule", "reward s", "hidden frac", "p50 s", "p99 s", "agreement", "failed", "trainer idle"],
-        [[r["case"], r["noria"], r["vs_rule"], r["reward_s"], r["hidden_frac"], r["latency_p50_s"], r["latency_p99_s"], r["agreement"],
-          r["failed"], r["trainer_idle_frac"]] for r in out],
+        f"whole steps, fully async (max_staleness {staleness}), the policy's engine a process of its own; median of {rounds} "
+        "round(s) (s per step, lower is better)",
+        ["case", "step s", "vs rule", "rounds s", "reward s", "hidden frac", "p50 s", "p99 s", "agreement", "failed", "trainer idle"],
+        [[r["case"], r["noria"], r["vs_rule"], " ".join(f"{x:.2f}" for x in r["rounds_s"]), r["reward_s"], r["hidden_frac"],
+          r["latency_p50_s"], r["latency_p99_s"], r["agreement"], r["failed"], r["trainer_idle_frac"]] for r in out],
     )  # fmt: skip
     return out
+
+
+def _step_run(work: Path, name: str, cfg: dict[str, Any], note: str) -> dict[str, Any]:
+    """One whole-step run's figures (its steps after the first)."""
+    from noria.bench.async_rl import read_rows, train
+
+    f = train(work, name, cfg, note)
+    rows = read_rows(work / name / "metrics.jsonl")[1:]
+    total = lambda key: sum(r.get(key, 0.0) for r in rows)  # noqa: E731
+    scoring, hidden = total("time/reward_s"), total("time/reward_hidden_s")
+    return {
+        "metric": "step s", "noria": round(f["wall_s"] / f["steps"], 3), "peers": {}, "bound": None, "steps": f["steps"],
+        "judge_threads": cfg["reward"].get("model", {}).get("engine_threads"), "reward_s": round(scoring, 3),
+        "reward_hidden_s": round(hidden, 3), "hidden_frac": round(hidden / scoring, 3) if scoring > 0 else None,
+        "latency_p50_s": rows[-1].get("reward/model_latency_s_p50"), "latency_p99_s": rows[-1].get("reward/model_latency_s_p99"),
+        "agreement": rows[-1].get("reward/agreement"), "failed": int(total("reward/failed")), "trainer_idle_frac": f["trainer_idle_frac"],
+    }  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from noria.bench import parse_bench_args
@@ -38,10 +39,13 @@ def test_bench_reward_whole_steps(tiny_model_dir, tmp_path):
     (The judge cases need a judge that answers with a number: the tiny random model replies nothing.)"""
     from noria.bench.reward import whole_steps
 
-    rows = whole_steps(str(tiny_model_dir), str(tiny_model_dir), steps=3, staleness=1, work_dir=str(tmp_path), cases=("steps_rule",))
-    assert [r["case"] for r in rows] == ["steps_rule"] and rows[0]["vs_rule"] == 1.0
+    rows = whole_steps(str(tiny_model_dir), str(tiny_model_dir), steps=3, staleness=1, work_dir=str(tmp_path), cases=("steps_rule",),
+                       rounds=2)  # fmt: skip
+    assert [r["case"] for r in rows] == ["steps_rule"] and rows[0]["vs_rule"] == 1.0 and len(rows[0]["rounds_s"]) == 2
     assert rows[0]["steps"] == 2 and rows[0]["noria"] > 0 and rows[0]["latency_p50_s"] is None  # the first step is not timed
-    assert yaml.safe_load((tmp_path / "steps_rule" / "config.yaml").read_text())["rollout"]["max_staleness"] == 1
+    assert rows[0]["noria"] == pytest.approx(sum(rows[0]["rounds_s"]) / 2, abs=1e-3)  # the median of two
+    for r in (1, 2):
+        assert yaml.safe_load((tmp_path / f"steps_rule-{r}" / "config.yaml").read_text())["rollout"]["max_staleness"] == 1
 
 
 def test_bench_reward_judge_is_the_judge_example():
