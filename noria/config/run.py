@@ -232,14 +232,15 @@ def _check_reward_model(config: RunConfig) -> None:
             "reward reads with): data.chat_template must be true or false, not a template"
         )
     if data.path is not None:
+        jsonl = lambda path: data.format == "jsonl" or (data.format == "auto" and path.endswith(".jsonl"))  # noqa: E731
         for key, path in (("data.path", data.path), ("data.test_path", data.test_path)):
-            jsonl = data.format == "jsonl" or (data.format == "auto" and path is not None and path.endswith(".jsonl"))
-            if path is not None and not jsonl and not Path(path).is_dir():  # a folder: an RL run's (its rollouts' pairs)
+            # else a folder: an RL run's, pairs from its rollouts (a run a chain of commands makes may not exist yet)
+            if path is not None and not jsonl(path) and (Path(path).is_file() or (Path(path).suffix and not Path(path).is_dir())):
                 raise ConfigError(
                     f'{what} reads JSONL rows of {{"prompt", "chosen", "rejected"}} or an RL run\'s folder (pairs from its '
                     f"rollouts); {key} {path!r} is neither a .jsonl file nor a folder"
                 )
-        if config.eval.every > 0 and data.test_path is None and not Path(data.path).is_dir():
+        if config.eval.every > 0 and data.test_path is None and jsonl(data.path):
             raise ConfigError(f"eval.every > 0 with {what} evaluates held-out pairs: set data.test_path (a JSONL of pairs) or eval.every: 0")
 
 
