@@ -31,6 +31,8 @@ POINTS = {
     "COMMITTED not yet written (a crash here must leave the last committed checkpoint the one resumed)",
     "checkpoint.committed": "noria.train.checkpoint.save_checkpoint: the checkpoint is committed and in place",
     "metrics.write": "noria.metrics.RunLog.append: a line of metrics.jsonl or eval.jsonl is about to be written",
+    "train.step": "noria.train.rl_step.rl_step: the trainer's step is about to run (colocated: the engine is paused and "
+    "its memory released until the step's weight sync; a stop here must not be masked by the engine's resume)",
     "sync.disk_write": "noria.sync.disk: a pushed version's tensors are written into its hidden partial folder, "
     "not yet published (the engines must keep serving the previous version)",
     "rollout.in_flight_recorded": "noria.rollout.scheduler.record_in_flight: every request in flight is stopped with "

@@ -453,16 +453,15 @@ class LocalJob:
         await self.client.pause()
         lora = self.config.train.lora  # a full sync writes every weight again before the resume: the engine may free them
         await self.client.release_memory(weights=not (lora.enabled and lora.sync == "adapter"))
-        try:
-            if self.offload is not None:
-                self.offload.reload()
-            yield
-        finally:
-            if self.offload is not None:  # before the engine takes its KV cache back
-                self.offload.offload()
-            await self.client.resume_memory()
-            await self.client.resume()
-            self.scheduler.hold(False)
+        if self.offload is not None:
+            self.offload.reload()
+        yield  # a stop raised here (a signal, a failed step) leaves the engine released: its weights may be
+        # freed with no update since, and a resume would raise over the reason the run stops
+        if self.offload is not None:  # before the engine takes its KV cache back
+            self.offload.offload()
+        await self.client.resume_memory()
+        await self.client.resume()
+        self.scheduler.hold(False)
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """``steps_per_rollout`` optimizer steps on the groups' trainable samples (``noria.train.rl_step``)."""

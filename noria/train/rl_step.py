@@ -53,6 +53,9 @@ def rl_step(
     (``rollout.routing_replay``); ``opd``: the ``opd`` section when distilling
     (``train.loss.opd_coef`` > 0, ``noria.train.opd``); ``pixels``: a vision-language model's images
     of the samples (``noria.train.images.SamplePixels``). Returns the step's metrics (see the module docstring)."""
+    from noria import faults
+
+    faults.point("train.step")
     with on_device(backend.device):
         metrics = _rl_step(backend, groups, cfg, weight_version, critic, replay_routes, opd, pixels)
     release_free_memory()  # the step's freed activations and logit chunks leave the C heap's arenas

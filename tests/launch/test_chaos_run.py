@@ -120,6 +120,22 @@ def test_sigterm_stops_the_run_like_ctrl_c(tiny_model_dir, tmp_path, placement, 
     assert wait_gone(children, 10) == [], "children left behind"
 
 
+def test_sigterm_inside_the_colocated_trainers_turn(tiny_model_dir, tmp_path):
+    """A signal while the colocated engine has released its weights for the trainer's step stops the run
+    as any SIGTERM does (143, how to resume): the engine's resume, which needs a weight update that
+    never came, no longer raises over it (it ended the run with exit 2 and a resume error)."""
+    run = Train(tmp_path, tiny_model_dir, faults="train.step=stop@3", **{"rollout.placement": "colocated", "train.save_every": 1})
+    deadline = time.monotonic() + 180
+    while not stopped(run.proc.pid):  # the third step's trainer turn: the engine paused, its weights freed
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr()
+        time.sleep(0.05)
+    run.proc.send_signal(signal.SIGTERM)
+    run.proc.send_signal(signal.SIGCONT)
+    assert run.wait(90) == 143, run.stderr()
+    err = run.stderr()
+    assert "SIGTERM" in err and "--resume" in err and "resume_memory_occupation" not in err, err
+
+
 def test_sigkill_of_train_takes_its_engine_along(tiny_model_dir, tmp_path):
     """The `noria serve` child used to be reparented to init and keep listening with its memory."""
     run = Train(tmp_path, tiny_model_dir, **disaggregated())
