@@ -37,6 +37,7 @@ rows are read whole into memory.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ def rollout_pairs(run_dir: str | Path, part: str = "train", per_group: int = 4) 
     files = sorted((Path(run_dir) / "rollouts").glob("step-*.jsonl"))
     if not files:
         raise DataError(f"{run_dir}: a folder of preference pairs must be an RL run's, with rollouts/step-*.jsonl; found none")
-    groups: dict[tuple[str, int, int], list[tuple[dict[str, Any], str]]] = {}
+    groups: dict[tuple[int, int], list[tuple[dict[str, Any], str]]] = {}
     for path in files:
         for line, row in jsonl_rows(path):
             where = f"{path}:{line.removeprefix('line ')}"
@@ -134,7 +135,7 @@ def rollout_pairs(run_dir: str | Path, part: str = "train", per_group: int = 4) 
             if missing:
                 raise DataError(f"{where}: not a recorded trajectory: field(s) {', '.join(missing)} missing")
             if row["reward"] is not None and _held_out(row["prompt"]) == (part == "test"):
-                groups.setdefault((path.name, row["step"], row["group_id"]), []).append((row, where))
+                groups.setdefault((row["step"], row["group_id"]), []).append((row, where))
     pairs: list[PreferencePair] = []
     for members in groups.values():
         ranked = sorted(members, key=lambda m: -float(m[0]["reward"]))
@@ -163,8 +164,6 @@ def _best_against_worst(ranked: list) -> Any:
 
 def _held_out(prompt: Any) -> bool:
     """One prompt in ten is held out, by a stable hash of its text."""
-    import hashlib
-
     return hashlib.sha256(repr(prompt).encode()).digest()[0] % 10 == 0
 
 

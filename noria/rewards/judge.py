@@ -118,18 +118,22 @@ def parse_verdicts(cfg: RewardModelConfig, text: str, n: int, label: Any = None)
     return [_scale(cfg, v) for v in found[:n]]
 
 
+def _captured(pattern: str, text: str) -> list[str]:
+    """Every match's first group (the whole match where the pattern has one group)."""
+    return [m if isinstance(m, str) else m[0] for m in re.findall(pattern, text)]
+
+
 def _numbers(cfg: RewardModelConfig, text: str) -> list[float]:
     if cfg.pattern or re.search(DEFAULT_NUMBER_PATTERN, text):
-        values = re.findall(cfg.pattern or DEFAULT_NUMBER_PATTERN, text)
-        return [float(v[0] if isinstance(v, tuple) else v) for v in values if _is_number(v[0] if isinstance(v, tuple) else v)]
+        return [float(v) for v in _captured(cfg.pattern or DEFAULT_NUMBER_PATTERN, text) if _is_number(v)]
     numbers = _LAST_NUMBER.findall(text)
     return [float(numbers[-1])] if numbers else []
 
 
 def _answers(cfg: RewardModelConfig, text: str) -> list[float]:
     if cfg.pattern:
-        values = [v if isinstance(v, str) else v[0] for v in re.findall(cfg.pattern, text)]
-        return [float(v.replace(",", "")) for v in values if _is_number(v.replace(",", ""))]
+        values = [v.replace(",", "") for v in _captured(cfg.pattern, text)]
+        return [float(v) for v in values if _is_number(v)]
     return _boxed_numbers(text) or [float(v) for v in _LAST_NUMBER.findall(text.replace(",", ""))[-1:]]
 
 
@@ -148,7 +152,7 @@ def _boxed_numbers(text: str) -> list[float]:
 
 def _labels(cfg: RewardModelConfig, text: str) -> list[str]:
     if cfg.pattern:
-        return [v for v in (m if isinstance(m, str) else m[0] for m in re.findall(cfg.pattern, text)) if _label_key(cfg, v)]
+        return [v for v in _captured(cfg.pattern, text) if _label_key(cfg, v)]
     keys = sorted(cfg.labels, key=len, reverse=True)  # "incorrect" before "correct"
     regex = re.compile(r"\b(" + "|".join(re.escape(k) for k in keys) + r")\b", re.IGNORECASE)
     return regex.findall(text)
