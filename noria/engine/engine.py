@@ -18,9 +18,7 @@ paused: commands always run with no step in flight.
 The thread, its inbox and the request plumbing (``generate``, ``generate_batch``) are
 ``noria.engine.thread``'s, shared with the diffusion engine. Every mutation of scheduler, cache or
 weights runs as a command on the engine thread between two steps, so a weight update never lands
-in the middle of a forward and every sampled token carries the version of the weights that
-produced it. Torch releases the GIL inside ops, so the caller's event loop keeps running during a
-step.
+mid-forward and every sampled token carries the version of the weights that produced it.
 
 What blocks on what:
 
@@ -34,7 +32,7 @@ What blocks on what:
   receives there too); the commit then swaps the buffers into the parameters between two steps (no
   copy) and repacks the fast path's weights. A failed update, at any point before the commit,
   changes nothing. ``engine.weight_version`` is the component's version.
-- ``submit`` / ``abort``: never (they post a command).
+- ``submit`` / ``submit_many`` / ``abort``: never (they post a command; ``generate_batch`` posts one).
 
 MoE routes (``GenerateRequest.return_routed_experts``): a step with such a request also returns
 the routers' top-k at each sampling position (``ModelRunner.forward_routed``, or the graph's
@@ -43,11 +41,10 @@ token's route is the one its own forward used: never recomputed by a re-prefill 
 retraction, and from the weight version the token carries.
 
 Callbacks run on the engine thread and must not block (``generate`` and ``stream`` hand results to
-the caller's event loop with ``call_soon_threadsafe``).
-
-Not guaranteed: order among requests that arrive in the same step; unseeded sampling is
-reproducible only for the same arrival order; deterministic mode holds on CPU (bf16 and fp32, every ISA
-checked by tests/engine/test_exact_agreement.py) and on CUDA with Triton (``noria.models.exact_cuda``), and not across a retraction.
+the caller's event loop with ``call_soon_threadsafe``). Not guaranteed: order among requests that
+arrive in the same step; unseeded sampling is reproducible only for the same arrival order;
+deterministic mode holds on CPU (bf16 and fp32, every ISA: tests/engine/test_exact_agreement.py)
+and on CUDA with Triton (``noria.models.exact_cuda``), and not across a retraction.
 """
 
 from __future__ import annotations
@@ -55,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -81,7 +77,7 @@ from noria.engine.speculative import Speculator
 from noria.engine.thread import EngineThread, call_in_loop, check_pause_mode, generate, generate_batch
 from noria.engine.weight_updates import WeightUpdates
 from noria.engine.weights import WeightUpdateError
-from noria.models import DecoderLM, load_model, load_tokenizer, model_path
+from noria.models import DecoderLM, generation_eos, load_model, model_path, try_tokenizer
 from noria.process.usage import release_free_memory
 
 log = logging.getLogger(__name__)
@@ -170,17 +166,27 @@ class Engine(AdapterMethods):
     def submit(self, req: GenerateRequest, callback: Callable[[GenerateOutput], None], stream: bool = False) -> str:
         """Queue a request; ``callback`` gets the final output (and, with ``stream``, one partial
         output after every step that adds a token). Returns the request id. Raises RequestError."""
+        return self.submit_many([req], [callback], stream)[0]
+
+    def submit_many(self, requests: list[GenerateRequest], callbacks: list[Callable], stream: bool = False) -> list[str]:
+        """``submit`` of several requests in one command, all or none: all are queued before the next step
+        (one by one, a step may start with the first few, and speculation would see a smaller batch)."""
         self._thread.check_accepting()
-        req = self._validated(req)
+        internals = [self._internal(self._validated(r), cb, stream) for r, cb in zip(requests, callbacks, strict=True)]
+        rids = [i.request.rid for i in internals]
+        with self._live_lock:
+            taken = [r for r in rids if r in self._live] + [r for r, n in collections.Counter(rids).items() if n > 1]
+            if taken:
+                raise RequestError(f"rid {taken[0]!r} is already in flight")
+            self._live.update(rids)
+        self._thread.post(lambda: [self._enqueue(i) for i in internals])
+        return rids
+
+    def _internal(self, req: GenerateRequest, callback: Callable, stream: bool) -> Req:
         internal = Req(request=req, callback=callback, stream=stream, max_total_tokens=self._max_total(req))
         if req.sampling.seed is not None:
             internal.generator = torch.Generator(self.device).manual_seed(req.sampling.seed)
-        with self._live_lock:
-            if req.rid in self._live:
-                raise RequestError(f"rid {req.rid!r} is already in flight")
-            self._live.add(req.rid)
-        self._thread.post(lambda: self._enqueue(internal))
-        return req.rid
+        return internal
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         """Generate to completion; cancelling the await aborts the request."""
@@ -203,7 +209,7 @@ class Engine(AdapterMethods):
 
     def generate_batch(self, requests: list[GenerateRequest], timeout_s: float | None = None) -> list[GenerateOutput]:
         """Blocking convenience for scripts and benchmarks: submit all, wait for all, in order."""
-        return generate_batch(self.submit, requests, timeout_s)
+        return generate_batch(self.submit_many, requests, timeout_s, many=True)
 
     def abort(self, rid: str, message: str = "aborted by request") -> None:
         """Abort a waiting or running request (its callback gets reason abort); unknown rids are ignored."""
@@ -577,22 +583,3 @@ class _Step:
             ids, logprobs = self.launched.result()
             self._done = (ids, logprobs, None)
         return self._done
-
-
-def try_tokenizer(path: str | Path):
-    """The tokenizer at ``path``, or None for an ids-only checkpoint (logged)."""
-    try:
-        return load_tokenizer(path)
-    except (OSError, ValueError) as e:  # ids-only checkpoints are fine: no text, no stop strings
-        log.warning("no tokenizer at %s (%s); the engine will return ids only", path, e)
-        return None
-
-
-def generation_eos(folder: Path) -> set[int]:
-    """EOS ids from generation_config.json (chat models often list several there)."""
-    if not (folder / "generation_config.json").is_file():
-        return set()
-    eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}

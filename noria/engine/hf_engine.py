@@ -77,8 +77,7 @@ class HFEngine:
     @classmethod
     def from_path(cls, path: str | Path, config: EngineConfig, dtype: str = "auto", device: str = "cpu", seed: int = 0) -> HFEngine:
         """Load a catalog name or HF folder through transformers (``noria.models.load_model(impl="hf")``)."""
-        from noria.engine.engine import generation_eos, try_tokenizer
-        from noria.models import load_model
+        from noria.models import generation_eos, load_model, try_tokenizer
         from noria.models.catalog import model_path
 
         if config.quantization != "none":

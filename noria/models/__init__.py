@@ -16,6 +16,7 @@ state-dict names equal to transformers' names.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -54,10 +55,14 @@ __all__ = [
     "import_model",
     "list_models",
     "load_model",
+    "generation_eos",
     "load_tokenizer",
     "model_path",
     "save_model",
+    "try_tokenizer",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def load_model(
@@ -130,6 +135,27 @@ def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def try_tokenizer(path: str | Path):
+    """The tokenizer at ``path``, or None for an ids-only checkpoint (logged)."""
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError) as e:  # ids-only checkpoints are fine: no text, no stop strings
+        log.warning("no tokenizer at %s (%s); the engine will return ids only", path, e)
+        return None
+
+
+def generation_eos(folder: Path) -> set[int]:
+    """EOS ids from generation_config.json (chat models often list several there)."""
+    import json
+
+    if not (folder / "generation_config.json").is_file():
+        return set()
+    eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
 
 
 TOKENIZERS_BACKEND_FAMILIES: tuple[str, ...] = ("llama", "qwen3", "qwen3_moe")

@@ -224,6 +224,11 @@ def test_rejects_requests_that_cannot_fit(model, tokenizer):
     engine.submit(long_run, lambda out: None)
     with pytest.raises(RequestError, match="already in flight"):
         engine.submit(long_run, print)
+    fresh, twice = (GenerateRequest(input_ids=prompt(4), sampling=greedy(2), rid=r) for r in ("fresh", "twice"))
+    for batch in ([fresh, long_run], [fresh, twice, twice]):  # all or none: "fresh" is never queued
+        with pytest.raises(RequestError, match="already in flight"):
+            engine.submit_many(batch, [print] * len(batch))
+    assert engine.generate_batch([fresh], timeout_s=60)[0].finish_reason["type"] == "length"
     engine.shutdown(5)
 
 

@@ -90,7 +90,7 @@ class SequenceClassifier:
             from transformers import AutoModelForSequenceClassification
 
             from noria import hardware
-            from noria.engine.engine import try_tokenizer
+            from noria.models import try_tokenizer
 
             resolved = hardware.resolve_dtype(dtype, device)
             model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=getattr(torch, resolved)).to(device)
