@@ -161,6 +161,12 @@ def cpu_info() -> CpuInfo:
     )  # fmt: skip
 
 
+def hides_avx512() -> bool:
+    """Acting as AVX2 (``NORIA_CPU_ISA``) on a processor that has AVX-512: a program that picks its
+    kernels on the CPU's own flags, not on the torch, oneDNN and MKL limits set here, still sees it."""
+    return cpu_info().acting_as == "avx2" and _AVX512_CORE <= _read_cpuinfo()[1]
+
+
 def kernel_isa() -> str:
     """The instruction set the C++ kernels are built for: ``avx512``, ``avx2`` or ``baseline``."""
     info = cpu_info()

@@ -115,6 +115,10 @@ def run(
     from noria.hardware import cpu_info, resolve_dtype
     from noria.models.catalog import model_path
 
+    if "openvino" in peers:
+        from noria.bench.openvino_peer import check_isa
+
+        check_isa(quants)  # before the first engine's minutes
     dtype = resolve_dtype(dtype, "cpu")
     print(f"{cpu_info().summary()}: {dtype}", file=sys.stderr)
     folder = model_path(model)

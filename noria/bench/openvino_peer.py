@@ -20,6 +20,7 @@ fp32``); ``int8``: ``int8 --sym`` (one scale per output channel, as Noria's); ``
 --group-size 32 --ratio 1.0`` (asymmetric groups of 32 input channels, as Noria's, every linear
 layer in int4). Not identical: OpenVINO's int8 also compresses the embedding and the LM head, its
 int4 keeps them in int8 (NNCF's backup precision), where Noria keeps both in the model dtype.
+As AVX2 (``NORIA_CPU_ISA=avx2``) on an AVX-512 CPU, int8 and int4 are refused: see :func:`check_isa`.
 Inference precision: OpenVINO's ``INFERENCE_PRECISION_HINT`` is set to the dtype the bench runs (on
 a CPU with native bf16 OpenVINO would otherwise pick bf16 for an fp32 run).
 """
@@ -109,6 +110,23 @@ def prune_exports(models: Path) -> list[Path]:
             shutil.rmtree(export, ignore_errors=True)
             gone.append(export)
     return gone
+
+
+def check_isa(quants: list[str]) -> None:
+    """Refuse int8 and int4 when acting as AVX2 on an AVX-512 CPU: OpenVINO's release build picks its
+    kernels on the CPU's own flags (its limit, ``OV_CPU_MAX_ISA``, exists only in debug builds), while
+    oneDNN inside it obeys ``ONEDNN_MAX_CPU_ISA=AVX2``, and its weight-compressed linear then fails
+    (measured with 2026.4.1; fp32 runs)."""
+    from noria.hardware import ENV_ISA, hides_avx512
+
+    compressed = [q for q in quants if q != "none"]
+    if compressed and hides_avx512():
+        raise SystemExit(
+            f"--peers openvino --quant {','.join(compressed)}: OpenVINO cannot act as AVX2 on this AVX-512 CPU "
+            f"({ENV_ISA}=avx2): its release build picks its kernels on the CPU's own flags, and with oneDNN limited "
+            "to AVX2 its weight-compressed linear fails ('could not create a primitive descriptor'). Measure "
+            "OpenVINO's AVX2 figures on an AVX2 machine, or leave openvino out of this run"
+        )
 
 
 def openvino_figures(folder: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, dtype: str, quant: str,
