@@ -13,7 +13,8 @@ after ``--steps`` steps or at the first evaluation past ``--max-minutes`` of tra
 
 Figures: per system, the training minutes and trained tokens at which its curve first reaches each
 ``--thresholds`` accuracy (null if it never does; the curve is only known at evaluations, so this is
-the first evaluation at or above it), its final accuracy and its training minutes. The JSON
+the first evaluation at or above it), its final accuracy, its training minutes and (Noria systems)
+the mean over its steps of the rollout/trainer KL (``rollout_kl``; each step's is in ``mismatch``). The JSON
 (``--json``) has the benchmark rows (``noria`` = the shipped recipe, ``peers`` = the others), each
 system's curve and the settings; a PNG of accuracy against minutes and against tokens, one line per
 system, is written beside it. Each system's result is written as soon as it finishes, and a run with
@@ -34,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("shipped", "sync", "async", "trl", "vllm", "curriculum", "dynamic", "overlong")
+SYSTEMS = ("shipped", "sync", "async", "trl", "vllm", "curriculum", "dynamic", "overlong", "int8", "int4_qat")
 DEFAULT_SYSTEMS = "shipped,sync,async,trl"
 LABELS = {
     "shipped": "Noria, the main job's recipe",
@@ -45,6 +46,8 @@ LABELS = {
     "curriculum": "Noria, the recipe with difficulty pools",
     "dynamic": "Noria, the recipe with dynamic sampling",
     "overlong": "Noria, the recipe with overlong shaping",
+    "int8": "Noria, the recipe with int8 rollout and TIS",
+    "int4_qat": "Noria, the recipe with int4 rollout and int4 QAT",
 }
 MAIN_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny-llama"
@@ -239,8 +242,15 @@ def results(doc: dict[str, Any], thresholds) -> list[dict[str, Any]]:
             figures.setdefault(f"trained_tokens_to_{t}", {})[name] = hit and hit["trained_tokens"]
         figures.setdefault("final_accuracy", {})[name] = r["curve"][-1]["accuracy"] if r["curve"] else None
         figures.setdefault("train_minutes", {})[name] = round(r["train_seconds"] / 60, 3)
+        figures.setdefault("mean_rollout_kl", {})[name] = mean_mismatch(r)
     return [{"case": case, "metric": metric, "noria": values.get("shipped"),
              "peers": {k: v for k, v in values.items() if k != "shipped"}, "bound": None} for metric, values in figures.items()]
+
+
+def mean_mismatch(system: dict[str, Any], key: str = "rollout_kl") -> float | None:
+    """The mean over a Noria system's steps of a rollout/trainer mismatch figure (None for TRL)."""
+    values = [row[key] for row in system.get("mismatch", []) if key in row]
+    return sum(values) / len(values) if values else None
 
 
 def save(json_path: str, doc: dict[str, Any], thresholds, note: str | None) -> None:
@@ -255,14 +265,14 @@ def save(json_path: str, doc: dict[str, Any], thresholds, note: str | None) -> N
 def print_table(doc: dict[str, Any], thresholds) -> None:
     from noria.bench import print_table as table
 
-    header = ["system", "steps", "train min", "first acc", "final acc",
+    header = ["system", "steps", "train min", "first acc", "final acc", "rollout KL",
               *[f"min to {t:g}" for t in thresholds], *[f"tokens to {t:g}" for t in thresholds]]  # fmt: skip
     rows = []
     for name, r in doc["systems"].items():
         hits = [r["reached"][f"{t:g}"] for t in thresholds]
         curve = r["curve"]
         rows.append([name, r["steps"], r["train_seconds"] / 60, curve[0]["accuracy"] if curve else None,
-                     curve[-1]["accuracy"] if curve else None, *[h and h["train_minutes"] for h in hits],
+                     curve[-1]["accuracy"] if curve else None, mean_mismatch(r), *[h and h["train_minutes"] for h in hits],
                      *[h and h["trained_tokens"] for h in hits]])  # fmt: skip
     s = doc["settings"]
     table(f"Time to accuracy: {Path(s['model']).name}, held-out greedy accuracy; evaluations off the clock; "

@@ -15,6 +15,10 @@ evaluation), the process that trains it, and the curve read back from it: one po
              whose rewards are all equal is generated, then dropped untrained
     overlong shipped with DAPO's soft overlong punishment (``reward.overlong_buffer_tokens``: the last
              quarter of ``rollout.max_new_tokens``, ``reward.overlong_penalty`` 1)
+    int8     shipped with int8 rollout (``engine.quantization: int8``) and TIS against its logprobs
+             (``train.loss.off_policy: tis``), the pairing docs/engines.md gives for a quantized engine
+    int4_qat shipped with int4 rollout and int4 QAT (``train.qat: int4``): the trained policy is the
+             one that rolls out
     trl      TRL's GRPOTrainer (``noria bench rl``'s peer and argument mapping) with an evaluation
              callback
 
@@ -53,8 +57,8 @@ from noria.metrics import read_jsonl
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "grpo_smollm2_arithmetic.yaml"
 """The main job's recipe: the shipped system, and the settings every system shares."""
-NORIA_SYSTEMS = ("shipped", "sync", "async", "vllm", "curriculum", "dynamic", "overlong")
-RECIPE_VARIANTS = ("shipped", "curriculum", "dynamic", "overlong")
+NORIA_SYSTEMS = ("shipped", "sync", "async", "vllm", "curriculum", "dynamic", "overlong", "int8", "int4_qat")
+RECIPE_VARIANTS = ("shipped", "curriculum", "dynamic", "overlong", "int8", "int4_qat")
 """The systems that run the recipe itself, with one setting changed (none for ``shipped``)."""
 CURVE_FILE = "curve.jsonl"
 """The TRL worker's evaluations, one JSON line each as it makes them."""
@@ -88,6 +92,12 @@ def system_config(system: str, recipe: Path, folder: Path, s: dict[str, Any], st
             config["rollout"].setdefault("buffer", {})["filters"] = ["zero_reward_variance"]
         elif system == "overlong":
             config["reward"].update({"overlong_buffer_tokens": max(1, s["max_new_tokens"] // 4), "overlong_penalty": 1.0})
+        elif system == "int8":
+            config.setdefault("engine", {})["quantization"] = "int8"
+            config["train"].setdefault("loss", {})["off_policy"] = "tis"
+        elif system == "int4_qat":
+            config.setdefault("engine", {})["quantization"] = "int4"
+            config["train"]["qat"] = "int4"
     else:
         from noria.bench.rl import ENGINE_PEERS
 
@@ -175,9 +185,16 @@ def run_noria(config: Path, run_dir: Path, max_seconds: float | None, label: str
             time.sleep(0.5)
     finally:
         child.stop(timeout_s=20)
-    steps, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
-    return {"curve": noria_curve(steps, evals), "steps": len(steps), "train_seconds": round(sum(r["seconds"] for r in steps), 3),
-            "run_seconds": round(time.perf_counter() - start, 3), "skipped_evals": sum("skipped" in e for e in evals)}
+    return {**partial("noria", run_dir), "run_seconds": round(time.perf_counter() - start, 3)}
+
+
+MISMATCH = ("rollout_kl", "rollout_logprob_abs_diff")
+"""Per-step rollout/trainer mismatch figures a Noria system's result keeps (``noria.train.objective``)."""
+
+
+def mismatch(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each step's mismatch between the rollout engine's logprobs and the trainer's: KL (k3) and mean |Δ|."""
+    return [{"step": r["step"], **{k: r[k] for k in MISMATCH if k in r}} for r in steps]
 
 
 def show(label: str, curve: list[dict[str, Any]], shown: int) -> int:
@@ -192,14 +209,15 @@ def show(label: str, curve: list[dict[str, Any]], shown: int) -> int:
 
 
 def partial(system: str, folder: Path) -> dict[str, Any]:
-    """What an interrupted run of ``system`` in ``folder`` measured until then (its evaluations so far)."""
+    """What the run of ``system`` in ``folder`` measured: all of it once it ended, its evaluations so far
+    when it was interrupted."""
     if system == "trl":
         curve = read_jsonl(folder / CURVE_FILE)
         last = curve[-1] if curve else {"step": 0, "train_seconds": 0.0}
         return {"curve": curve, "steps": last["step"], "train_seconds": last["train_seconds"], "skipped_evals": 0}
     steps, evals = read_jsonl(folder / "metrics.jsonl"), read_jsonl(folder / "eval.jsonl")
     return {"curve": noria_curve(steps, evals), "steps": len(steps), "train_seconds": round(sum(r["seconds"] for r in steps), 3),
-            "skipped_evals": sum("skipped" in e for e in evals)}
+            "skipped_evals": sum("skipped" in e for e in evals), "mismatch": mismatch(steps)}
 
 
 def run_trl(config: Path, out: Path, s: dict[str, Any], max_seconds: float | None) -> dict[str, Any]:

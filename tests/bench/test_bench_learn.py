@@ -98,9 +98,12 @@ def test_bench_learn_writes_curves_and_keeps_earlier_systems(tmp_path, tiny_mode
         assert 0 < curve[1]["trained_tokens"] <= 2 * 4 * 8 < curve[2]["trained_tokens"] <= 2 * 2 * 4 * 8
         assert all(0 <= p["accuracy"] <= 1 and p["eval_seconds"] > 0 for p in curve)
         assert system["reached"] == learn.reached(curve, [0.5, 1.0])
+        if name != "trl":  # each step's rollout/trainer mismatch, and their mean in the rows
+            assert [m["step"] for m in system["mismatch"]] == [1, 2] and all(m["rollout_kl"] >= 0 for m in system["mismatch"])
+            assert learn.mean_mismatch(system) == sum(m["rollout_kl"] for m in system["mismatch"]) / 2
     rows = {r["metric"]: r for r in written["results"]}
     assert set(rows) == {"train_minutes_to_0.5", "trained_tokens_to_0.5", "train_minutes_to_1", "trained_tokens_to_1",
-                         "final_accuracy", "train_minutes"}
+                         "final_accuracy", "train_minutes", "mean_rollout_kl"}
     assert rows["final_accuracy"]["noria"] == written["systems"]["shipped"]["curve"][-1]["accuracy"]
     assert set(rows["train_minutes"]["peers"]) == set(peers)
     assert out.with_suffix(".png").stat().st_size > 1000
@@ -120,6 +123,12 @@ def test_each_recipe_variant_is_the_recipe_with_its_one_setting_and_loads(tmp_pa
     assert loaded["overlong"].reward.overlong_penalty == 1.0
     assert loaded["curriculum"].data.curriculum.enabled
     assert loaded["dynamic"].rollout.buffer.filters == ["zero_reward_variance"]
+    assert shipped.engine.quantization == "none" and shipped.train.qat == "none" and shipped.train.loss.off_policy != "tis"
+    assert (loaded["int8"].engine.quantization, loaded["int8"].train.loss.off_policy, loaded["int8"].train.qat) == ("int8", "tis", "none")
+    assert (loaded["int4_qat"].engine.quantization, loaded["int4_qat"].train.qat) == ("int4", "int4")
+    sections = {"overlong": {"reward"}, "curriculum": {"data"}, "dynamic": {"rollout"}, "int8": {"engine", "train"},
+                "int4_qat": {"engine", "train"}}
     for variant, config in configs.items():  # nothing else differs from the shipped run's config
-        changed = {k for k in config if config[k] != configs["shipped"][k]}
-        assert changed <= {"name", {"overlong": "reward", "curriculum": "data", "dynamic": "rollout"}.get(variant)}, (variant, changed)
+        changed = {k for k in config if config[k] != configs["shipped"].get(k)}
+        assert changed <= {"name", *sections.get(variant, ())}, (variant, changed)
+    assert configs["int8"]["train"]["optim"] == configs["shipped"]["train"]["optim"]
