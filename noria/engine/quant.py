@@ -89,7 +89,7 @@ import torch
 
 from noria.models.quantize import (  # noqa: F401 - the recipes, re-exported: the engine's names for them
     CHUNK_ROWS, INT4_GROUP, MIN_SCALE, MODES, PACK_BLOCK, FakeQuant, dequantize_int4, dequantize_int8, fake_quantize,
-    pack_int8, pack_int8_shape, quantize_int4, quantize_int8, set_fake_quant, unpack_int8,
+    pack_int4_blocks, pack_int8, pack_int8_shape, quantize_int4, quantize_int8, set_fake_quant, unpack_int4_blocks, unpack_int8,
 )
 
 
@@ -173,7 +173,7 @@ class _QuantLinear:
 
 
 def int8_kernel():
-    """The C++ extension serving :class:`Int8Linear`, or None (not built here, or
+    """The C++ extension serving :class:`Int8Linear` and :class:`Int4Linear`, or None (not built here, or
     ``NORIA_NO_CPU_KERNEL=1``): then torch's ``_weight_int8pack_mm`` serves."""
     from noria.engine import kernels
 
@@ -225,25 +225,47 @@ class Int8Linear(_QuantLinear):
         return dequantize_int8(self.codes(), self.scale)
 
 
+def int4_kernel(dtype: torch.dtype):
+    """The C++ extension serving :class:`Int4Linear` for a ``dtype`` model, or None: ours serves bf16
+    models on its AVX-512 BF16 path only; elsewhere torch's ``_weight_int4pack_mm_for_cpu`` measured
+    faster (see the module docstring)."""
+    module = int8_kernel()
+    return module if module is not None and dtype == torch.bfloat16 and module.int8_linear_path(1) == 1 else None
+
+
 class Int4Linear(_QuantLinear):
-    """Group-wise int4 weights through ``aten._weight_int4pack_mm_for_cpu``."""
+    """Group-wise int4 weights through the C++ kernel (``kernels/int4_linear.cpp``, codes in its
+    packed layout) where :func:`int4_kernel` serves, else ``aten._weight_int4pack_mm_for_cpu``."""
+
+    path = 0
+    """The kernel's path (0: the fastest that runs here; see ``int4_linear.cpp``); tests pin one."""
 
     def _install(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight, self.scale_zero = pack_int4(*quantize_int4(weight, self.dtype))
+        self.kernel = int4_kernel(weight.dtype)
+        if self.kernel is None:
+            self.weight, self.scale_zero = pack_int4(*quantize_int4(weight, self.dtype))
+        else:
+            self.weight, self.scale, self.zero = pack_int4_blocks(*quantize_int4(weight, self.dtype))
         self.bias = None if bias is None else bias.detach().clone()
 
     def _requantize(self, weight: torch.Tensor) -> None:
-        packed, scale_zero = pack_int4(*quantize_int4(weight, self.dtype))
-        self.weight.copy_(packed)
-        self.scale_zero.copy_(scale_zero)
+        if self.kernel is None:
+            buffers, new = (self.weight, self.scale_zero), pack_int4(*quantize_int4(weight, self.dtype))
+        else:
+            buffers, new = (self.weight, self.scale, self.zero), pack_int4_blocks(*quantize_int4(weight, self.dtype))
+        for buffer, value in zip(buffers, new):
+            buffer.copy_(value)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:  # rounds x and the result to bf16 itself, answers in x's dtype
+            return self.kernel.int4_linear(x, self.weight, self.scale, self.zero, self.path)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(COMPUTE_DTYPE), self.weight, INT4_GROUP, self.scale_zero).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
+        if self.kernel is not None:
+            return dequantize_int4(*unpack_int4_blocks(self.weight, self.scale, self.zero))
         scale, zero = self.scale_zero.unbind(-1)
-        n = self.scale_zero.shape[1]
-        q = _unpack_codes(self.weight, n)
+        q = _unpack_codes(self.weight, self.scale_zero.shape[1])
         return dequantize_int4(q, scale.t(), zero.t())
 
 

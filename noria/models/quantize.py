@@ -3,7 +3,7 @@ quantizers, their inverses, and the fake quantization a trainer computes with.
 
 What this module owns: ``quantize_int8`` / ``dequantize_int8`` (symmetric, one scale per output
 channel), ``quantize_int4`` / ``dequantize_int4`` (a scale and an offset per group of input
-channels), the C++ kernel's int8 layout (``pack_int8``), and ``FakeQuant`` / ``set_fake_quant``
+channels), the C++ kernels' layouts (``pack_int8``, ``pack_int4_blocks``), and ``FakeQuant`` / ``set_fake_quant``
 (a decoder-block linear computing with its weight quantized and dequantized, straight-through
 gradient). It sits below the engine and the trainer, which may not import each other: the engine's
 integer layers (``noria.engine.quant``) and the trainer's QAT (``noria.train.fsdp``) both call it,
@@ -108,6 +108,26 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     groups = scale.shape[1]
     w = (q.float().reshape(n, groups, -1) - 8) * scale.float()[..., None] + zero.float()[..., None]
     return w.reshape(n, k)
+
+
+def pack_int4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int4`'s output in the C++ kernel's layout (``kernels/int4_linear.cpp``): codes
+    uint8 [N / 16, K / 2, 16], blocks of 16 output channels, a pair of input channels (k, k + 1) as
+    16 bytes ``q[c, k] | q[c, k + 1] << 4``; scales and zeros fp32 [N / 16, K / group, 16]."""
+    n, k = q.shape
+    pairs = q.to(torch.uint8).reshape(n // PACK_BLOCK, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+    codes = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+    blocks = [t.float().reshape(n // PACK_BLOCK, PACK_BLOCK, -1).transpose(1, 2).contiguous() for t in (scale, zero)]
+    return codes, blocks[0], blocks[1]
+
+
+def unpack_int4_blocks(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`pack_int4_blocks` undone: (codes int32 [N, K], scales [N, K / group], zeros), fp32."""
+    blocks, pairs, _ = codes.shape
+    both = torch.stack([codes & 15, codes >> 4], dim=-1)  # [N / 16, K / 2, 16, 2]
+    q = both.permute(0, 2, 1, 3).reshape(blocks * PACK_BLOCK, pairs * 2).to(torch.int32)
+    scale, zero = (t.transpose(1, 2).reshape(blocks * PACK_BLOCK, -1) for t in (scale, zero))
+    return q, scale, zero
 
 
 # ----------------------------------------------------------------------------------------- fp8

@@ -126,3 +126,81 @@ def test_the_packing_quantizer_equals_the_python_definition_bit_for_bit(kernel, 
     assert torch.equal(q[5, :8], torch.tensor([127, -127, 64, -64, 0, 2, 2, -2], dtype=torch.int8))
     with pytest.raises(RuntimeError, match=r"\[60, 1538\] is not a multiple of \[16, 2\]"):
         kernel.quantize_int8_packed(w[:60].contiguous(), packed, s16, s32)
+
+
+# ------------------------------------------------------------------------------------- int4
+
+
+def quantized4(n: int, k: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((packed codes, scales, zeros) in the kernel's layout, the dequantized fp32 weight)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[:, None] + 0.05 * torch.randn(n, 1, generator=g)
+    q, scale, zero = quant.quantize_int4(w, torch.bfloat16)
+    return quant.pack_int4_blocks(q, scale, zero), quant.dequantize_int4(q, scale, zero)
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (576, 576), (96, 1536)])
+def test_int4_every_path_equals_the_dequantized_matmul(kernel, n, k):
+    """The recipe's fp32 weights on the fma and scalar paths; on the AVX-512 BF16 path, those weights
+    rounded to bf16 (bf16 activations only: fp32 ones go to the fma path, path 1 named refuses them)."""
+    (w, scale, zero), dequantized = quantized4(n, k, seed=n + k)
+    g = torch.Generator().manual_seed(k)
+    for rows in (1, 2, 4, 12, 13, 40):
+        x32 = torch.randn(rows, k, generator=g) * 3
+        for path in running_paths(kernel):
+            weight = dequantized.bfloat16().double() if path == 1 else dequantized.double()
+            ref = x32.bfloat16().double() @ weight.t()
+            bound = ref.abs() * 2.0**-8 + 1e-6 * ref.abs().max()
+            for x in (x32.bfloat16(), x32) if path != 1 else (x32.bfloat16(),):
+                y = kernel.int4_linear(x, w, scale, zero, path)
+                assert y.dtype == x.dtype and y.shape == (rows, n)
+                assert torch.equal(y.float(), y.float().bfloat16().float()), "results are rounded to bf16"
+                err = (y.double() - ref).abs()
+                assert (err <= bound).all(), f"{PATHS[path]} rows={rows} [{n}, {k}] {x.dtype}: max error {err.max().item():.3g}"
+    if 1 in running_paths(kernel):
+        with pytest.raises(RuntimeError, match="path 1 .* takes bfloat16 activations"):
+            kernel.int4_linear(torch.randn(1, k), w, scale, zero, 1)
+        assert torch.equal(kernel.int4_linear(x32, w, scale, zero, 0), kernel.int4_linear(x32, w, scale, zero, 2))
+
+
+def test_int4_rows_are_independent_of_the_batch_and_the_layer_uses_the_kernel(kernel):
+    (w, scale, zero), _ = quantized4(64, 128, seed=3)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    for path in running_paths(kernel):
+        batch = kernel.int4_linear(x, w, scale, zero, path)
+        for row in (0, 12, 39):
+            assert torch.equal(kernel.int4_linear(x[row : row + 1], w, scale, zero, path), batch[row : row + 1]), PATHS[path]
+
+    q = torch.randint(0, 16, (32, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
+    s, z = torch.rand(32, 2).bfloat16(), torch.randn(32, 2).bfloat16()
+    codes, sb, zb = quant.pack_int4_blocks(q, s, z)
+    assert codes.shape == (2, 32, 16) and codes.dtype == torch.uint8 and sb.shape == zb.shape == (2, 2, 16)
+    assert codes[1, 3, 2].item() == q[18, 6].item() | q[18, 7].item() << 4
+    assert all(torch.equal(a, b) for a, b in zip(quant.unpack_int4_blocks(codes, sb, zb), (q, s.float(), z.float())))
+
+    g = torch.Generator().manual_seed(6)
+    weights = [torch.randn(32, 64, generator=g).bfloat16(), torch.randn(16, 64, generator=g).bfloat16()]
+    assert quant.Int4Linear([w.float() for w in weights], [None, None]).kernel is None  # fp32 models: torch's kernel
+    layer = quant.Int4Linear(weights, [None, None])
+    if 1 not in running_paths(kernel):  # ours serves on the AVX-512 BF16 path only (torch's measured faster elsewhere)
+        assert layer.kernel is None
+        return
+    assert layer.kernel is not None and layer.weight.shape == (3, 32, 16)
+    assert torch.equal(layer.dequantized(), quant.dequantize_int4(*quant.quantize_int4(torch.cat(weights), torch.bfloat16)))
+    buffer, new = layer.weight.data_ptr(), [w.flip(1) for w in weights]
+    layer.update(new, [None, None])  # re-quantization writes into the same buffers
+    assert layer.weight.data_ptr() == buffer
+    assert torch.equal(layer.dequantized(), quant.dequantize_int4(*quant.quantize_int4(torch.cat(new), torch.bfloat16)))
+
+
+def test_int4_bad_input_is_refused(kernel):
+    (w, scale, zero), _ = quantized4(32, 64, seed=7)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="x has 32 input features, w 64"):
+        kernel.int4_linear(torch.randn(2, 32), w, scale, zero, 0)
+    with pytest.raises(RuntimeError, match="x must be bfloat16 or float32"):
+        kernel.int4_linear(x.half(), w, scale, zero, 0)
+    with pytest.raises(RuntimeError, match=r"scale and zero must be float32 \[2, 2, 16\]"):
+        kernel.int4_linear(x, w, scale, zero.transpose(1, 2).contiguous(), 0)
+    with pytest.raises(RuntimeError, match="w must be packed uint8"):
+        kernel.int4_linear(x, w.view(torch.int8), scale, zero, 0)

@@ -1,11 +1,11 @@
 """C++ kernels of the engine on CPU: paged decode attention, the fused sampler, and the fused
 elementwise steps of a layer.
 
-One extension (``paged_attention.cpp`` + ``sampling.cpp`` + ``fused.cpp`` + ``int8_linear.cpp``,
-compiled as one unit, ``kernels.cpp``; bound to Python by ``bind.cpp``: only it includes torch's
+One extension (``paged_attention.cpp`` + ``sampling.cpp`` + ``fused.cpp`` + ``int8_linear.cpp`` +
+``int4_linear.cpp``, compiled as one unit, ``kernels.cpp``; bound to Python by ``bind.cpp``: only it includes torch's
 pybind11 glue, see there) holds them;
 ``sample_rows`` is used by ``noria.engine.sampling`` (see there), ``add_rmsnorm`` / ``rope`` /
-``silu_mul`` by ``noria.engine.inference``, ``int8_linear`` by ``noria.engine.quant``; all are off,
+``silu_mul`` by ``noria.engine.inference``, ``int8_linear`` and ``int4_linear`` by ``noria.engine.quant``; all are off,
 like the attention kernel, under ``NORIA_NO_CPU_KERNEL=1``.
 
 ``paged_decode_attention`` computes one query token per sequence against that sequence's cached

@@ -11,3 +11,4 @@
 #include "sampling.cpp"
 #include "fused.cpp"
 #include "int8_linear.cpp"
+#include "int4_linear.cpp"  // after int8_linear.cpp: it runs that file's row tiles
