@@ -70,6 +70,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompts-per-step", type=int, help="override the recipe's rollout.prompts_per_step (every system)")
     parser.add_argument("--n-samples", type=int, help="override the recipe's rollout.n_samples (every system)")
     parser.add_argument("--max-new-tokens", type=int, help="override the recipe's rollout.max_new_tokens (every system)")
+    parser.add_argument("--lr", type=float, help="override the recipe's train.optim.lr (every system)")
     parser.add_argument("--n-train", type=int, help="override the task's n_train (every system; epochs follow, so a small "
                         "set is revisited: where difficulty pools can act)")
     parser.add_argument("--work-dir", help="folder for configs and run folders (default a new temp folder)")
@@ -81,7 +82,8 @@ def main(args) -> int:
 
     sigterm_as_interrupt()  # a time limit's SIGTERM ends the system running as Ctrl-C does: what it measured is kept
     overrides = {k: v for k, v in (("prompts_per_step", args.prompts_per_step), ("n_samples", args.n_samples),
-                                   ("max_new_tokens", args.max_new_tokens), ("n_train", args.n_train)) if v is not None}  # fmt: skip
+                                   ("max_new_tokens", args.max_new_tokens), ("n_train", args.n_train), ("lr", args.lr))
+                 if v is not None}  # fmt: skip
     run(parse_list(args.systems, SYSTEMS, "--systems"), model=args.model, steps=args.steps, max_minutes=args.max_minutes,
         eval_every=args.eval_every, eval_limit=args.eval_limit, thresholds=parse_thresholds(args.thresholds),
         staleness=args.staleness, json_path=args.json, work_dir=args.work_dir, overrides=overrides)

@@ -23,8 +23,26 @@ Kernels. int8: our C++ kernel (``kernels/int8_linear.cpp``: codes in a packed la
 blocks, converted to bf16 in registers and multiplied with AVX512_BF16's ``vdpbf16ps``, or to fp32
 with AVX2 FMA; every weight byte read once per call), where it is built and the shape is a multiple
 of 16 outputs and 2 inputs; torch's ``aten._weight_int8pack_mm`` otherwise (``NORIA_NO_CPU_KERNEL=1``,
-odd shapes). int4: torch's ``aten._weight_int4pack_mm_for_cpu`` (weights packed once by
-``_convert_weight_to_int4pack_for_cpu``). Measured on an AMD EPYC Zen 4 (AVX-512 with AVX512_BF16),
+odd shapes). int4: our C++ kernel (``kernels/int4_linear.cpp``: two codes a byte in the same
+16-channel blocks; each block dequantized once per call to the recipe's weights, in bf16, then the
+int8 kernel's row tiles) for bf16 models where the CPU has AVX512_BF16; torch's
+``aten._weight_int4pack_mm_for_cpu`` (weights packed once by ``_convert_weight_to_int4pack_for_cpu``)
+elsewhere. int4 on the machine of the int8 table below, measured the same way (one thread, best of 8
+sweeps over 30 distinct SmolLM2-135M blocks, microseconds per block), on a quiet machine, one run:
+
+=================  ========  ========  ========  ========
+rows               1         8         32        128
+=================  ========  ========  ========  ========
+AVX-512 ours       512       687       1507      4691
+AVX-512 torch      233       728       2768      10751
+AVX2 ours (fp32)   537       1604      5445      19967
+AVX2 torch         482       1106      4229      16842
+=================  ========  ========  ========  ========
+
+So ours serves bf16 models on AVX-512 BF16, where rollout batches (8 rows and up) run 1.1-2.3x
+faster; at 1 row torch's is 2.2x faster (its dequantization is cheaper than ours: a long tail of
+single rows runs slower). On AVX2 the fp32 tile (3 rows of 16 channels) is slower than torch's at
+every size, so torch's serves there, and for fp32 models. int8, measured on an AMD EPYC Zen 4 (AVX-512 with AVX512_BF16),
 one thread (the 2 cores were shared with a training run that made 2-thread figures swing 2-5x),
 best of 8 sweeps over 30 distinct SmolLM2-135M blocks (the four matmuls 576 -> 960, 576 -> 576,
 576 -> 3072, 1536 -> 576; 106 M weights, so they stream from memory as in decode), microseconds per
