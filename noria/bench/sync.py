@@ -39,7 +39,9 @@ thread gives the steadier figures: see :func:`run`).
 
 The engines run in deterministic mode, which skips the CPU fast path's repacking of fused weights
 after an update: that repack belongs to the engine, costs the same on every transport, and is
-measured on its own row (``engine repack``, not included in the pushes). Verification is off
+measured on its own row (``engine repack``, not included in the pushes), and so is a quantized
+engine's re-quantization of every block (``engine.quantization=int8`` / ``int4``, on CPU: it runs
+inside the commit, beside the unquantized repack as its peer). Verification is off
 (``sync.verify`` hashes the bytes: its cost is hashing, not transport).
 
 Not measured: NCCL, engines on other machines.
@@ -266,6 +268,10 @@ def measure_model(model: str, transports: list[str], bucket_bytes: int, repeats:
     if repack is not None:
         rows.append({"case": f"{label} bf16 engine repack after an update (any transport; not in the pushes)",
                      "metric": "repack_s", "noria": _sig(repack), "peers": {}, "bound": None})  # fmt: skip
+        for mode, seconds in _requantize_seconds(lm, repeats).items():
+            rows.append({"case": f"{label} bf16 engine.quantization={mode}: re-quantization inside the commit (best of {repeats})",
+                         "metric": "repack_s", "noria": _sig(seconds), "peers": {"unquantized repack": _sig(repack)},
+                         "bound": None})  # fmt: skip
     del lm, sent
     gc.collect()
     if torch.cuda.is_available():
@@ -494,6 +500,24 @@ def _repack_seconds(lm) -> float | None:
     start = time.perf_counter()
     fast.refresh()
     return time.perf_counter() - start
+
+
+def _requantize_seconds(lm, repeats: int) -> dict[str, float]:
+    """Per integer mode the model can be served with here (CPU), the best of ``repeats`` re-quantizations
+    of every decoder block (``FastDecoder.requantize``: what a quantized engine's commit adds)."""
+    from noria.engine import inference, quant
+
+    out = {}
+    for mode in quant.MODES:
+        if quant.supported(lm, mode) is not None:
+            continue
+        fast, best = inference.FastDecoder(lm, quantization=mode), float("inf")
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            fast.requantize()
+            best = min(best, time.perf_counter() - start)
+        out[mode] = best
+    return out
 
 
 # -------------------------------------------------------------------------------------------- table

@@ -103,12 +103,16 @@ kernels compute the same quantized weights in another order (differences at roun
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from noria.models.quantize import (  # noqa: F401 - the recipes, re-exported: the engine's names for them
     CHUNK_ROWS, INT4_GROUP, MIN_SCALE, MODES, PACK_BLOCK, FakeQuant, dequantize_int4, dequantize_int8, fake_quantize,
     pack_int4_blocks, pack_int8, pack_int8_shape, quantize_int4, quantize_int8, set_fake_quant, unpack_int4_blocks, unpack_int8,
 )
+
+log = logging.getLogger(__name__)
 
 
 def supported(model: torch.nn.Module, mode: str) -> str | None:
@@ -132,6 +136,36 @@ def supported(model: torch.nn.Module, mode: str) -> str | None:
                     return (f"model.layers.{i}.{name} has shape [{module.out_features}, {module.in_features}]; int4 "
                             f"needs output features a multiple of 16 and input features a multiple of {INT4_GROUP}")
     return None
+
+
+def int4_grid_share(model: torch.nn.Module) -> tuple[float, float]:
+    """(share of the first decoder block's linear weights within 5% of a step of their int4 code,
+    the median step): near 1 for a model dequantized from a checkpoint on that grid (a Q4_1 GGUF's
+    groups of 32 with a scale and a minimum are the int4 recipe's), near 0.1 for trained weights."""
+    shares, steps = [], []
+    for module in model.model.layers[0].modules():
+        if isinstance(module, torch.nn.Linear) and module.in_features % INT4_GROUP == 0:
+            w = module.weight.detach().float()
+            q, scale, zero = quantize_int4(w, COMPUTE_DTYPE)
+            step = scale.float().repeat_interleave(INT4_GROUP, dim=1)
+            shares.append(((w - dequantize_int4(q, scale, zero)).abs() < 0.05 * step).float().flatten())
+            steps.append(scale.float().flatten())
+    if not shares:
+        return 0.0, 0.0
+    return torch.cat(shares).mean().item(), torch.cat(steps).median().item()
+
+
+def warn_if_on_int4_grid(model: torch.nn.Module) -> None:
+    """Log that int4 rollout will not follow training when the model's weights sit on the int4 grid."""
+    share, step = int4_grid_share(model)
+    if share > 0.5:
+        log.warning(
+            "engine.quantization=int4: %.0f%% of the first block's weights lie on the int4 grid (the model was "
+            "dequantized from a 4-bit checkpoint, such as a Q4 GGUF): int4 serves it without loss, but an update "
+            "reaches the rollout only when a weight moves half a step (median step %.3g), which at a fine-tuning "
+            "learning rate takes thousands of steps; train it with engine.quantization: int8 (docs/engines.md, "
+            "'Learning with quantized rollout')", 100 * share, step,
+        )
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

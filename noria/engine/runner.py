@@ -162,6 +162,8 @@ class ModelRunner:
             reason = quant.supported(model, quantization)
             if reason is not None:
                 raise ValueError(f"engine.quantization={quantization}: {reason}")
+            if quantization == "int4":
+                quant.warn_if_on_int4_grid(model)
             if deterministic:  # the exact path on the dequantized weights: a trainer with train.qat computes the same
                 quant.set_fake_quant(model, quantization, next(model.parameters()).dtype)
         elif quantization != "none":

@@ -33,6 +33,9 @@ def test_bench_sync_writes_the_json_shape(tmp_path, tiny_model_dir):
     for words in ("in-process", "shared-memory (noria serve subprocess, cpu)", "broadcast gloo", "disk", "vs memcpy", "vs gloo_broadcast"):
         assert words in cases
     assert list(tmp_path.glob("noria-bench-sync-*")) == []  # the work folder is removed
+    requantized = {r["case"].split("engine.quantization=")[1].split(":")[0]: r for r in results if "re-quantization" in r["case"]}
+    assert set(requantized) == {"int8", "int4"}  # each quantized engine's commit, beside the unquantized repack
+    assert all(r["noria"] > 0 and r["peers"]["unquantized repack"] > 0 for r in requantized.values())
 
 
 def test_bad_arguments_are_refused(tiny_model_dir):

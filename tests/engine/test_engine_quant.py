@@ -167,6 +167,23 @@ def test_weight_update_requantizes_in_place(tiny_model_dir, mode):
     assert [r.logprobs for r in after] == [r.logprobs for r in expected]
 
 
+def test_int4_warns_when_the_weights_already_lie_on_its_grid(tiny_model_dir, caplog):
+    """A model dequantized from a 4-bit checkpoint (SmolLM2 from its Q4_1 GGUF) is served by int4
+    without loss, and a fine-tuning update never moves a weight to another code: said at engine start."""
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    share, step = quant.int4_grid_share(model)
+    assert share < 0.3 and step > 0  # trained weights: about 10% within 5% of a step of a code
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(quant.fake_quantize(module.weight, "int4", torch.bfloat16))
+    assert quant.int4_grid_share(model)[0] > 0.99
+    with caplog.at_level("WARNING", logger="noria.engine.quant"):
+        make_engine(model, quantization="int4").shutdown(1)
+    assert "lie on the int4 grid" in caplog.text and "engine.quantization: int8" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------- refusals
 
 
