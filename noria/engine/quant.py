@@ -297,15 +297,17 @@ class Int4Linear(_QuantLinear):
         if self.kernel is None:
             self.weight, self.scale_zero = pack_int4(*quantize_int4(weight, self.dtype))
         else:
-            self.weight, self.scale, self.zero = pack_int4_blocks(*quantize_int4(weight, self.dtype))
+            n, k = weight.shape
+            self.weight = torch.empty(n // PACK_BLOCK, k // 2, PACK_BLOCK, dtype=torch.uint8)
+            self.scale, self.zero = (torch.empty(n // PACK_BLOCK, k // INT4_GROUP, PACK_BLOCK) for _ in range(2))
+            self._requantize(weight)
         self.bias = None if bias is None else bias.detach().clone()
 
     def _requantize(self, weight: torch.Tensor) -> None:
-        if self.kernel is None:
-            buffers, new = (self.weight, self.scale_zero), pack_int4(*quantize_int4(weight, self.dtype))
-        else:
-            buffers, new = (self.weight, self.scale, self.zero), pack_int4_blocks(*quantize_int4(weight, self.dtype))
-        for buffer, value in zip(buffers, new):
+        if self.kernel is not None:  # quantize_int4 in one C++ pass, into the kernel's layout (bit-equal, tested)
+            self.kernel.quantize_int4_packed(weight.detach().contiguous(), self.weight, self.scale, self.zero)
+            return
+        for buffer, value in zip((self.weight, self.scale_zero), pack_int4(*quantize_int4(weight, self.dtype))):
             buffer.copy_(value)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -204,3 +204,20 @@ def test_int4_bad_input_is_refused(kernel):
         kernel.int4_linear(x, w, scale, zero.transpose(1, 2).contiguous(), 0)
     with pytest.raises(RuntimeError, match="w must be packed uint8"):
         kernel.int4_linear(x, w.view(torch.int8), scale, zero, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_int4_packing_quantizer_equals_the_python_definition_bit_for_bit(kernel, dtype):
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(48, 1536, generator=g) * torch.logspace(-6, 2, 48)[:, None] + torch.randn(48, 1, generator=g)).to(dtype)
+    w[3] = 0  # all-zero groups: the scale floor
+    w[7, :32] = torch.arange(32) % 16 * 0.5 - 3.75  # on a grid of step 0.5 from -3.75 (codes 0..15, halfway points below)
+    w[7, 32:64] = torch.arange(32) % 16 * 0.5 - 3.5  # min -3.5: every (w - lo) / scale an integer
+    w[9, :32] = torch.linspace(-1, 1, 32)  # a range whose scale rounds in bf16: quotients near .5
+    expected = quant.pack_int4_blocks(*quant.quantize_int4(w, torch.bfloat16))
+    got = (torch.empty(3, 768, 16, dtype=torch.uint8), torch.empty(3, 48, 16), torch.empty(3, 48, 16))
+    kernel.quantize_int4_packed(w, *got)
+    for name, a, b in zip(("codes", "scales", "zeros"), got, expected):
+        assert torch.equal(a, b), name
+    with pytest.raises(RuntimeError, match=r"\[48, 1530\] is not a multiple of \[16, 32\]"):
+        kernel.quantize_int4_packed(w[:, :1530].contiguous(), *got)

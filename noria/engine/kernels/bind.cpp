@@ -21,6 +21,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, int64_t pat
 int64_t int8_linear_path(int64_t path);
 void quantize_int8_packed(at::Tensor w, at::Tensor q, at::Tensor scale, at::Tensor scale_f32);
 at::Tensor int4_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor zero, int64_t path);
+void quantize_int4_packed(at::Tensor w, at::Tensor q, at::Tensor scale, at::Tensor zero);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -35,5 +36,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_int8_packed", &quantize_int8_packed, "quant.quantize_int8 into the packed layout, in place (CPU)");
   m.def("int4_linear", &int4_linear, "weight-only int4 linear over packed codes (CPU)", py::arg("x"), py::arg("w"),
         py::arg("scale"), py::arg("zero"), py::arg("path") = 0);
+  m.def("quantize_int4_packed", &quantize_int4_packed, "quant.quantize_int4 into the packed layout, in place (CPU)");
   m.def("int8_linear_path", &int8_linear_path, "the int8_linear path that runs here (0: none)", py::arg("path") = 0);
 }

@@ -178,3 +178,82 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor 
   }
   return y;
 }
+
+// ------------------------------------------------------------------------------------- quantizer
+// noria.models.quantize.quantize_int4 (groups of 32, scales and zeros in bf16) in one pass over the
+// weight, written straight into the kernel's layout (the re-quantization inside every weight commit):
+// per group lo = min, hi = max, scale = bf16(max((hi - lo) / 15, 1e-8)), zero = bf16(lo + 8 * scale),
+// q = clamp(round_half_even((w - (zero - 8 * scale)) / scale), 0, 15), as fp32 operations in that
+// order. No fast-math here: the quotient must be correctly rounded for the codes to equal the
+// Python definition's bit for bit.
+
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+
+namespace {
+
+// One row's groups: scales and zeros (fp32 holding bf16 values) and codes 0..15 in row order.
+template <typename T>
+void int4_quantize_row(const T* row, int64_t K, float* scale, float* zero, uint8_t* codes) {
+  for (int64_t g = 0; g < K / kInt4Group; ++g) {
+    float v[kInt4Group];
+    for (int64_t j = 0; j < kInt4Group; ++j) v[j] = static_cast<float>(row[g * kInt4Group + j]);
+    float lo = v[0], hi = v[0];
+    for (int64_t j = 1; j < kInt4Group; ++j) {
+      lo = std::min(lo, v[j]);
+      hi = std::max(hi, v[j]);
+    }
+    const float s = static_cast<float>(BF(std::max((hi - lo) / 15.f, 1e-8f)));
+    const float z = static_cast<float>(BF(lo + 8.f * s));
+    const float lo_r = z - 8.f * s;
+    scale[g] = s;
+    zero[g] = z;
+    for (int64_t j = 0; j < kInt4Group; ++j)
+      codes[g * kInt4Group + j] = static_cast<uint8_t>(std::min(15.f, std::max(0.f, std::nearbyint((v[j] - lo_r) / s))));
+  }
+}
+
+template <typename T>
+void int4_quantize_rows(const T* w, uint8_t* q, float* scale, float* zero, int64_t N, int64_t K) {
+  const int64_t KP = K / 2, G = K / kInt4Group;
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> codes(kBlock * K);
+    std::vector<float> s(kBlock * G), z(kBlock * G);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t c = 0; c < kBlock; ++c)
+        int4_quantize_row(w + (b * kBlock + c) * K, K, s.data() + c * G, z.data() + c * G, codes.data() + c * K);
+      uint8_t* out = q + b * KP * kBlock;
+      for (int64_t p = 0; p < KP; ++p)
+        for (int64_t c = 0; c < kBlock; ++c)
+          out[p * kBlock + c] = static_cast<uint8_t>(codes[c * K + 2 * p] | (codes[c * K + 2 * p + 1] << 4));
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < kBlock; ++c) {
+          scale[(b * G + g) * kBlock + c] = s[c * G + g];
+          zero[(b * G + g) * kBlock + c] = z[c * G + g];
+        }
+    }
+  });
+}
+
+}  // namespace
+
+void quantize_int4_packed(at::Tensor w, at::Tensor q, at::Tensor scale, at::Tensor zero) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "quantize_int4_packed: w must be a contiguous bfloat16 or float32 [N, K] tensor");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % kBlock == 0 && K % kInt4Group == 0, "quantize_int4_packed: [", N, ", ", K, "] is not a multiple of [16, 32]");
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 3 && q.size(0) == N / kBlock && q.size(1) == K / 2 &&
+                  q.size(2) == kBlock,
+              "quantize_int4_packed: q must be packed uint8 [", N / kBlock, ", ", K / 2, ", 16]");
+  for (const at::Tensor* t : {&scale, &zero})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * (K / kInt4Group),
+                "quantize_int4_packed: scale and zero must be float32 [", N / kBlock, ", ", K / kInt4Group, ", 16]");
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  if (w.scalar_type() == at::kBFloat16) {
+    int4_quantize_rows(w.data_ptr<BF>(), qp, scale.data_ptr<float>(), zero.data_ptr<float>(), N, K);
+  } else {
+    int4_quantize_rows(w.data_ptr<float>(), qp, scale.data_ptr<float>(), zero.data_ptr<float>(), N, K);
+  }
+}
+
+#pragma GCC pop_options
