@@ -192,10 +192,54 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor 
 
 namespace {
 
-// One row's groups: scales and zeros (fp32 holding bf16 values) and codes 0..15 in row order.
+// One group's scale, zero and lowest value (fp32 holding bf16 values, as quantize_int4 rounds them).
+inline void int4_group_params(float lo, float hi, float* scale, float* zero, float* lo_r) {
+  const float s = static_cast<float>(BF(std::max((hi - lo) / 15.f, 1e-8f)));
+  const float z = static_cast<float>(BF(lo + 8.f * s));
+  *scale = s;
+  *zero = z;
+  *lo_r = z - 8.f * s;
+}
+
+#ifdef NORIA_INT8_FMA
+inline __m128 int4_half_min(__m256 v) { return _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
+inline __m128 int4_half_max(__m256 v) { return _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
+inline __m128i int4_nibbles(__m128i h) {
+  return _mm_or_si128(_mm_and_si128(h, _mm_set1_epi16(0x000F)), _mm_and_si128(_mm_srli_epi16(h, 4), _mm_set1_epi16(0x00F0)));
+}
+#endif
+
+// One row's groups: scales, zeros, and the codes two a byte in row order (byte p = q[2p] | q[2p + 1] << 4).
 template <typename T>
-void int4_quantize_row(const T* row, int64_t K, float* scale, float* zero, uint8_t* codes) {
-  for (int64_t g = 0; g < K / kInt4Group; ++g) {
+void int4_quantize_row(const T* row, int64_t K, float* scale, float* zero, uint8_t* pairs) {
+  int64_t g = 0;
+#ifdef NORIA_INT8_FMA
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (; g < K / kInt4Group; ++g) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = load8(row + g * kInt4Group + 8 * j);
+    __m128 mn = int4_half_min(_mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3])));
+    __m128 mx = int4_half_max(_mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3])));
+    mn = _mm_min_ps(mn, _mm_movehl_ps(mn, mn));
+    mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+    const float lo = _mm_cvtss_f32(_mm_min_ss(mn, _mm_shuffle_ps(mn, mn, 1)));
+    const float hi = _mm_cvtss_f32(_mm_max_ss(mx, _mm_shuffle_ps(mx, mx, 1)));
+    float lo_r;
+    int4_group_params(lo, hi, scale + g, zero + g, &lo_r);
+    const __m256 vs = _mm256_set1_ps(scale[g]), vl = _mm256_set1_ps(lo_r), zero_v = _mm256_setzero_ps(), top = _mm256_set1_ps(15.f);
+    __m256i c[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(v[j], vl), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c[j] = _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_max_ps(zero_v, q)));
+    }
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(b, order);  // the 32 codes in row order
+    // as 16-bit lanes q[2j] | q[2j + 1] << 8 -> q[2j] | q[2j + 1] << 4, then narrowed in order
+    const __m128i h0 = int4_nibbles(_mm256_castsi256_si128(bytes)), h1 = int4_nibbles(_mm256_extracti128_si256(bytes, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + g * kInt4Group / 2), _mm_packus_epi16(h0, h1));
+  }
+#endif
+  for (; g < K / kInt4Group; ++g) {
     float v[kInt4Group];
     for (int64_t j = 0; j < kInt4Group; ++j) v[j] = static_cast<float>(row[g * kInt4Group + j]);
     float lo = v[0], hi = v[0];
@@ -203,13 +247,13 @@ void int4_quantize_row(const T* row, int64_t K, float* scale, float* zero, uint8
       lo = std::min(lo, v[j]);
       hi = std::max(hi, v[j]);
     }
-    const float s = static_cast<float>(BF(std::max((hi - lo) / 15.f, 1e-8f)));
-    const float z = static_cast<float>(BF(lo + 8.f * s));
-    const float lo_r = z - 8.f * s;
-    scale[g] = s;
-    zero[g] = z;
+    float lo_r;
+    int4_group_params(lo, hi, scale + g, zero + g, &lo_r);
+    uint8_t codes[kInt4Group];
     for (int64_t j = 0; j < kInt4Group; ++j)
-      codes[g * kInt4Group + j] = static_cast<uint8_t>(std::min(15.f, std::max(0.f, std::nearbyint((v[j] - lo_r) / s))));
+      codes[j] = static_cast<uint8_t>(std::min(15.f, std::max(0.f, std::nearbyint((v[j] - lo_r) / scale[g]))));
+    for (int64_t j = 0; j < kInt4Group / 2; ++j)
+      pairs[g * kInt4Group / 2 + j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
   }
 }
 
@@ -217,15 +261,14 @@ template <typename T>
 void int4_quantize_rows(const T* w, uint8_t* q, float* scale, float* zero, int64_t N, int64_t K) {
   const int64_t KP = K / 2, G = K / kInt4Group;
   at::parallel_for(0, N / kBlock, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> codes(kBlock * K);
+    std::vector<uint8_t> pairs(kBlock * KP);
     std::vector<float> s(kBlock * G), z(kBlock * G);
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t c = 0; c < kBlock; ++c)
-        int4_quantize_row(w + (b * kBlock + c) * K, K, s.data() + c * G, z.data() + c * G, codes.data() + c * K);
-      uint8_t* out = q + b * KP * kBlock;
+        int4_quantize_row(w + (b * kBlock + c) * K, K, s.data() + c * G, z.data() + c * G, pairs.data() + c * KP);
+      uint8_t* out = q + b * KP * kBlock;  // [KP][16]: the block's rows side by side
       for (int64_t p = 0; p < KP; ++p)
-        for (int64_t c = 0; c < kBlock; ++c)
-          out[p * kBlock + c] = static_cast<uint8_t>(codes[c * K + 2 * p] | (codes[c * K + 2 * p + 1] << 4));
+        for (int64_t c = 0; c < kBlock; ++c) out[p * kBlock + c] = pairs[c * KP + p];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t c = 0; c < kBlock; ++c) {
           scale[(b * G + g) * kBlock + c] = s[c * G + g];
