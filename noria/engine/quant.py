@@ -82,14 +82,15 @@ so no step ever runs with some layers of the old weights and some of the new, an
 unquantized model. Memory: the integer copy on top of the parameters (int8: half the linear weights'
 bf16 bytes; int4: a quarter).
 
-Re-quantization (int8, our kernel): one vectorized C++ pass per weight into the packed layout
-(``quantize_int8_packed``), bit-equal to :func:`quantize_int8` (tested); 0.07-0.10 s for a full
-SmolLM2-135M commit on the machine above.
+Re-quantization (our kernels): one vectorized C++ pass per weight into the packed layout
+(``quantize_int8_packed``, ``quantize_int4_packed``), bit-equal to :func:`quantize_int8` and
+:func:`quantize_int4` (tested); for a full SmolLM2-135M commit on the machine above, int8 0.06-0.10 s
+and int4 0.09 s (in torch operations int4's took 0.35 s); ``noria bench sync`` measures both.
 
 Not guaranteed: the same logprobs as the unquantized model (it is another policy, close to it:
 pair with ``train.loss.off_policy: tis``, or train it as it is served with ``train.qat``);
-bitwise-equal results across row counts with torch's kernels (int4, and int8 where ours does not
-serve; ours is batch-invariant within one path).
+bitwise-equal results across row counts with torch's kernels (where ours do not serve; ours are
+batch-invariant within one path).
 
 Deterministic mode and QAT (``engine.deterministic`` with int8 / int4, ``train.qat``): one recipe,
 two sides. :class:`FakeQuant` gives a layer the weight the integer matmul computes with
