@@ -168,14 +168,7 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor 
     return y;
   }
 #endif
-  const std::vector<float> xf = bf16_rounded_rows(x);
-  const bool f32 = x.scalar_type() == at::kFloat;
-  std::vector<float> yf(f32 ? 0 : M * N);
-  int4_f32_path(chosen, xf.data(), wp, sp, zp, f32 ? y.data_ptr<float>() : yf.data(), M, N, K);
-  if (!f32) {
-    BF* yb = y.data_ptr<BF>();
-    for (int64_t i = 0; i < M * N; ++i) yb[i] = BF(yf[i]);  // exact: yf holds bf16 values
-  }
+  via_f32_rows(x, y, M, N, [&](const float* xf, float* out) { int4_f32_path(chosen, xf, wp, sp, zp, out, M, N, K); });
   return y;
 }
 

@@ -68,6 +68,20 @@ std::vector<float> bf16_rounded_rows(const at::Tensor& x) {
   return out;
 }
 
+// The fp32 paths' frame: run(xf, out) gets x as fp32 rows of bf16 values and writes fp32 [M, N]
+// results (bf16 values) that land in y, in x's dtype.
+template <typename Run>
+void via_f32_rows(const at::Tensor& x, at::Tensor& y, int64_t M, int64_t N, Run run) {
+  const std::vector<float> xf = bf16_rounded_rows(x);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  std::vector<float> yf(f32 ? 0 : M * N);
+  run(xf.data(), f32 ? y.data_ptr<float>() : yf.data());
+  if (!f32) {
+    BF* yb = y.data_ptr<BF>();
+    for (int64_t i = 0; i < M * N; ++i) yb[i] = BF(yf[i]);  // exact: yf holds bf16 values
+  }
+}
+
 // ------------------------------------------------------------------------------------- scalar
 
 void scalar_path(const float* x, const int8_t* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
@@ -340,18 +354,12 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scale, int64_t pat
     return y;
   }
 #endif
-  const std::vector<float> xf = bf16_rounded_rows(x);
-  const bool f32 = x.scalar_type() == at::kFloat;
-  std::vector<float> yf(f32 ? 0 : M * N);
-  float* out = f32 ? y.data_ptr<float>() : yf.data();
+  via_f32_rows(x, y, M, N, [&](const float* xf, float* out) {
 #ifdef NORIA_INT8_FMA
-  if (chosen == 2) fma_path(xf.data(), wp, sp, out, M, N, K);
+    if (chosen == 2) fma_path(xf, wp, sp, out, M, N, K);
 #endif
-  if (chosen == 3) scalar_path(xf.data(), wp, sp, out, M, N, K);
-  if (!f32) {
-    BF* yb = y.data_ptr<BF>();
-    for (int64_t i = 0; i < M * N; ++i) yb[i] = BF(yf[i]);  // exact: yf holds bf16 values
-  }
+    if (chosen == 3) scalar_path(xf, wp, sp, out, M, N, K);
+  });
   return y;
 }
 
