@@ -18,7 +18,7 @@ MAX_FUNCTION_LINES = 80
 MAX_FILE_LINES = 600
 
 LAYERS = [
-    ("leaves", {"types", "errors", "hardware", "net", "console", "plugins", "config", "faults", "metric_names"}),
+    ("leaves", {"types", "errors", "hardware", "openmp", "net", "console", "plugins", "config", "faults", "metric_names"}),
     ("base", {"models", "data", "metrics", "loop", "process"}),
     ("engine and trainer", {"engine", "train"}),
     ("services", {"sync", "rollout", "router", "agent", "rewards", "eval", "distill", "run_folder", "runview", "preflight", "service"}),

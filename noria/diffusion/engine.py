@@ -27,7 +27,7 @@ SDE image's step noise is drawn for the whole batch at once, bit for bit the per
 cores with the waiting caller's OpenMP team, which libgomp then throttles along with its own (every
 parallel op waking a sleeping worker: the DiT ran ~40% slower on the engine thread), so the caller
 gives its team back when it submits, and the engine gives its own back when idle
-(``noria.diffusion.openmp``).
+(``noria.openmp``).
 
 Seeds: every request has its own ``torch.Generator`` seeded with ``ImageRequest.seed``; it draws the
 initial noise and then, for an SDE image (noise level > 0), each step's noise, in order (an ODE
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -60,7 +59,7 @@ from typing import Any
 
 import torch
 
-from noria.diffusion import openmp, sde
+from noria.diffusion import sde
 from noria.diffusion.model import cast, latent_shape, load_dit, num_classes, set_exact_numerics, velocity
 from noria.diffusion.protocol import ImageOutput, ImageRequest
 from noria.engine.thread import EngineThread, check_pause_mode, generate, generate_batch
@@ -195,7 +194,7 @@ class DiffusionEngine:
         self.max_batch, self.deterministic = max_batch, deterministic
         self.num_classes = num_classes(model)
         self.shape = latent_shape(model)
-        self._thread = EngineThread(self._loop, "noria-diffusion-engine")
+        self._thread = EngineThread(self._loop, "noria-diffusion-engine", cpu=self.device.type == "cpu")
         self.weights = WeightUpdates(self.model, self.device, self._thread.call, _nothing, _nothing, weight_version)
         """Weight updates (``noria.sync``'s in-process target and the server's weight API call it):
         staged on the caller's thread, committed between two denoising steps."""
@@ -203,8 +202,6 @@ class DiffusionEngine:
         self._running: list[_Image] = []
         self._batch: _Batch | None = None
         """The running images' stacked inputs; None when an image joined or left since the last step."""
-        self._loop_thread: int | None = None
-        """The engine thread's id (set when it starts)."""
         self._paused = False
         self._stats = {"images": 0, "steps": 0, "image_steps": 0, "seconds": 0.0}
         self._thread.start()
@@ -230,7 +227,7 @@ class DiffusionEngine:
         """Queue a request; ``callback`` (on the engine thread) gets its output. Returns the request id."""
         image = self._images([req], [callback])[0]
         self._thread.post(lambda: self._waiting.append(image))
-        self._give_back_workers()
+        self._thread.give_back_workers()
         return image.req.rid
 
     def submit_many(self, requests: list[ImageRequest], callbacks: list[Callable[[ImageOutput], None]]) -> list[str]:
@@ -238,18 +235,12 @@ class DiffusionEngine:
         by one, the engine may start a step with the first few and run the rest one step behind)."""
         images = self._images(requests, callbacks)
         self._thread.post(lambda: self._waiting.extend(images))
-        self._give_back_workers()
+        self._thread.give_back_workers()  # after posting them: the engine starts on them meanwhile
         return [image.req.rid for image in images]
 
     def _images(self, requests: list[ImageRequest], callbacks: list[Callable[[ImageOutput], None]]) -> list[_Image]:
         self._thread.check_accepting()
         return [self._image(req, callback) for req, callback in zip(requests, callbacks, strict=True)]
-
-    def _give_back_workers(self) -> None:
-        """A caller waits for its images: its OpenMP team would throttle ours, so it gives it back (after
-        posting them: the engine starts on them meanwhile)."""
-        if self.device.type == "cpu" and threading.get_ident() != self._loop_thread:
-            openmp.release_workers()
 
     def _image(self, req: ImageRequest, callback: Callable[[ImageOutput], None]) -> _Image:
         req.validate(self.num_classes)
@@ -327,13 +318,12 @@ class DiffusionEngine:
     # ------------------------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
-        self._loop_thread = threading.get_ident()
         try:
             stepped = False
             while not self._thread.stopping:
                 idle = self._paused or not (self._waiting or self._running)
-                if idle and stepped and self.device.type == "cpu":
-                    openmp.release_workers()  # idle: our OpenMP team would throttle the other threads' torch work
+                if idle and stepped:
+                    self._thread.give_back_workers(idle=True)
                     stepped = False
                 self._thread.drain(block=idle, timeout=0.1)
                 if not self._paused and (self._waiting or self._running):

@@ -127,7 +127,7 @@ class Engine(AdapterMethods):
             log.warning("engine.speculative.method %s on CUDA: its verify steps run eagerly while plain decode steps replay CUDA graphs, "
                         "so speculating rows (at most engine.speculative.max_batch=%d running) decode slower, not faster (0.07-0.18x "
                         "at batch 1 on an H100, docs/engines.md); it is a CPU engine's option for now", spec.method, spec.max_batch)
-        self._thread = EngineThread(self._loop, "noria-engine")
+        self._thread = EngineThread(self._loop, "noria-engine", cpu=self.device.type == "cpu")
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
         self.weights = WeightUpdates(
@@ -180,6 +180,7 @@ class Engine(AdapterMethods):
                 raise RequestError(f"rid {taken[0]!r} is already in flight")
             self._live.update(rids)
         self._thread.post(lambda: [self._enqueue(i) for i in internals])
+        self._thread.give_back_workers()  # after posting them: the engine starts on them meanwhile
         return rids
 
     def _internal(self, req: GenerateRequest, callback: Callable, stream: bool) -> Req:
@@ -372,6 +373,8 @@ class Engine(AdapterMethods):
                 if step is None:
                     if self._thread.stopping:
                         break
+                    if not self.scheduler.has_work:
+                        self._thread.give_back_workers(idle=True)
                     self._thread.drain(block=not self.scheduler.has_work)
                     chunks = [] if self._thread.stopping else self.scheduler.schedule()
                     if not chunks:

@@ -60,7 +60,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from noria import hardware
+from noria import hardware, openmp
 from noria.engine import kernels, quant
 from noria.models.decoder import DecoderLM, DecoderLayer, apply_rope, rope_inv_freq, rope_tables
 
@@ -180,7 +180,7 @@ class FastDecoder:
             generation = self._generation
         if self._packer is None:
             self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="noria-repack")
-        return self._packer.submit(self._install, weights, generation)
+        return self._packer.submit(openmp.released(self._install), weights, generation)
 
     @torch.no_grad()
     def requantize(self) -> concurrent.futures.Future | None:
@@ -195,13 +195,13 @@ class FastDecoder:
         with self._lock:
             self._generation += 1
             generation = self._generation
-        list(self._pool().map(lambda pair: pair[0].update(pair[1]), zip(self.packed.layers, layers)))
+        list(self._pool().map(openmp.released(lambda pair: pair[0].update(pair[1])), zip(self.packed.layers, layers)))
         self.packed = Packed(self.packed.layers, PlainLinear([head], head_bias))
         if self._head is PlainLinear:  # oneDNN does not pack this dtype here: F.linear stays
             return None
         if self._packer is None:
             self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="noria-repack")
-        return self._packer.submit(self._install_head, head, head_bias, generation)
+        return self._packer.submit(openmp.released(self._install_head), head, head_bias, generation)
 
     def _install_head(self, head: torch.Tensor, bias: list[torch.Tensor | None], generation: int) -> None:
         if generation != self._generation:
@@ -238,8 +238,8 @@ class FastDecoder:
         layers, head = weights
         bias = self.model.lm_head.bias
         workers = self._pool()
-        packed_head = workers.submit(self._head, [head], [None if bias is None else bias.detach()], self.batch_hint)
-        packed_layers = list(workers.map(lambda linears: _PackedLayer(linears, self.batch_hint, self.quantized), layers))
+        packed_head = workers.submit(openmp.released(self._head), [head], [None if bias is None else bias.detach()], self.batch_hint)
+        packed_layers = list(workers.map(openmp.released(lambda linears: _PackedLayer(linears, self.batch_hint, self.quantized)), layers))
         return Packed(packed_layers, packed_head.result())
 
     @torch.no_grad()

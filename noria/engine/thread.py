@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from noria import openmp
 from noria.engine.protocol import RequestError
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ class EngineDead(RuntimeError):
 class EngineThread:
     """An engine's background thread (running ``run``) and the inbox of commands it runs between steps."""
 
-    def __init__(self, run: Callable[[], None], name: str) -> None:
+    def __init__(self, run: Callable[[], None], name: str, cpu: bool = False) -> None:
+        self.cpu = cpu
+        """The engine computes on the CPU: threads give their OpenMP teams back (:meth:`give_back_workers`)."""
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self.error: BaseException | None = None
@@ -63,6 +66,16 @@ class EngineThread:
 
     def start(self) -> None:
         self._thread.start()
+        self.give_back_workers()  # the building thread's team, made by the model load and the packing
+
+    def give_back_workers(self, idle: bool = False) -> None:
+        """A CPU engine: the calling thread gives its OpenMP team back (``noria.openmp``). From the
+        threads that build the engine and submit to it, which then wait while the engine thread
+        computes (an idle team beside the engine's makes libgomp stop spinning, and every parallel op
+        of a step then wakes a sleeping worker: decode ran up to 1.7x slower); on the engine thread, only
+        with ``idle`` (its loop has no work: its team would slow the other threads' torch work)."""
+        if self.cpu and (idle or threading.current_thread() is not self._thread):
+            openmp.release_workers()
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

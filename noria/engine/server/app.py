@@ -47,6 +47,7 @@ from typing import Any
 
 from aiohttp import web
 
+from noria import openmp
 from noria.config import ConfigError, EngineConfig, ModelConfig, option
 from noria.engine.protocol import GenerateOutput, GenerateRequest, RequestError
 from noria.engine.server.classify_api import ClassifyApi
@@ -303,8 +304,9 @@ class EngineServer:
         return _Tracked(self, req.rid)
 
     async def blocking(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Call an engine method that may block (weight updates) in a thread; await its result."""
-        return await maybe_await(await asyncio.to_thread(fn, *args, **kwargs))
+        """Call an engine method that may block (weight updates) in a thread; await its result. The
+        thread gives its OpenMP team back after the call (``noria.openmp``: the pool's threads live on)."""
+        return await maybe_await(await asyncio.to_thread(openmp.released(fn), *args, **kwargs))
 
 
 class _Tracked:

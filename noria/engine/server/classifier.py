@@ -49,7 +49,7 @@ class SequenceClassifier:
         """``load`` returns (model, tokenizer); it runs on the forward thread, which then runs every
         forward: one thread of the process does torch work, so no idle OpenMP team of another
         thread (a loader's) adds workers beyond the cores (libgomp then stops spinning between ops;
-        see ``noria.diffusion.openmp``). On a busy 2-core machine a forward of the tiny model took
+        see ``noria.openmp``). On a busy 2-core machine a forward of the tiny model took
         about 0.5 s on torch's 2 threads and 5 ms with ``OMP_NUM_THREADS=1``: small reward models
         want one thread there."""
         self.max_batch = max_batch

@@ -27,9 +27,26 @@ import ctypes
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _OMP_PAUSE_SOFT = 1
 """``omp_pause_soft``: free the calling thread's runtime resources (its worker threads)."""
+
+
+def released(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, giving its thread's OpenMP team back when it returns: for the tasks of long-lived helper
+    threads (thread pools), whose idle teams would otherwise stay for the life of the thread."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            release_workers()
+
+    return run
 
 
 def release_workers() -> None:
