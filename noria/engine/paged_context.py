@@ -35,6 +35,9 @@ class DecodeMeta:
     slots: torch.Tensor | None
     """Deterministic mode only: long [S, longest context], each sequence's context slots (past its
     own context, whatever its padded table points to: the exact attention masks those keys)."""
+    whole: bool = False
+    """``token_idx`` is every row of the step in order (no prefill chunk): the decode result is the
+    layer's attention output as it is, with no gather of the queries and no scatter of the result."""
 
 
 @dataclass
@@ -79,6 +82,8 @@ class PagedAttentionContext:
         k_pool.index_copy_(0, self.new_slots, k[0])
         v_pool.index_copy_(0, self.new_slots, v[0])
         q = q[0]
+        if self.decode is not None and self.decode.whole:
+            return self._attend_decode(q, k_pool, v_pool).unsqueeze(0)
         out = torch.empty_like(q)
         if self.decode is not None:
             out.index_copy_(0, self.decode.token_idx, self._attend_decode(q, k_pool, v_pool))
@@ -96,7 +101,7 @@ class PagedAttentionContext:
 
     def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         d = self.decode
-        q_dec = q.index_select(0, d.token_idx)
+        q_dec = q if d.whole else q.index_select(0, d.token_idx)
         if d.slots is not None:
             pos = (d.context_lens.long() - 1).unsqueeze(1)
             return exact_attention(q_dec[:, None], k_pool[d.slots], v_pool[d.slots], self.scale, pos)[:, 0]

@@ -312,7 +312,7 @@ class ModelRunner:
         if prefill_rows and self.kernel_prefill:
             meta, prefills = self._all_rows_meta(chunks, positions_t[0]), []
         else:
-            meta = self._decode_meta(decode_rows, decode_chunks)
+            meta = self._decode_meta(decode_rows, decode_chunks, whole=not prefill_rows)
             prefills = [PrefillMeta(r, c.n, self._context_slots(c)) for r, c in prefill_rows]
         ctx = PagedAttentionContext(
             self.kv,
@@ -326,7 +326,7 @@ class ModelRunner:
         )
         return to_dev(ids, torch.long).unsqueeze(0), positions_t, new_slots, ctx
 
-    def _decode_meta(self, rows: list[int], chunks: list[Chunk]) -> DecodeMeta | None:
+    def _decode_meta(self, rows: list[int], chunks: list[Chunk], whole: bool = False) -> DecodeMeta | None:
         if not rows:
             return None
         width = max(len(c.block_table) for c in chunks)
@@ -339,6 +339,7 @@ class ModelRunner:
             block_tables=tables,
             context_lens=self._to_device([c.start + 1 for c in chunks], torch.int32),
             slots=slots,
+            whole=whole,
         )
 
     def _all_rows_meta(self, chunks: list[Chunk], positions: torch.Tensor) -> DecodeMeta:
@@ -353,6 +354,7 @@ class ModelRunner:
             block_tables=tables.index_select(0, owner),
             context_lens=(positions + 1).to(torch.int32),
             slots=None,
+            whole=True,
         )
 
     def _context_slots(self, c: Chunk) -> torch.Tensor:
