@@ -61,7 +61,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batches", default="1,8,32,128", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype (auto: see noria info)")
-    parser.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu, openvino (empty for none)")
+    parser.add_argument("--peers", default="hf_generate,vllm_cpu", help="comma-separated peers: hf_generate, vllm_cpu, openvino "
+                        "(weight-only, as Noria), openvino_defaults (OpenVINO's int8 activations and u8 KV cache) (empty for none)")
     parser.add_argument("--vllm-python", help="python of an existing vllm-cpu venv (default: created under $NORIA_HOME/bench)")
     parser.add_argument("--group", type=int, default=1, help="samples per prompt: a batch of B is B/N prompts, N samples each "
                         "(an RL step's groups); every batch size must be a multiple of it")
@@ -81,8 +82,8 @@ def main(args) -> int:
         raise SystemExit(f"--quant: {','.join(unknown) or 'empty'} not supported; choose from {', '.join(QUANTS)}")
     if unknown := [p for p in peers if p not in PEERS]:
         raise SystemExit(f"--peers: {','.join(unknown)} unknown; choose from {', '.join(PEERS)}")
-    if args.lora > 0 and "openvino" in peers:
-        raise SystemExit("--peers openvino: not with --lora (OpenVINO GenAI serves one exported model, no adapters)")
+    if args.lora > 0 and (ov := [p for p in peers if p.startswith("openvino")]):
+        raise SystemExit(f"--peers {ov[0]}: not with --lora (OpenVINO GenAI serves one exported model, no adapters)")
     if args.group < 1 or any(b % args.group for b in batches):
         raise SystemExit(f"--group {args.group}: every batch size ({args.batches}) must be a positive multiple of it")
     if args.lora > 0:
@@ -94,7 +95,7 @@ def main(args) -> int:
     return 0
 
 
-PEERS = ("hf_generate", "vllm_cpu", "openvino")
+PEERS = ("hf_generate", "vllm_cpu", "openvino", "openvino_defaults")
 """``--peers`` values."""
 
 QUANTS = ("none", "int8", "int4")
@@ -115,7 +116,7 @@ def run(
     from noria.hardware import cpu_info, resolve_dtype
     from noria.models.catalog import model_path
 
-    if "openvino" in peers:
+    if any(p.startswith("openvino") for p in peers):
         from noria.bench.openvino_peer import check_isa
 
         check_isa(quants)  # before the first engine's minutes
@@ -128,11 +129,11 @@ def run(
         figures["hf_generate"] = _hf_generate(folder, prompts, batches, new_tokens, dtype, group > 1)
     if "vllm_cpu" in peers:
         figures["vllm_cpu"] = _vllm(folder, prompts, batches, new_tokens, vllm_python, dtype, group)
-    if "openvino" in peers:
+    for mode in [p for p in peers if p.startswith("openvino")]:
         from noria.bench.openvino_peer import openvino_figures
 
         for q in quants:
-            figures[_openvino(q)] = openvino_figures(folder, prompts, batches, new_tokens, dtype, q, group)
+            figures[_openvino(q, mode)] = openvino_figures(folder, prompts, batches, new_tokens, dtype, q, group, mode)
     bounds = {q: _matmul_bound(folder, batches, dtype, q) for q in quants}
     name = model if group == 1 else f"{model} group={group}"
     results = [row for q in quants for row in _results(name, dtype, batches, new_tokens, figures, bounds[q], q)]
@@ -156,9 +157,9 @@ def _side(quant: str) -> str:
     return "noria" if quant == "none" else f"noria_{quant}"
 
 
-def _openvino(quant: str) -> str:
-    """The figures' key of the OpenVINO peer on ``quant``'s export (``noria.bench.openvino_peer``)."""
-    return "openvino" if quant == "none" else f"openvino_{quant}"
+def _openvino(quant: str, mode: str = "openvino") -> str:
+    """The figures' key of the OpenVINO peer ``mode`` on ``quant``'s export (``noria.bench.openvino_peer``)."""
+    return mode if quant == "none" else f"{mode}_{quant}"
 
 
 def _noria(
@@ -350,10 +351,12 @@ def _print(results: list[dict], peers: list[str], quants: list[str] = ("none",))
     ``results``: :func:`_results`' rows of every quantization, in ``quants`` order."""
     sides = [_side(q) for q in quants]
     per_quant = len(results) // len(quants)
-    peers = [name for p in peers for name in ([_openvino(q) for q in quants] if p == "openvino" else [p])]
+    modes = [p for p in peers if p.startswith("openvino")]
+    peers = [name for p in peers for name in ([_openvino(q, p) for q in quants] if p in modes else [p])]
     against = [(s, "noria") for s in sides if s != "noria" and "noria" in sides]
-    # OpenVINO's exports against the built-in engine at the same precision only
-    against += [(s, p) for q, s in zip(quants, sides) for p in peers if not p.startswith("openvino") or p == _openvino(q)]
+    # OpenVINO's exports against the built-in engine at the same weight precision only
+    against += [(s, p) for q, s in zip(quants, sides) for p in peers
+                if not p.startswith("openvino") or p in [_openvino(q, m) for m in modes]]
     header = ["case", *sides, *peers, *[f"{a}/{b}" for a, b in against], *[f"{s}/bound" for s in sides]]
     rows = []
     for i in range(per_quant):

@@ -27,7 +27,7 @@ def main() -> None:
     scheduler.cache_size = job.get("kv_space_gb", 4)
     scheduler.max_num_seqs = max(job["batches"]) * n
     scheduler.enable_prefix_caching = False  # every batch starts cold, as Noria's and vLLM's runs do
-    properties = {"INFERENCE_PRECISION_HINT": job.get("precision", "f32")}
+    properties = {"INFERENCE_PRECISION_HINT": job.get("precision", "f32"), **job.get("properties", {})}
     pipe = genai.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
 
     def config(tokens: int, samples: int) -> "genai.GenerationConfig":

@@ -45,9 +45,9 @@ def test_openvino_refuses_to_act_as_avx2_at_int8_on_an_avx512_cpu(tiny_model_dir
 @pytest.mark.slow
 @pytest.mark.skipif(hides_avx512(), reason="OpenVINO's int8 cannot act as AVX2 on an AVX-512 CPU (the test above)")
 def test_openvino_export_of_int8_is_the_int8_engines_peer(tiny_model_dir, tmp_path):
-    """``--peers openvino --quant int8``: the real OpenVINO GenAI pipeline (its venv, installed by
-    scripts/test.sh) on a one-time int8 export of the tiny model, the peer of the built-in int8
-    engine (the worker refuses a sequence that is not exactly the asked length); the export is
+    """``--peers openvino,openvino_defaults --quant int8``: the real OpenVINO GenAI pipeline (its venv,
+    installed by scripts/test.sh) on a one-time int8 export of the tiny model, weight-only and with
+    OpenVINO's defaults, the peers of the built-in int8 engine (the worker refuses a sequence that is not exactly the asked length); the export is
     kept, complete, for the next run."""
     from noria.bench import openvino_peer
 
@@ -55,9 +55,9 @@ def test_openvino_export_of_int8_is_the_int8_engines_peer(tiny_model_dir, tmp_pa
     stale.mkdir(parents=True)
     (stale / openvino_peer.SOURCE).write_text(json.dumps({"folder": str(tmp_path / "deleted-model"), "quant": "int8"}))
     path = tmp_path / "engine.json"
-    results = bench_engine.run(str(tiny_model_dir), [2, 4], 6, ["openvino"], str(path), None, "float32", ["int8"])
+    results = bench_engine.run(str(tiny_model_dir), [2, 4], 6, ["openvino", "openvino_defaults"], str(path), None, "float32", ["int8"])
     assert [r["case"].split()[2:4] for r in results] == [["int8", "batch=2"], ["int8", "batch=4"]]
-    assert all(row["noria"] > 0 and row["peers"]["openvino_int8"] > 0 for row in results)
+    assert all(row["noria"] > 0 and row["peers"]["openvino_int8"] > 0 and row["peers"]["openvino_defaults_int8"] > 0 for row in results)
     export = openvino_peer.exported(tiny_model_dir, "int8")  # the run's, not made again
     assert (export / "openvino_model.xml").is_file() and "-int8-" in export.name
     assert not list(export.parent.glob("*.partial"))

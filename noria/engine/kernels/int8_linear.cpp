@@ -284,8 +284,14 @@ NORIA_BF16_TARGET void bf16_units(const uint16_t* x, const int8_t* w, const floa
       V == 2 ? rows_bf16<2, false>(x, M, K, wb, s, f, o, N) : rows_bf16<1, false>(x, M, K, wb, s, f, o, N);
       continue;
     }
-    for (int64_t p = 0; p < V * KP; ++p)  // the blocks once, as bf16, for every row tile
+    // The blocks once, as bf16, for every row tile; meanwhile the next unit's codes are fetched into
+    // L2 (one line per two pairs), so that its conversion does not wait on memory.
+    const int8_t* next = u + 1 < u1 ? wb + V * KP * 32 : nullptr;
+    const int64_t ahead = next == nullptr ? 0 : std::min<int64_t>(2, blocks - b - 2) * KP * 32;
+    for (int64_t p = 0; p < V * KP; ++p) {
+      if (p % 2 == 0 && p * 32 < ahead) _mm_prefetch(reinterpret_cast<const char*>(next + p * 32), _MM_HINT_T1);
       _mm512_storeu_si512(buf.data() + p * 32, pair_bf16(wb + p * 32));
+    }
     V == 2 ? rows_bf16<2, true>(x, M, K, buf.data(), s, f, o, N) : rows_bf16<1, true>(x, M, K, buf.data(), s, f, o, N);
   }
 }
