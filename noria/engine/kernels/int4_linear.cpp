@@ -88,7 +88,7 @@ void int4_f32_path(int64_t path, const float* x, const uint8_t* w, const float* 
       int4_block_f32(w + b * KP * 16, s + b * G * 16, z + b * G * 16, KP, buf.data());
 #ifdef NORIA_INT8_FMA
       if (path == 2) {
-        rows_fma<true>(x, M, K, buf.data(), ones, y + b * kBlock, N);
+        half_rows_fma(x, M, K, buf.data(), ones, y + b * kBlock, N);
         continue;
       }
 #endif
