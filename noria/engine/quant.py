@@ -63,6 +63,12 @@ AVX2 32      4649-4932    4372-6018    --           3435-5041
 AVX2 128     14169-17250  15931-20405  --           9746-12894
 ===========  ===========  ===========  ===========  ===========
 
+The AVX2 rows above were measured before a fix of the fma path: a load through a ``double*`` made
+GCC store every accumulator to the stack after each multiply-add, which halved its rate. Since then
+(2 threads, one hot block, acting as AVX2 on the Zen 4), 576 -> 3072 ran 91, 131 and 172 G FLOP/s at
+8, 32 and 128 rows against torch's int8 kernel's 79, 85 and 90, and 1536 -> 576 92, 120 and 148
+against 84, 120 and 96.
+
 Why: decode at 1-32 rows is bound by reading the weights, and int8 reads half of bf16's bytes (a
 quarter of fp32's), so our kernel leads wherever the conversion keeps up: up to 2x packed bf16 at
 1-8 rows on AVX-512 and 6x packed fp32 at 1 row on AVX2. At 128 rows every path is bound by its

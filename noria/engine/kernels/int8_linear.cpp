@@ -18,8 +18,7 @@
 //     channels. Needs an AVX-512 build and a CPU with AVX512_BF16 (checked at run time).
 //   2 fma: int8 -> fp32, vfmadd on 8-float vectors (AVX2 + FMA); lanes hold a channel's even and odd
 //     k, added at the end. Up to 3 rows: tiles of 3 rows x 16 channels converting as they read; more:
-//     the block converted once, then tiles of 6 rows x 8 channels (fewer registers: no spills; 1.8x
-//     the rate of 3 x 16 tiles at 8 to 128 rows on SmolLM2's shapes, acting as AVX2 on Zen 4).
+//     the block converted once, then tiles of 6 rows x 8 channels (15 of AVX2's 16 registers).
 //   3 scalar: the portable loop (baseline builds; a reference).
 // Every weight block is read from memory once per call: a call with more rows than one tile first
 // converts the block (bf16 or fp32) into a per-thread buffer that all its row tiles then read.
@@ -114,6 +113,15 @@ inline void load_pair_fma(const int8_t* p, __m256 (&w)[4]) {
     w[q] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * q))));
 }
 
+// (x[k], x[k + 1]) in every pair of lanes. Loaded as a double through memcpy: a load through a double
+// pointer may alias the accumulators (vector types alias everything), and GCC then stored every
+// accumulator to the stack after each multiply-add (half the rate, measured).
+inline __m256 pair_fma(const float* p) {
+  double pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return _mm256_castpd_ps(_mm256_set1_pd(pair));
+}
+
 inline __m256 round_bf16_fma(__m256 v) {  // round to nearest even, as torch; NaN stays NaN
   const __m256i b = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
@@ -133,7 +141,7 @@ void tile_fma(const float* x, int64_t K, const int8_t* w8, const float* scale, f
   for (int64_t p = 0; p < KP; ++p) {
     __m256 xb[R];
     for (int r = 0; r < R; ++r)
-      xb[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + r * K + 2 * p)));
+      xb[r] = pair_fma(x + r * K + 2 * p);
     __m256 w[4];
     load_pair_fma(w8 + p * 32, w);
     for (int r = 0; r < R; ++r)
@@ -159,7 +167,7 @@ void rows_fma(const float* x, int64_t M, int64_t K, const int8_t* w8, const floa
 
 // Rows [0, R) of half a converted block (8 channels: its vectors 2h and 2h + 1): 2R accumulators,
 // 2 weight vectors and a broadcast in AVX2's 16 registers, so R = 6 rows share each weight load
-// (tile_fma's 3 rows x 16 channels hold 19 values and spill). Every lane sums in the same order as
+// (tile_fma's 3 rows x 16 channels hold 19 values). Every lane sums in the same order as
 // tile_fma's, and the same add and permute end it: the same bits for a row, whichever tile holds it.
 template <int R>
 void half_tile_fma(const float* x, int64_t K, const float* wf, const float* scale, float* y, int64_t N) {
@@ -169,7 +177,7 @@ void half_tile_fma(const float* x, int64_t K, const float* wf, const float* scal
   for (int64_t p = 0; p < KP; ++p) {
     const __m256 w0 = _mm256_loadu_ps(wf + p * 32), w1 = _mm256_loadu_ps(wf + p * 32 + 8);
     for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + r * K + 2 * p)));
+      const __m256 xb = pair_fma(x + r * K + 2 * p);
       acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
     }
