@@ -41,8 +41,11 @@ AVX2 torch         482       1106      4229      16842
 
 So ours serves bf16 models on AVX-512 BF16, where rollout batches (8 rows and up) run 1.1-2.3x
 faster; at 1 row torch's is 2.2x faster (its dequantization is cheaper than ours: a long tail of
-single rows runs slower). On AVX2 the fp32 tile (3 rows of 16 channels) is slower than torch's at
-every size, so torch's serves there, and for fp32 models. int8, measured on an AMD EPYC Zen 4 (AVX-512 with AVX512_BF16),
+single rows runs slower). The AVX2 row above predates the fix of the fma path described below; since
+then (fp32 model, 2 threads, microseconds per block at 1, 8, 32 and 128 rows) ours ran 330, 548,
+1419 and 4895 against torch's 272, 595, 2229 and 9261 acting as AVX2, so ours serves every model
+there too; natively an fp32 model ran 328, 514, 1334 and 6043 against 163, 441, 1609 and 6211, so
+torch's keeps fp32 models on AVX-512. int8, measured on an AMD EPYC Zen 4 (AVX-512 with AVX512_BF16),
 one thread (the 2 cores were shared with a training run that made 2-thread figures swing 2-5x),
 best of 8 sweeps over 30 distinct SmolLM2-135M blocks (the four matmuls 576 -> 960, 576 -> 576,
 576 -> 3072, 1536 -> 576; 106 M weights, so they stream from memory as in decode), microseconds per
@@ -287,10 +290,14 @@ class Int8Linear(_QuantLinear):
 
 def int4_kernel(dtype: torch.dtype):
     """The C++ extension serving :class:`Int4Linear` for a ``dtype`` model, or None: ours serves bf16
-    models on its AVX-512 BF16 path only; elsewhere torch's ``_weight_int4pack_mm_for_cpu`` measured
-    faster (see the module docstring)."""
+    models on its AVX-512 BF16 path and every model on AVX2 (its fma path); on AVX-512 an fp32 model
+    gets torch's ``_weight_int4pack_mm_for_cpu``, which measured faster there at 1-8 rows (see the
+    module docstring)."""
     module = int8_kernel()
-    return module if module is not None and dtype == torch.bfloat16 and module.int8_linear_path(1) == 1 else None
+    if module is None:
+        return None
+    best = module.int8_linear_path(0)
+    return module if (best == 1 and dtype == torch.bfloat16) or best == 2 else None
 
 
 class Int4Linear(_QuantLinear):
