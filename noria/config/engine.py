@@ -14,10 +14,12 @@ class SpeculativeConfig:
     """Speculative decoding in the built-in engine: a drafter proposes tokens, the model verifies
     them in one forward, and exact rejection sampling keeps the model's own distribution."""
 
-    method: Literal["none", "ngram"] = option(
-        "none", "Drafter: none (plain decoding) or ngram (prompt lookup: the tokens that followed the latest earlier "
-        "occurrence of the row's last n-gram, prompt and output; no draft model). A CPU engine's option for now: on "
-        "CUDA a verify step runs eagerly beside graph-captured decode steps, 0.07x at batch 1 on an H100 (docs/engines.md)."
+    method: Literal["none", "ngram", "mlp"] = option(
+        "none", "Drafter: none (plain decoding); ngram (prompt lookup: the tokens that followed the latest earlier "
+        "occurrence of the row's last n-gram, prompt and output; no draft model); or mlp (a small draft model on the "
+        "policy's last hidden state, sharing its embeddings and head, trained online on the engine's own samples: "
+        "noria.engine.drafter). A CPU engine's option for now: on CUDA a verify step runs eagerly beside "
+        "graph-captured decode steps, 0.07x at batch 1 on an H100 (docs/engines.md)."
     )
     num_tokens: int = option(4, "Draft tokens proposed per verify step (k); a verify step computes k + 1 tokens.")
     ngram_max: int = option(3, "Longest n-gram looked up (tried first).")
@@ -28,8 +30,46 @@ class SpeculativeConfig:
         "tiny-llama on copied tool output at temperature 1 ran 1.48x at batch 1 and 1.04x at batch 4 with "
         "speculation, 0.76x at 16 and 0.59x at 64 with it always on (noria bench spec, docs/engines.md)."
     )
+    min_acceptance: float = option(
+        0.1, "Fall back to plain decoding while the share of drafted tokens accepted, over the last "
+        "window of at least 64 drafted tokens, is below this; speculation is tried again after the drafter's next "
+        "training round or the next weight update. 0: never fall back. 0.1 is about break-even for k = 4 on the CPU "
+        "(a verify step of 5 tokens costs 1.2-1.4 decode steps at batch 1; docs/engines.md)."
+    )
+    model_path: str | None = option(
+        None, "mlp: a drafter saved by an earlier run (drafter.pt of a checkpoint or run folder) to start from; null: "
+        "start untrained (no drafts until the first training round). Refused when its vocabulary or hidden size "
+        "differs from the policy's."
+    )
+    online_training: bool = option(
+        True, "mlp: train the drafter on the engine's own samples (the served model's hidden states and tokens), "
+        "between steps while the engine has no request; off: serve model_path as it is."
+    )
+    draft_vocab: int = option(
+        2048, "mlp: the drafter proposes only the most frequent tokens of the engine's samples, this many (its head is "
+        "those rows of the policy's head: 2048 of SmolLM2's 49,152 make a draft token cost ~2% of a forward)."
+    )
+    train_every_tokens: int = option(1024, "mlp: a training round starts once this many new sampled tokens were collected.")
+    train_steps: int = option(8, "mlp: optimizer steps per training round (one per idle slice of the engine loop).")
+    train_batch: int = option(256, "mlp: positions per optimizer step (each trains all num_tokens draft stages).")
+    lr: float = option(2e-3, "mlp: the drafter's AdamW learning rate.")
+    buffer_tokens: int = option(16384, "mlp: sampled tokens kept for training (the newest; older ones are dropped).")
 
     def validate(self) -> None:
+        if not 0 <= self.min_acceptance < 1:
+            raise ConfigError(f"engine.speculative.min_acceptance must be in [0, 1), got {self.min_acceptance}")
+        for key in ("draft_vocab", "train_every_tokens", "train_steps", "train_batch", "buffer_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"engine.speculative.{key} must be >= 1, got {getattr(self, key)}")
+        if self.lr <= 0:
+            raise ConfigError(f"engine.speculative.lr must be > 0, got {self.lr}")
+        if self.model_path is not None and self.method != "mlp":
+            raise ConfigError(f"engine.speculative.model_path is the mlp drafter's; method is {self.method!r}: set method: mlp")
+        if self.method == "mlp" and not self.online_training and self.model_path is None:
+            raise ConfigError(
+                "engine.speculative.method=mlp with online_training off needs a trained drafter: set "
+                "engine.speculative.model_path, or online_training: true"
+            )
         for key in ("num_tokens", "ngram_max", "ngram_min", "max_batch"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.speculative.{key} must be >= 1, got {getattr(self, key)}")

@@ -121,7 +121,8 @@ class Engine(AdapterMethods):
         """The served LoRA adapters (``noria.engine.lora``)."""
         self._generator = torch.Generator(self.device).manual_seed(seed)
         spec = config.speculative
-        self.speculator = Speculator(spec, self.scheduler, config.max_batch_tokens) if spec.method != "none" else None
+        self.speculator = None if spec.method == "none" else Speculator(
+            spec, self.scheduler, config.max_batch_tokens, self.runner, tokenizer, lambda: self.weights.version)
         """Speculative decoding (``noria.engine.speculative``), or None."""
         if self.speculator is not None and self.runner.graphs is not None:
             log.warning("engine.speculative.method %s on CUDA: its verify steps run eagerly while plain decode steps replay CUDA graphs, "
@@ -373,6 +374,9 @@ class Engine(AdapterMethods):
                 if step is None:
                     if self._thread.stopping:
                         break
+                    if not self.scheduler.has_work and self.speculator is not None and self.speculator.train_slice():
+                        self._thread.drain(block=False)  # the mlp drafter learns one step at a time while idle
+                        continue
                     if not self.scheduler.has_work:
                         self._thread.give_back_workers(idle=True)
                     self._thread.drain(block=not self.scheduler.has_work)
@@ -446,6 +450,8 @@ class Engine(AdapterMethods):
         before = sum(len(r.output_ids) for r in reqs)  # what is kept counts: not a result dropped, nor a draft past a stop
         notify = self.scheduler.process(step.chunks, ids, logprobs, top, self.weight_version, step.routes())
         self._stats.record(sum(len(r.output_ids) for r in reqs) - before)
+        if self.speculator is not None:
+            self.speculator.after_step()
         self._notify(notify)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]):

@@ -60,6 +60,8 @@ that is neither the CPU nor CUDA with Triton.
 from __future__ import annotations
 
 
+from collections.abc import Callable
+
 import torch
 
 from noria.engine import attention_ref, fp8, inference, kernels, quant, vision
@@ -151,6 +153,9 @@ class ModelRunner:
         self.images = vision.ImageEmbedder(model) if getattr(model, "vision", None) is not None else None
         """A vision-language model's image path: prefill steps splice image embeddings (``noria.engine.vision``)."""
         self.decode_fn = pick_decode_fn(attention, self.device)
+        self.on_hidden: Callable[[list[Chunk], torch.Tensor], None] | None = None
+        """Called after an eager forward with the final states of the rows it read logits from
+        (sampling rows, then extra rows): the mlp drafter's input (``noria.engine.speculative``)."""
         self.scale = attention_scale(model.args.head_dim)
         self.fp8 = quantization == "fp8"
         """FP8 rollout weights (``noria.engine.fp8``), re-made by :meth:`refresh_weights`."""
@@ -275,11 +280,17 @@ class ModelRunner:
         if packed is not None:
             if lora:  # the packed layers add the adapters' deltas too
                 packed = packed._replace(layers=[LoraPackedLayer(p, self.lora, i) for i, p in enumerate(packed.layers)])
-            hidden = self.fast.hidden_states(ids, positions, ctx, packed, embeds)[0]
-            return self.fast.lm_head(hidden.index_select(0, rows), packed)
+            hidden = self.fast.hidden_states(ids, positions, ctx, packed, embeds)[0].index_select(0, rows)
+            self._observe(chunks, hidden)
+            return self.fast.lm_head(hidden, packed)
         extra = {} if embeds is None else {"inputs_embeds": embeds}
-        hidden = self.model.hidden_states(ids, positions, attn=ctx, routing=routing, **extra)[0]
-        return self.model.lm_head(hidden.index_select(0, rows))
+        hidden = self.model.hidden_states(ids, positions, attn=ctx, routing=routing, **extra)[0].index_select(0, rows)
+        self._observe(chunks, hidden)
+        return self.model.lm_head(hidden)
+
+    def _observe(self, chunks: list[Chunk], hidden: torch.Tensor) -> None:
+        if self.on_hidden is not None:
+            self.on_hidden(chunks, hidden)
 
     @staticmethod
     def _last_rows(chunks: list[Chunk]) -> list[int]:

@@ -49,13 +49,15 @@ verify chunk runs the prefill path, whose rounding may differ from decode's).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from noria.config.engine import SpeculativeConfig
 from noria.engine import scoring
 from noria.engine.sampling import inverse_cdf, log_softmax_rows, processed_weights, sample
-from noria.engine.scheduler import Chunk, Req, Scheduler
+from noria.engine.drafter import MlpDrafter
+from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler
 
 
 class NgramIndex:
@@ -91,13 +93,28 @@ class NgramIndex:
 class Speculator:
     """Drafts for a step's decode chunks, and the verification of a step with verify chunks."""
 
-    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, max_batch_tokens: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"engine.speculative.method must be ngram here, got {config.method!r}")
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, max_batch_tokens: int, runner=None,
+                 tokenizer=None, version: Callable[[], int] = lambda: 0) -> None:
+        if config.method not in ("ngram", "mlp"):
+            raise ValueError(f"engine.speculative.method must be ngram or mlp here, got {config.method!r}")
         self.config = config
         self.scheduler = scheduler
         self.max_batch_tokens = max_batch_tokens
         self._index: weakref.WeakKeyDictionary[Req, NgramIndex] = weakref.WeakKeyDictionary()
+        self.drafter: MlpDrafter | None = None
+        """The mlp drafter (``noria.engine.drafter``), or None for ngram."""
+        self._hidden: dict[int, tuple[Req, dict[int, torch.Tensor]]] = {}
+        """mlp: per request, token position -> the hidden state that produced the token there."""
+        if config.method == "mlp":
+            self.drafter = MlpDrafter(runner.model, config, tokenizer)
+            runner.on_hidden = self.observe
+        self._version = version
+        self._fell_back: tuple[int, int] | None = None
+        """(weight version, drafter rounds) when speculation fell back to plain decoding, else None."""
+        self._window = [0, 0]  # drafted, accepted since the acceptance was last judged
+        self._skipped = 0  # steps without speculation since it fell back
+        self.fallbacks = 0
+        """Times speculation fell back to plain decoding (``min_acceptance``)."""
         self.proposed = 0
         """Draft tokens verified so far."""
         self.accepted = 0
@@ -124,22 +141,38 @@ class Speculator:
         steps, until the rest joins)."""
         return len(self.scheduler.running) + len(self.scheduler.waiting) <= self.config.max_batch
 
+    def falling_back(self) -> bool:
+        """Whether speculation is off for low acceptance: until the drafter's next training round or
+        the next weight version (``min_acceptance``), or for 512 steps."""
+        if self._fell_back is None:
+            return False
+        self._skipped += 1
+        if self._fell_back != (self._version(), self.drafter.rounds if self.drafter else 0) or self._skipped > 512:
+            self._fell_back = None  # and after 512 steps without speculation, try again
+        return self._fell_back is not None
+
     def propose(self, chunks: list[Chunk]) -> bool:
         """Turn the step's eligible decode chunks into verify chunks (drafts attached, blocks
         allocated); True when at least one was."""
         decoding = self._decoding(chunks)
-        if not decoding or not self.small_batch():  # prefilling and waiting ones will decode soon
+        if not decoding or not self.small_batch() or self.falling_back():  # prefilling and waiting ones will decode soon
             return False
         if any(c.req.routes is not None or c.req.request.top_logprobs_num > 0 for c in chunks if c.sample):
             return False
         if scoring.score_rows(chunks):
             return False
         budget = self.max_batch_tokens - sum(c.n for c in chunks)
+        drafts = self._mlp_drafts(decoding) if self.drafter is not None else None
         drafted = False
         for c in decoding:
             if budget <= 0:
                 break
-            draft = self._draft(c, budget)
+            k = self._room(c.req, budget)
+            if drafts is not None:
+                draft = drafts.get(id(c.req), [])[:k]
+            else:
+                draft = self._ngram_draft(c.req, k) if k > 0 else []
+            draft = self._fit(c, draft)
             if draft:
                 c.draft = draft
                 c.n = 1 + len(draft)
@@ -147,24 +180,92 @@ class Speculator:
                 drafted = True
         return drafted
 
-    def _draft(self, c: Chunk, budget: int) -> list[int]:
-        req = c.req
-        # The verify step emits up to len(draft) + 1 tokens: never past max_new_tokens or the context.
+    def _room(self, req: Req, budget: int) -> int:
+        """Draft tokens ``req`` may take: the verify step emits up to len(draft) + 1 tokens, never
+        past max_new_tokens or the context."""
         room = min(req.request.sampling.max_new_tokens - len(req.output_ids), req.max_total_tokens - len(req.all_ids))
-        k = min(self.config.num_tokens, budget, room - 1)
-        if k <= 0:
-            return []
+        return min(self.config.num_tokens, budget, room - 1)
+
+    def _ngram_draft(self, req: Req, k: int) -> list[int]:
         index = self._index.get(req)
         if index is None:
             index = self._index[req] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-        draft = index.draft(req.all_ids, k)
+        return index.draft(req.all_ids, k)
+
+    def _fit(self, c: Chunk, draft: list[int]) -> list[int]:
+        """``draft`` cut to the KV blocks the request can get (allocated here)."""
         if not draft:
-            return []
+            return draft
+        req = c.req
         bs = self.scheduler.kv.block_size
         need = -(-(c.start + 1 + len(draft)) // bs) - len(req.block_table)
         if not self.scheduler._allocate_into(req, need):  # no free blocks: draft what the table holds
             draft = draft[: len(req.block_table) * bs - c.start - 1]
         return draft
+
+    # ------------------------------------------------------------------------------ the mlp drafter
+
+    def _mlp_drafts(self, decoding: list[Chunk]) -> dict[int, list[int]]:
+        """mlp: ``num_tokens`` drafts per decoding request whose last token's hidden state is known,
+        in one batched call of the drafter; by id(request)."""
+        if not self.drafter.ready:
+            return {}
+        reqs, hidden = [], []
+        for c in decoding:
+            entry = self._hidden.get(id(c.req))
+            h = entry[1].get(len(c.req.all_ids) - 1) if entry is not None else None
+            if h is not None:
+                reqs.append(c.req)
+                hidden.append(h)
+        if not reqs:
+            return {}
+        drafts = self.drafter.propose(torch.stack(hidden), [r.all_ids[-1] for r in reqs], self.config.num_tokens)
+        return {id(r): d for r, d in zip(reqs, drafts)}
+
+    def observe(self, chunks: list[Chunk], hidden: torch.Tensor) -> None:
+        """The runner's hook after a forward: ``hidden`` [rows, H] are the final states of the
+        sampling chunks' last rows, then of the verify chunks' draft rows; each is recorded at the
+        position of the token it gives (a rejected draft's is overwritten by a later step)."""
+        row, extra = 0, sum(c.sample for c in chunks)
+        for c in chunks:
+            if not c.sample:
+                continue
+            req, base = c.req, len(c.req.all_ids)
+            entry = self._hidden.get(id(req))
+            if entry is None:
+                entry = self._hidden[id(req)] = (req, {})
+            positions = entry[1]
+            for i in range(len(c.draft)):
+                positions[base + i] = hidden[extra + i]
+            positions[base + len(c.draft)] = hidden[row]
+            extra += len(c.draft)
+            row += 1
+
+    def after_step(self) -> None:
+        """After the engine recorded a step's tokens (weights live): every finished request's
+        output goes to the drafter's training buffer."""
+        if self.drafter is None:
+            return
+        for key, (req, positions) in list(self._hidden.items()):
+            if req.state is not ReqState.FINISHED:
+                continue
+            del self._hidden[key]
+            n = 0
+            for p in range(req.prompt_len, len(req.all_ids)):  # the run of known states from the first output token
+                if p not in positions:
+                    break
+                n += 1
+            if n >= 2:
+                first = req.prompt_len
+                self.drafter.add(torch.stack([positions[p] for p in range(first, first + n)]), req.all_ids[first : first + n])
+
+    def train_slice(self) -> bool:
+        """One optimizer step of the drafter when a round is due (the engine calls this while it
+        has no request); False when there was none."""
+        if self.drafter is None or not self.drafter.train_due():
+            return False
+        self.drafter.train_step()
+        return True
 
     # ------------------------------------------------------------------------------ verify
 
@@ -243,10 +344,23 @@ class Speculator:
             out.append((tokens, lps))
             self.proposed += len(c.draft)
             self.accepted += a
+            self._judge(len(c.draft), a)
             self.verify_rows += 1
             self.verify_tokens += a + 1
             start += len(c.draft) + 1
         return out
+
+    def _judge(self, drafted: int, accepted: int) -> None:
+        """Fall back to plain decoding when a window of >= 64 drafted tokens accepted fewer than
+        ``min_acceptance`` of them."""
+        self._window[0] += drafted
+        self._window[1] += accepted
+        if self._window[0] >= 64:
+            if self._window[1] < self.config.min_acceptance * self._window[0]:
+                self._fell_back = (self._version(), self.drafter.rounds if self.drafter else 0)
+                self._skipped = 0
+                self.fallbacks += 1
+            self._window = [0, 0]
 
     @staticmethod
     def _uniforms(req: Req, n: int, shared: torch.Generator | None) -> list[float]:
@@ -267,4 +381,9 @@ class Speculator:
             "spec_verify_steps": self.verify_steps,
             "spec_acceptance": self.accepted / self.proposed if self.proposed else 0.0,
             "spec_tokens_per_verify": self.verify_tokens / self.verify_rows if self.verify_rows else 0.0,
+            "spec_fallbacks": self.fallbacks,
+            **({} if self.drafter is None else {
+                "spec_drafter_loss": self.drafter.loss, "spec_drafter_steps": self.drafter.steps,
+                "spec_drafter_rounds": self.drafter.rounds, "spec_drafter_train_s": self.drafter.train_s,
+            }),
         }
