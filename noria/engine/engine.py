@@ -124,10 +124,6 @@ class Engine(AdapterMethods):
         self.speculator = None if spec.method == "none" else Speculator(
             spec, self.scheduler, config.max_batch_tokens, self.runner, tokenizer, lambda: self.weights.version)
         """Speculative decoding (``noria.engine.speculative``), or None."""
-        if self.speculator is not None and self.runner.graphs is not None:
-            log.warning("engine.speculative.method %s on CUDA: its verify steps run eagerly while plain decode steps replay CUDA graphs, "
-                        "so speculating rows (at most engine.speculative.max_batch=%d running) decode slower, not faster (0.07-0.18x "
-                        "at batch 1 on an H100, docs/engines.md); it is a CPU engine's option for now", spec.method, spec.max_batch)
         self._thread = EngineThread(self._loop, "noria-engine", cpu=self.device.type == "cpu")
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
@@ -303,6 +299,16 @@ class Engine(AdapterMethods):
                 self.scheduler.resume()
 
         self._thread.call(resume)
+
+    def save_drafter(self, path: str | Path) -> bool:
+        """Write the mlp drafter's state (``noria.engine.drafter``) to ``path`` between two steps;
+        False when the engine has none."""
+        drafter = self.speculator.drafter if self.speculator is not None else None
+        return drafter is not None and self._thread.call(lambda: drafter.save(path)) is not None
+
+    def load_drafter(self, path: str | Path) -> None:
+        """Continue from a saved mlp drafter (a resumed run's checkpoint), between two steps."""
+        self._thread.call(lambda: self.speculator.drafter.load(path))
 
     @property
     def memory_released(self) -> bool:

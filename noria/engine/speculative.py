@@ -48,6 +48,7 @@ verify chunk runs the prefill path, whose rounding may differ from decode's).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 
@@ -58,6 +59,8 @@ from noria.engine import scoring
 from noria.engine.sampling import inverse_cdf, log_softmax_rows, processed_weights, sample
 from noria.engine.drafter import MlpDrafter
 from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler
+
+log = logging.getLogger(__name__)
 
 
 class NgramIndex:
@@ -105,6 +108,10 @@ class Speculator:
         """The mlp drafter (``noria.engine.drafter``), or None for ngram."""
         self._hidden: dict[int, tuple[Req, dict[int, torch.Tensor]]] = {}
         """mlp: per request, token position -> the hidden state that produced the token there."""
+        if runner is not None and runner.graphs is not None:
+            log.warning("engine.speculative.method %s on CUDA: its verify steps run eagerly while plain decode steps replay CUDA graphs, "
+                        "so speculating rows (at most engine.speculative.max_batch=%d running) decode slower, not faster (0.07-0.18x "
+                        "at batch 1 on an H100, docs/engines.md); it is a CPU engine's option for now", config.method, config.max_batch)
         if config.method == "mlp":
             self.drafter = MlpDrafter(runner.model, config, tokenizer)
             runner.on_hidden = self.observe

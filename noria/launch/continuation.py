@@ -43,7 +43,7 @@ def checkpoint_due(train: TrainConfig, step: int, when: str) -> bool:
 def restore_rl(job: Any) -> None:
     """``--resume``: put ``job`` (a ``noria.launch.job.LocalJob``) where its last committed checkpoint
     left the run, move what was recorded after that step aside, and say so."""
-    from noria.launch.parts import critic_checkpoint
+    from noria.launch.parts import critic_checkpoint, drafter_checkpoint
     from noria.run_folder import set_aside_after
     from noria.train import latest_checkpoint
 
@@ -60,6 +60,8 @@ def restore_rl(job: Any) -> None:
         job.source.load_state_dict(extra["data"])
         job.buffer.load_state_dict(extra["buffer"])
         job.in_flight_record = extra.get("in_flight")  # continued or retracted when the rollout starts
+        if drafter_checkpoint(ckpt).exists() and getattr(job, "local_engine", None) is not None:
+            job.local_engine.load_drafter(drafter_checkpoint(ckpt))  # the mlp drafter as it was
     moved, where = set_aside_after(job.folder, job.step)
     job.evals.last_step = job.step if job.step > 0 else None
     print(f"noria train: {resume_note(job.folder, job.step, job.total_steps, ckpt, moved, where)}", file=sys.stderr)

@@ -30,6 +30,12 @@ def local_engine_figures(metrics: dict[str, Any], seen: dict[str, float]) -> dic
             moved = metrics[den] - seen.get(den, 0)
             out[name] = (metrics[num] - seen.get(num, 0)) / moved if moved > 0 else 0.0
             seen[num], seen[den] = metrics[num], metrics[den]
+    if "spec_fallbacks" in metrics:
+        out["rollout/spec_fallbacks"] = float(metrics["spec_fallbacks"])
+    if "spec_drafter_loss" in metrics:  # the mlp drafter
+        out["rollout/spec_drafter_loss"] = float(metrics["spec_drafter_loss"])
+        out["rollout/spec_drafter_train_s"] = metrics["spec_drafter_train_s"] - seen.get("spec_drafter_train_s", 0.0)
+        seen["spec_drafter_train_s"] = metrics["spec_drafter_train_s"]
     if "prefix_prompt_tokens" not in metrics and "prefix_hit_rate" in metrics:  # the generic engine's own rate
         out["engine/prefix_hit_rate"] = float(metrics["prefix_hit_rate"])
     return out

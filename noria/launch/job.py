@@ -76,7 +76,7 @@ from noria.launch.parts import (
     check_supported,
     check_teacher_tokenizer,
     context_limit,
-    critic_checkpoint,
+    critic_checkpoint, drafter_checkpoint,
 )
 from noria.metrics import RunLog, group_metrics
 from noria.process import Child, signals_cancel_task
@@ -527,8 +527,7 @@ class LocalJob:
         await self.evals.evaluate(when)
 
     async def save(self, when: str) -> None:
-        """A checkpoint when due (``noria.launch.continuation.checkpoint_due``: at the end too, so the run can
-        be extended), first; at the end, then the final model."""
+        """A checkpoint when due (``continuation.checkpoint_due``: at the end too, to extend the run); at the end, the final model."""
         from noria.launch.continuation import checkpoint_due
 
         if checkpoint_due(self.config.train, self.step, when):
@@ -540,6 +539,8 @@ class LocalJob:
                     with phase(f"saving checkpoint {target}"):
                         if self.critic is not None:  # first: the policy's checkpoint commits the step
                             self.critic.save(critic_checkpoint(target))
+                        if self.local_engine is not None:  # engine.speculative.method mlp: its drafter, as the critic
+                            self.local_engine.save_drafter(drafter_checkpoint(target))
                         self.backend.save(target, extra=self.checkpoint_extra(in_flight))
         if when == "end":
             with phase(f"exporting the final model to {self.folder / 'final'}"):

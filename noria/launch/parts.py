@@ -59,6 +59,12 @@ def critic_checkpoint(policy_checkpoint: Path) -> Path:
     return policy_checkpoint.with_name(policy_checkpoint.name + ".critic")
 
 
+def drafter_checkpoint(policy_checkpoint: Path) -> Path:
+    """Where the in-process engine's mlp drafter of a policy checkpoint lives (``step-N.drafter.pt``,
+    written before ``step-N`` commits; ``noria.engine.drafter``)."""
+    return policy_checkpoint.with_name(policy_checkpoint.name + ".drafter.pt")
+
+
 def build_weight_sync(config: RunConfig, target: Any, folder: Path) -> Any:
     """The ``noria.sync.WeightSync`` from this process's trainer to the run's one engine ``target``."""
     from noria.engine.child import engine_device

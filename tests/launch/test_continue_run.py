@@ -210,3 +210,21 @@ def test_set_aside_and_restart_move_records_byte_for_byte(tmp_path):
     assert second != first and first.is_dir() and (second / "metrics.jsonl").read_text() == rows[0]
     assert [e["event"] for e in read_jsonl(second / "events.jsonl")] == ["restarted"]
     assert read_jsonl(run / "events.jsonl")[0]["previous_last_step"] == 1
+
+
+def test_the_mlp_drafter_is_in_the_checkpoint_and_a_resume_continues_it(tiny_model_dir, tmp_path):
+    """``engine.speculative.method: mlp`` in the in-process engine: each checkpoint has the drafter
+    beside it (``step-N.drafter.pt``), and a resumed run's engine continues from it (its rounds go
+    on counting, an untrained drafter would start again from 0)."""
+    run = tmp_path / "run"
+    mlp = {"engine.speculative.method": "mlp", "engine.speculative.train_every_tokens": 16, "engine.speculative.train_steps": 2,
+           "engine.deterministic": False, "train.save_every": 1}
+    config = tmp_path / "mlp.yaml"
+    config.write_text("name: mlp\n")
+    assert main(["train", str(config), *rl_args(tiny_model_dir, **{**mlp, "train.max_steps": 2}), "--run-dir", str(run), "--no-progress"]) == 0
+    saved = torch.load(run / "checkpoints" / "step-000002.drafter.pt", weights_only=True)
+    assert saved["kind"] == "mlp" and saved["rounds"] >= 2 and saved["steps"] > 0
+    assert main(["train", "--resume", str(run), "--train.max_steps", "3", "--no-progress"]) == 0
+    resumed = torch.load(run / "checkpoints" / "step-000003.drafter.pt", weights_only=True)
+    assert resumed["rounds"] > saved["rounds"] and resumed["steps"] > saved["steps"]
+    assert "rollout/spec_drafter_loss" in read_jsonl(run / "metrics.jsonl")[-1]
