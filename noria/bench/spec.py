@@ -21,9 +21,12 @@ Two kinds of case:
   ``plain``, the arithmetic task's test prompts (little to copy).
 - **rollout** (``--rollout-steps``; 0: none): the main job's rollout, step by step:
   ``--rollout-prompts`` arithmetic training prompts x ``--rollout-samples`` samples at
-  ``--rollout-temperature``, up to ``--rollout-new-tokens`` tokens, stopping at EOS: a step lasts as
-  long as its longest answer, and its last rows decode a few at a time (the long tail). Seconds per
-  step (lower is better), the mean over the same steps (prompts and seeds) for every engine.
+  ``--rollout-temperature``, up to ``--rollout-new-tokens`` tokens: a step lasts as long as its
+  longest answer, and its last rows decode a few at a time (the long tail). Speculation changes the
+  draws (not their distribution), and one rambling sample more or less changes a step's time by
+  half, so the lengths are fixed: plain decoding first generates the step stopping at EOS (untimed),
+  then every engine generates each request's length exactly (``ignore_eos``). Seconds per step
+  (lower is better), the mean over the same steps for every engine.
 
 Acceptance = accepted / proposed draft tokens and tokens per verify = tokens a verify chunk produced
 (accepted drafts plus one), from the engine's counters over the measured work; the mlp rows also
@@ -32,6 +35,7 @@ carry the acceptance of each warm-up and measured rollout step (the drafter's le
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import sys
@@ -98,13 +102,17 @@ class Rollout:
         return (f"main-job rollout {self.prompts} prompts x {self.samples} T={self.temperature} "
                 f"max_new_tokens={self.new_tokens}")
 
-    def requests(self, prompts: list[list[int]], step: int) -> list:
+    def requests(self, prompts: list[list[int]], step: int, lengths: list[int] | None = None) -> list:
+        """The step's requests; with ``lengths``, each generates exactly its length (``ignore_eos``)."""
         from noria.engine.protocol import GenerateRequest, SamplingParams
 
         rows = prompts[step * self.prompts : (step + 1) * self.prompts]
-        return [GenerateRequest(input_ids=p, sampling=SamplingParams(
+        out = [GenerateRequest(input_ids=p, sampling=SamplingParams(
             max_new_tokens=self.new_tokens, temperature=self.temperature, seed=step * 10_000 + i * self.samples + j))
             for i, p in enumerate(rows) for j in range(self.samples)]
+        for r, n in zip(out, lengths or []):
+            r.sampling.max_new_tokens, r.sampling.ignore_eos = n, True
+        return out
 
 
 def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], temperature: float, num_tokens: int,
@@ -127,11 +135,8 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
             sides[f"{m}_always"] = SpeculativeConfig(method=m, num_tokens=num_tokens, max_batch=max(batches) + 1)
     prompts = {w: _prompts(folder, w, max(batches), new_tokens, lines) for w in workloads} if batches else {}
     train_prompts = _arithmetic(folder, "train", (rollout.warmup + rollout.steps) * rollout.prompts) if rollout.steps + rollout.warmup else []
-    figures = {}
-    for name, spec in sides.items():
-        measured = [b for b in batches if not name.endswith("_always") or b > default_max_batch]
-        steps = rollout if not name.endswith("_always") else Rollout(steps=0, warmup=rollout.warmup)  # rollout batches are large
-        figures[name] = _side(folder, spec, prompts, measured, new_tokens, temperature, dtype, device, steps, train_prompts)
+    figures = _measure(folder, sides, prompts, batches, new_tokens, temperature, dtype, device, rollout, train_prompts,
+                       default_max_batch)
     results = []
     for m in methods:
         for workload in prompts:
@@ -157,6 +162,7 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
                 "tokens_per_step": on["tokens_per_step"], "no_spec_tokens_per_step": off["tokens_per_step"],
                 "steps_s": on["steps_s"], "no_spec_steps_s": off["steps_s"],
                 "acceptance_by_step": on["acceptance_by_step"], "warmup_acceptance_by_step": on["warmup_acceptance_by_step"],
+                "longest_by_step": on["longest_by_step"], "mean_length_by_step": on["mean_length_by_step"],
             })
     _print(results)
     if json_path:
@@ -164,10 +170,12 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
     return results
 
 
-def _side(folder: Path, spec, prompts: dict[str, list[list[int]]], batches: list[int], new_tokens: int, temperature: float,
-          dtype: str, device: str, rollout: Rollout, train_prompts: list[list[int]]) -> dict:
-    """One engine's figures: rollout steps (an mlp drafter trains on the warm-up steps first), then
-    tokens/s per workload and batch size with its speculation counters."""
+def _measure(folder: Path, sides: dict, prompts: dict[str, list[list[int]]], batches: list[int], new_tokens: int,
+             temperature: float, dtype: str, device: str, rollout: Rollout, train_prompts: list[list[int]],
+             default_max_batch: int) -> dict[str, dict]:
+    """Every side's figures, its engines all alive and measured in turn, case by case (the order
+    rotating from one case to the next), so a machine's drift over minutes reaches every side alike.
+    An mlp engine trains its drafter right after its own turn (``trained``), never during another's."""
     from noria.config import EngineConfig
     from noria.engine import Engine
     from noria.engine.protocol import GenerateRequest, SamplingParams
@@ -175,55 +183,81 @@ def _side(folder: Path, spec, prompts: dict[str, list[list[int]]], batches: list
     rows = max([*batches, rollout.prompts * rollout.samples if rollout.steps + rollout.warmup else 1])
     longest = max([len(p) for ps in prompts.values() for p in ps] + [len(p) for p in train_prompts] + [1])
     longest += max(new_tokens, rollout.new_tokens if rollout.steps + rollout.warmup else 0)
-    config = EngineConfig(max_running_requests=rows, kv_cache_tokens=rows * (longest + 16) + 1024, speculative=spec)
-    engine = Engine.from_path(folder, config, dtype=dtype, device=device)
-    mlp = spec.method == "mlp"
+    engines = {name: Engine.from_path(folder, EngineConfig(max_running_requests=rows, kv_cache_tokens=rows * (longest + 16) + 1024,
+                                                           speculative=spec), dtype=dtype, device=device)
+               for name, spec in sides.items()}
 
     def requests(rows, n):
         return [GenerateRequest(input_ids=p, sampling=SamplingParams(
             max_new_tokens=n, temperature=temperature, ignore_eos=True, seed=i)) for i, p in enumerate(rows)]
 
-    def trained() -> None:  # as between two RL steps: the engine trains its drafter while idle
-        while mlp and engine.speculator.drafter.train_due():
-            time.sleep(0.02)
+    def turn(name: str, reqs: list) -> tuple[float, int, dict]:
+        """One engine's run of ``reqs``: (seconds, tokens, speculation rates), then its drafter's training."""
+        engine = engines[name]
+        before = engine.metrics()
+        start = time.perf_counter()
+        results = engine.generate_batch(reqs)
+        seconds = time.perf_counter() - start
+        rates = _spec_rates(before, engine.metrics())
+        while engine.speculator is not None and engine.speculator.drafter is not None and engine.speculator.drafter.train_due():
+            time.sleep(0.02)  # as between two RL steps: the engine trains its drafter while idle
+        return seconds, sum(len(r.output_ids) for r in results), rates
+
+    def rotated(names: list[str], i: int) -> list[str]:
+        return names[i % len(names):] + names[: i % len(names)]
 
     try:
-        out: dict = {"batch": {}, "rollout": None}
-        warm = []
-        for step in range(rollout.warmup if mlp else 0):  # the drafter learns from the main job's rollout first
-            before = engine.metrics()
-            engine.generate_batch(rollout.requests(train_prompts, step))
-            warm.append(_spec_rates(before, engine.metrics())["acceptance"])
-            trained()
+        out = {name: {"batch": {w: {} for w in prompts}, "rollout": None, "warmup": []} for name in sides}
+        if rollout.steps + rollout.warmup:
+            for engine in engines.values():  # kernels built and caches touched at the rollout's batch size
+                engine.generate_batch([dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=8))
+                                       for r in rollout.requests(train_prompts, 0)])
+        for step in range(rollout.warmup):  # the mlp drafters learn from the main job's rollout first
+            for name in [n for n in sides if sides[n].method == "mlp"]:
+                out[name]["warmup"].append(turn(name, rollout.requests(train_prompts, step))[2]["acceptance"])
+        plain = [n for n in sides if not n.endswith("_always")]  # the rollout's batch is large: _always is the default there
         if rollout.steps:
-            seconds, tokens, curve, first = [], [], [], engine.metrics()
+            steps = {n: [] for n in plain}
+            lengths = []
             for step in range(rollout.warmup, rollout.warmup + rollout.steps):
-                before = engine.metrics()
-                start = time.perf_counter()
-                results = engine.generate_batch(rollout.requests(train_prompts, step))
-                seconds.append(time.perf_counter() - start)
-                tokens.append(sum(len(r.output_ids) for r in results))
-                curve.append(_spec_rates(before, engine.metrics())["acceptance"])
-                trained()
-            out["rollout"] = {"s_per_step": round(sum(seconds) / len(seconds), 3), "steps_s": [round(s, 3) for s in seconds],
-                              "tokens_per_step": round(sum(tokens) / len(tokens), 1), "acceptance_by_step": curve,
-                              "warmup_acceptance_by_step": warm, **_spec_rates(first, engine.metrics())}
+                # The step's answer lengths, from plain decoding stopping at EOS (untimed); then every
+                # engine generates exactly those: the same tail for each, whatever its draws.
+                probe = engines["no_spec"].generate_batch(rollout.requests(train_prompts, step))
+                lengths.append([max(1, len(o.output_ids)) for o in probe])
+                for name in rotated(plain, step):
+                    steps[name].append(turn(name, rollout.requests(train_prompts, step, lengths[-1])))
+            for name, runs in steps.items():
+                out[name]["rollout"] = {
+                    "s_per_step": round(sum(r[0] for r in runs) / len(runs), 3), "steps_s": [round(r[0], 3) for r in runs],
+                    "tokens_per_step": round(sum(r[1] for r in runs) / len(runs), 1),
+                    "acceptance_by_step": [r[2]["acceptance"] for r in runs], "warmup_acceptance_by_step": out[name]["warmup"],
+                    **_mean_rates([r[2] for r in runs]),
+                    "longest_by_step": [max(n) for n in lengths], "mean_length_by_step": [round(sum(n) / len(n), 1) for n in lengths],
+                }
         for workload, rows_ in prompts.items():
-            engine.generate_batch(requests(rows_[:2], 8))  # warm-up: kernels built, caches touched
-            figures = out["batch"][workload] = {}
-            for batch in batches:
-                engine.generate_batch(requests(rows_[:batch], 8))  # this batch size's first use
-                engine.flush_cache()
-                trained()
-                before = engine.metrics()
-                start = time.perf_counter()
-                results = engine.generate_batch(requests(rows_[:batch], new_tokens))
-                seconds = time.perf_counter() - start
-                figures[batch] = {"tokens_per_s": round(sum(len(r.output_ids) for r in results) / seconds, 1),
-                                  **_spec_rates(before, engine.metrics())}
+            for name in engines:
+                engines[name].generate_batch(requests(rows_[:2], 8))  # warm-up: kernels built, caches touched
+            for i, batch in enumerate(batches):
+                names = [n for n in rotated(list(sides), i) if not n.endswith("_always") or batch > default_max_batch]
+                for name in names:
+                    engines[name].generate_batch(requests(rows_[:batch], 8))  # this batch size's first use
+                    engines[name].flush_cache()
+                for name in names:
+                    seconds, tokens, rates = turn(name, requests(rows_[:batch], new_tokens))
+                    out[name]["batch"][workload][batch] = {"tokens_per_s": round(tokens / seconds, 1), **rates}
         return out
     finally:
-        engine.shutdown(drain_timeout_s=1.0)
+        for engine in engines.values():
+            engine.shutdown(drain_timeout_s=1.0)
+
+
+def _mean_rates(rates: list[dict]) -> dict[str, float | None]:
+    """The steps' acceptance and tokens per verify, averaged over the steps that verified drafts."""
+    out = {}
+    for key in ("acceptance", "tokens_per_verify"):
+        values = [r[key] for r in rates if r[key] is not None]
+        out[key] = round(sum(values) / len(values), 3) if values else None
+    return out
 
 
 def _spec_rates(before: dict, after: dict) -> dict[str, float | None]:

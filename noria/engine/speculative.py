@@ -108,7 +108,10 @@ class Speculator:
         """The mlp drafter (``noria.engine.drafter``), or None for ngram."""
         self._hidden: dict[int, tuple[Req, dict[int, torch.Tensor]]] = {}
         """mlp: per request, token position -> the hidden state that produced the token there."""
-        if runner is not None and runner.graphs is not None:
+        if runner is not None and runner.graphs is not None and config.method == "mlp":
+            log.warning("engine.speculative.method mlp on CUDA: decode steps replayed from CUDA graphs give no hidden states, so the "
+                        "drafter never learns or drafts there and the engine decodes plainly; it is a CPU engine's option for now")
+        elif runner is not None and runner.graphs is not None:
             log.warning("engine.speculative.method %s on CUDA: its verify steps run eagerly while plain decode steps replay CUDA graphs, "
                         "so speculating rows (at most engine.speculative.max_batch=%d running) decode slower, not faster (0.07-0.18x "
                         "at batch 1 on an H100, docs/engines.md); it is a CPU engine's option for now", config.method, config.max_batch)
@@ -138,9 +141,10 @@ class Speculator:
         return [c for c in chunks if c.n == 1 and c.sample and not c.pending]
 
     def active(self, chunks: list[Chunk]) -> bool:
-        """Whether the step after ``chunks`` may speculate (:meth:`small_batch`): then the engine
-        schedules it on the host rather than overlapping it."""
-        return self.small_batch()
+        """Whether the step after ``chunks`` may speculate (:meth:`small_batch`, a drafter that can
+        draft, no fallback): then the engine schedules it on the host rather than overlapping it."""
+        ready = self.drafter is None or self.drafter.ready
+        return ready and self.small_batch() and not self.falling_back()
 
     def small_batch(self) -> bool:
         """At most ``max_batch`` requests running or waiting: a batch that is still being admitted
@@ -153,7 +157,6 @@ class Speculator:
         the next weight version (``min_acceptance``), or for 512 steps."""
         if self._fell_back is None:
             return False
-        self._skipped += 1
         if self._fell_back != (self._version(), self.drafter.rounds if self.drafter else 0) or self._skipped > 512:
             self._fell_back = None  # and after 512 steps without speculation, try again
         return self._fell_back is not None
@@ -162,13 +165,15 @@ class Speculator:
         """Turn the step's eligible decode chunks into verify chunks (drafts attached, blocks
         allocated); True when at least one was."""
         decoding = self._decoding(chunks)
+        if self._fell_back is not None:
+            self._skipped += 1
         if not decoding or not self.small_batch() or self.falling_back():  # prefilling and waiting ones will decode soon
             return False
         if any(c.req.routes is not None or c.req.request.top_logprobs_num > 0 for c in chunks if c.sample):
             return False
         if scoring.score_rows(chunks):
             return False
-        budget = self.max_batch_tokens - sum(c.n for c in chunks)
+        budget = min(self.max_batch_tokens - sum(c.n for c in chunks), self.config.draft_budget)
         drafts = self._mlp_drafts(decoding) if self.drafter is not None else None
         drafted = False
         for c in decoding:

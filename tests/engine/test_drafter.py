@@ -95,7 +95,7 @@ def test_sampled_distribution_is_the_models_at_temperature_1(model):
 
     prompt = _prompts()[1]
     joint = _joint(model, prompt, 1.0)
-    spec = _engine(model, _spec(num_tokens=2), max_running_requests=256, max_batch_tokens=2048)
+    spec = _engine(model, _spec(num_tokens=2, draft_budget=2048), max_running_requests=256, max_batch_tokens=2048)
     try:
         sampled = [SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=1000 + i) for i in range(64)]
         _trained(spec, [GenerateRequest(input_ids=prompt, sampling=p) for p in sampled], rounds=3)

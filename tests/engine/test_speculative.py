@@ -58,7 +58,8 @@ def _prompts() -> list[list[int]]:
 
 
 def _engine(model, method: str, **overrides) -> Engine:
-    spec = SpeculativeConfig(method=method, num_tokens=4, max_batch=overrides.pop("max_batch", 8))
+    spec = SpeculativeConfig(method=method, num_tokens=4, max_batch=overrides.pop("max_batch", 8),
+                             draft_budget=overrides.pop("draft_budget", 16))
     settings = dict(kv_cache_tokens=8192, block_size=4, chunked_prefill_size=16, max_batch_tokens=128)
     settings.update(overrides)
     return Engine(model, None, EngineConfig(speculative=spec, **settings))
@@ -173,7 +174,7 @@ def test_sampled_distribution_is_the_models_at_temperature_1(model):
     draft = NgramIndex(1, 3).draft(prompt, 2)
     # Neither draft token is sure or hopeless: both positions accept and reject.
     assert 0.3 < joint[draft[0]].sum() < 0.9 and 0.1 < joint[draft[0], draft[1]] / joint[draft[0]].sum() < 0.9
-    spec = _engine(model, "ngram", max_batch=4096, max_running_requests=256, max_batch_tokens=2048)  # above the 3,000 requests queued: every row speculates
+    spec = _engine(model, "ngram", max_batch=4096, draft_budget=2048, max_running_requests=256, max_batch_tokens=2048)  # above the 3,000 requests queued: every row speculates
     try:
         _run(spec, [GenerateRequest(input_ids=prompt, sampling=_greedy(1))])  # caches the prompt
         n = 3000
