@@ -117,7 +117,8 @@ class Speculator:
                         "at batch 1 on an H100, docs/engines.md); it is a CPU engine's option for now", config.method, config.max_batch)
         if config.method == "mlp":
             self.drafter = MlpDrafter(runner.model, config, tokenizer)
-            runner.on_hidden = self.observe
+            if runner.graphs is None:  # with CUDA graphs it would learn from the eager steps alone, and draft at few
+                runner.on_hidden = self.observe
         self._version = version
         self._fell_back: tuple[int, int] | None = None
         """(weight version, drafter rounds) when speculation fell back to plain decoding, else None."""
