@@ -14,15 +14,12 @@ import time
 import pytest
 import torch
 
-from noria.config import ConfigError, EngineConfig, TrainConfig
+from noria.config import ConfigError, EngineConfig
 from noria.config.engine import SpeculativeConfig
 from noria.engine import Engine, GenerateRequest, SamplingParams
 from noria.engine.drafter import MlpDrafter
-from noria.train.fsdp import FSDPBackend
-from noria.train.packing import pack_samples
-from noria.types import Sample
 
-from test_speculative import VOCAB, _greedy, _joint, _model, _prompts, _run
+from test_speculative import VOCAB, _greedy, _joint, _model, _prompts, _run, joint_pvalue, trainer_gap
 
 
 def _spec(**kw) -> SpeculativeConfig:
@@ -91,8 +88,6 @@ def _first_loss(model) -> float:
 def test_sampled_distribution_is_the_models_at_temperature_1(model):
     """The first two tokens after a fixed prompt, 2000 seeded samples, the second drafted by a
     trained drafter and verified, against the exact joint distribution (chi-square)."""
-    from scipy.stats import chisquare
-
     prompt = _prompts()[1]
     joint = _joint(model, prompt, 1.0)
     spec = _engine(model, _spec(num_tokens=2, draft_budget=2048), max_running_requests=256, max_batch_tokens=2048)
@@ -110,16 +105,7 @@ def test_sampled_distribution_is_the_models_at_temperature_1(model):
     assert m["spec_verify_rows"] - before["spec_verify_rows"] >= n
     accepted = m["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     assert 0 < accepted < m["spec_proposed_tokens"] - before["spec_proposed_tokens"]
-    counts = torch.zeros(VOCAB, VOCAB)
-    for o in outs:
-        counts[o.output_ids[0], o.output_ids[1]] += 1
-    expected = joint * n
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)]).double()
-    wanted = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)]).double()
-    wanted *= observed.sum() / wanted.sum()
-    assert big.sum() >= 20
-    assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3
+    assert joint_pvalue(outs, joint) > 1e-3
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -140,18 +126,7 @@ def test_deterministic_drafted_logprobs_equal_the_trainers_bitwise(tmp_path, dty
     finally:
         engine.shutdown(1)
     assert 0 < m["spec_accepted_tokens"] - before["spec_accepted_tokens"] < m["spec_proposed_tokens"] - before["spec_proposed_tokens"]
-    samples = [
-        Sample(prompt_ids=p, response_ids=o.output_ids, loss_mask=[1] * len(o.output_ids), rollout_logprobs=o.logprobs,
-               weight_versions=o.weight_versions)
-        for p, o in zip(prompts, outs)
-    ]
-    batch = pack_samples(samples, torch.linspace(-1, 1, len(samples)).tolist())
-    backend = FSDPBackend(TrainConfig(param_dtype=dtype, algorithm="rl", device="cpu", logprob_chunk_tokens=50),
-                          deterministic=True, temperature=0.7)
-    backend.init(folder)
-    trained = batch.loss_mask > 0
-    lp = backend.compute_logprobs(batch).logprobs[trained]
-    assert (lp - batch.rollout_logprobs[trained]).abs().max().item() == 0.0
+    assert trainer_gap(folder, dtype, prompts, outs, 0.7) == 0.0
 
 
 def test_low_acceptance_falls_back_to_plain_decoding(model):

@@ -164,7 +164,6 @@ def test_sampled_distribution_is_the_models_at_temperature_1(model):
     the exact joint distribution (chi-square over the pairs expected 5 times or more, the rest in
     one bin). The prompt is cached first, so each sample's first token is already a verify chunk's:
     both tokens are speculated positions."""
-    from scipy.stats import chisquare
 
     prompt = _prompts()[1]
     with torch.no_grad():  # the model's own greedy continuation: its n-grams draft what the model may say
@@ -184,16 +183,24 @@ def test_sampled_distribution_is_the_models_at_temperature_1(model):
     finally:
         spec.shutdown(1)
     assert m["spec_verify_rows"] >= n and 0 < m["spec_accepted_tokens"] < m["spec_proposed_tokens"]
+    assert joint_pvalue(outs, joint) > 1e-3
+
+
+def joint_pvalue(outs, joint: torch.Tensor) -> float:
+    """Chi-square p-value of the outputs' first two tokens against ``joint`` [V, V] (the pairs
+    expected 5 times or more, the rest in one bin)."""
+    from scipy.stats import chisquare
+
     counts = torch.zeros(VOCAB, VOCAB)
     for o in outs:
         counts[o.output_ids[0], o.output_ids[1]] += 1
-    expected = joint * n
+    expected = joint * len(outs)
     big = expected >= 5
     observed = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)]).double()
     wanted = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)]).double()
     wanted *= observed.sum() / wanted.sum()  # float rounding of the exact mass
     assert big.sum() >= 20
-    assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3
+    return float(chisquare(observed.numpy(), wanted.numpy()).pvalue)
 
 
 # ------------------------------------------------------------------------------ exactness
@@ -216,6 +223,11 @@ def test_deterministic_speculated_logprobs_equal_the_trainers_bitwise(folder, dt
     finally:
         engine.shutdown(1)
     assert 0 < m["spec_accepted_tokens"] < m["spec_proposed_tokens"]
+    assert trainer_gap(folder, dtype, prompts, outs, 0.7) == 0.0
+
+
+def trainer_gap(folder: str, dtype: str, prompts: list[list[int]], outs, temperature: float) -> float:
+    """max |rollout logprob - the deterministic trainer's| over the outputs' tokens."""
     samples = [
         Sample(prompt_ids=p, response_ids=o.output_ids, loss_mask=[1] * len(o.output_ids), rollout_logprobs=o.logprobs,
                weight_versions=o.weight_versions)
@@ -223,11 +235,11 @@ def test_deterministic_speculated_logprobs_equal_the_trainers_bitwise(folder, dt
     ]
     batch = pack_samples(samples, torch.linspace(-1, 1, len(samples)).tolist())
     backend = FSDPBackend(TrainConfig(param_dtype=dtype, algorithm="rl", device="cpu", logprob_chunk_tokens=50),
-                          deterministic=True, temperature=0.7)
+                          deterministic=True, temperature=temperature)
     backend.init(folder)
     trained = batch.loss_mask > 0
     lp = backend.compute_logprobs(batch).logprobs[trained]
-    assert (lp - batch.rollout_logprobs[trained]).abs().max().item() == 0.0
+    return (lp - batch.rollout_logprobs[trained]).abs().max().item()
 
 
 # ------------------------------------------------------------------------------ stops
