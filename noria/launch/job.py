@@ -539,7 +539,7 @@ class LocalJob:
                     with phase(f"saving checkpoint {target}"):
                         if self.critic is not None:  # first: the policy's checkpoint commits the step
                             self.critic.save(critic_checkpoint(target))
-                        if self.local_engine is not None:  # engine.speculative.method mlp: its drafter, as the critic
+                        if hasattr(self.local_engine, "save_drafter"):  # the built-in engine's mlp drafter, as the critic
                             self.local_engine.save_drafter(drafter_checkpoint(target))
                         self.backend.save(target, extra=self.checkpoint_extra(in_flight))
         if when == "end":
