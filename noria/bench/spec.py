@@ -275,9 +275,9 @@ def _prompts(folder: Path, workload: str, n: int, new_tokens: int, lines: int = 
     from noria.models import load_tokenizer
     from noria.types import Prompt
 
-    tokenizer = load_tokenizer(folder)
     if workload == "plain":
         return _arithmetic(folder, "test", n)
+    tokenizer = load_tokenizer(folder)
     budget = json.loads((folder / "config.json").read_text()).get("max_position_embeddings", 2048) - new_tokens
     for lines in [lines, *(n for n in (12, 8, 6, 4, 3, 2) if n < lines)]:  # as many as the context leaves room for
         tasks = [_tool_task(i, lines) for i in range(n)]

@@ -103,7 +103,7 @@ class MlpDrafter:
         self._buffer: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque()
         """Finished outputs: (hidden [N, H], their tokens' embeddings [N, H], tokens [N])."""
         self._buffered = 0
-        self._flat: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._flat: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.new_tokens = 0
         """Tokens collected since the last round began."""
         self.steps = 0
@@ -111,7 +111,7 @@ class MlpDrafter:
         self.rounds = 0
         """Training rounds begun so far."""
         self.loss = 0.0
-        """The last optimizer step's loss (mean cross-entropy over stages and positions)."""
+        """The last optimizer step's loss per position (state regression + CE_WEIGHT x token cross-entropy)."""
         self.train_s = 0.0
         """Seconds spent training so far."""
         self._round_left = 0
@@ -127,7 +127,8 @@ class MlpDrafter:
         return self.vocab is not None
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.model.model.embed_tokens.weight).float()
+        """The policy's embeddings of ``ids``, in the model's dtype."""
+        return F.embedding(ids, self.model.model.embed_tokens.weight)
 
     def _draft_head(self) -> torch.Tensor:
         """The policy's head rows of the draft vocabulary, fp32 [Vd, H]; re-read after a weight
@@ -150,7 +151,7 @@ class MlpDrafter:
         drafts, confidence = [], []
         sure = torch.ones(len(tokens), device=self.device)
         for _ in range(k):
-            state = self.stage(state, self._embed(ids))
+            state = self.stage(state, self._embed(ids).float())
             p, slot = torch.softmax(state @ head.T, dim=-1).max(dim=-1)
             ids = self.vocab.index_select(0, slot)
             sure = sure * p
@@ -170,7 +171,7 @@ class MlpDrafter:
             return
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         self.counts += torch.bincount(ids.cpu(), minlength=self.vocab_size)
-        self._buffer.append((hidden.detach(), F.embedding(ids, self.model.model.embed_tokens.weight).detach(), ids))
+        self._buffer.append((hidden.detach(), self._embed(ids).detach(), ids))
         self._buffered += len(tokens)
         self.new_tokens += len(tokens)
         while self._buffered - len(self._buffer[0][2]) >= self.config.buffer_tokens:

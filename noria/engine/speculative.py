@@ -153,12 +153,16 @@ class Speculator:
         steps, until the rest joins)."""
         return len(self.scheduler.running) + len(self.scheduler.waiting) <= self.config.max_batch
 
+    def _epoch(self) -> tuple[int, int]:
+        """(weight version, drafter rounds): a fallback lasts while neither moves."""
+        return self._version(), self.drafter.rounds if self.drafter else 0
+
     def falling_back(self) -> bool:
         """Whether speculation is off for low acceptance: until the drafter's next training round or
         the next weight version (``min_acceptance``), or for 512 steps."""
         if self._fell_back is None:
             return False
-        if self._fell_back != (self._version(), self.drafter.rounds if self.drafter else 0) or self._skipped > 512:
+        if self._fell_back != self._epoch() or self._skipped > 512:
             self._fell_back = None  # and after 512 steps without speculation, try again
         return self._fell_back is not None
 
@@ -370,7 +374,7 @@ class Speculator:
         self._window[1] += accepted
         if self._window[0] >= 64:
             if self._window[1] < self.config.min_acceptance * self._window[0]:
-                self._fell_back = (self._version(), self.drafter.rounds if self.drafter else 0)
+                self._fell_back = self._epoch()
                 self._skipped = 0
                 self.fallbacks += 1
             self._window = [0, 0]
