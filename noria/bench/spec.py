@@ -132,7 +132,8 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
     for m in methods:
         sides[m] = SpeculativeConfig(method=m, num_tokens=num_tokens)
         if always and any(b > default_max_batch for b in batches):
-            sides[f"{m}_always"] = SpeculativeConfig(method=m, num_tokens=num_tokens, max_batch=max(batches) + 1)
+            sides[f"{m}_always"] = SpeculativeConfig(method=m, num_tokens=num_tokens, max_batch=max(batches) + 1,
+                                                           policy="always")
     prompts = {w: _prompts(folder, w, max(batches), new_tokens, lines) for w in workloads} if batches else {}
     train_prompts = _arithmetic(folder, "train", (rollout.warmup + rollout.steps) * rollout.prompts) if rollout.steps + rollout.warmup else []
     figures = _measure(folder, sides, prompts, batches, new_tokens, temperature, dtype, device, rollout, train_prompts,

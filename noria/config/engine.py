@@ -30,6 +30,12 @@ class SpeculativeConfig:
         "tiny-llama on copied tool output at temperature 1 ran 1.48x at batch 1 and 1.04x at batch 4 with "
         "speculation, 0.76x at 16 and 0.59x at 64 with it always on (noria bench spec, docs/engines.md)."
     )
+    policy: Literal["measured", "always"] = option(
+        "measured", "Within max_batch: measured speculates at a batch size only while its speculating steps, measured on "
+        "this engine, advance each row faster than plain decoding steps (rows' tokens per second; batch sizes 1, 2, 3-4, "
+        "5-8, ... apart; the losing side is measured again for 8 steps after 32 steps, then 64, ... up to 2048); always: "
+        "every step within max_batch speculates."
+    )
     draft_budget: int = option(
         16, "Draft tokens one step verifies at most, over all its rows (a verify step computes them beside its rows' own "
         "tokens). 16: on a 2-core AMD EPYC (Zen 4), a SmolLM2-135M forward of 1 to 16 tokens took the same 22-25 ms, "

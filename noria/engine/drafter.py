@@ -4,7 +4,12 @@ Model. A draft chain starts from the served model's final normed hidden state h_
 logits gave token x_{t+1}) and x_{t+1}. Each stage i maps the state and the embedding of the token
 before it to a new state, and the policy's own head reads it:
 
-    s_0 = h_t;   s_{i+1} = rms_norm(s_i + W_out silu(W_in [s_i ; E(x_{t+1+i})]));   x_{t+2+i} = argmax head(s_{i+1})
+    s_0 = h_t;   s_{i+1} = rms_norm(s_i + W_out silu(W_in [s_i ; E(x_{t+1+i})]));   x_{t+2+i} ~ q_i = head(s_{i+1})
+
+A greedy request's draft takes each q_i's argmax; a sampled request's draws from q_i at its own
+temperature and truncation, and the verifier accepts with min(1, p/q), so a drafter that matches the
+model's distribution gets its draft accepted even where that distribution is flat (on SmolLM2
+rollouts at T=0.7: 0.45 of first drafts against 0.40 for the argmax, measured offline).
 
 One stage module serves every position of the chain (any ``num_tokens``). E and the head are the
 policy's (frozen: read from the served model at each use, so they follow weight updates); the
@@ -42,6 +47,7 @@ import pickle
 import time
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +55,16 @@ from torch import nn
 
 from noria.config.engine import SpeculativeConfig
 from noria.config.schema import ConfigError
+from noria.engine.sampling import inverse_cdf, processed_weights
+
+
+class Draft(NamedTuple):
+    """One row's draft: its tokens and, for a sampled row, the distributions they were drawn from
+    (``q`` [len(tokens), Vd] over the draft vocabulary ``vocab``, normalised); None for a point mass."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+    vocab: torch.Tensor | None = None
 
 
 class MlpDraftStage(nn.Module):
@@ -141,24 +157,44 @@ class MlpDrafter:
         return self._head
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, tokens: list[int], k: int) -> list[list[int]]:
+    def propose(self, hidden: torch.Tensor, tokens: list[int], k: int, params: list | None = None,
+                uniforms: torch.Tensor | None = None) -> list[Draft]:
         """Up to k draft tokens per row from hidden [S, H] (the states that gave ``tokens``) and those
-        tokens: a row's draft ends before the first token where the product of the drafter's
-        probabilities so far falls below ``draft_confidence`` (its chance of being accepted whole)."""
+        tokens. A greedy row (or any row without ``params``) drafts the drafter's argmax, a point
+        mass; a sampled row draws each token from the drafter's own sampling distribution q (the
+        row's temperature and truncation over the draft vocabulary, ``processed_weights``) with
+        ``uniforms`` [S, k], and its :class:`Draft` carries q for exact speculative sampling. A
+        row's draft ends before the first token where the product of the drafter's top
+        probabilities so far falls below ``draft_confidence`` (its chance of being accepted whole,
+        were the drafter right)."""
         head = self._draft_head()
         state = hidden.float()
         ids = torch.tensor(tokens, device=self.device)
-        drafts, confidence = [], []
+        sampled = [i for i, p in enumerate(params or []) if not p.greedy]
+        rows = torch.tensor(sampled, dtype=torch.long, device=self.device)
+        row_params = [params[i] for i in sampled]
+        drafts, confidence, dists = [], [], []
         sure = torch.ones(len(tokens), device=self.device)
-        for _ in range(k):
+        for i in range(k):
             state = self.stage(state, self._embed(ids).float())
-            p, slot = torch.softmax(state @ head.T, dim=-1).max(dim=-1)
+            logits = state @ head.T
+            p, slot = torch.softmax(logits, dim=-1).max(dim=-1)
+            if sampled:
+                q = processed_weights(logits.index_select(0, rows), row_params)
+                q = q / q.sum(dim=-1, keepdim=True)
+                slot = slot.index_copy(0, rows, inverse_cdf(q, uniforms.index_select(0, rows)[:, i].to(q.device)))
+                dists.append(q)
             ids = self.vocab.index_select(0, slot)
             sure = sure * p
             drafts.append(ids)
             confidence.append(sure)
         keep = (torch.stack(confidence, dim=1) >= self.config.draft_confidence).sum(dim=1).tolist()
-        return [d[:n] for d, n in zip(torch.stack(drafts, dim=1).tolist(), keep)]
+        out = [Draft(d[:n]) for d, n in zip(torch.stack(drafts, dim=1).tolist(), keep)]
+        if sampled:
+            q = torch.stack(dists, dim=1)  # [sampled rows, k, Vd]
+            for j, i in enumerate(sampled):
+                out[i] = Draft(out[i].tokens, q[j, : len(out[i].tokens)], self.vocab)
+        return out
 
     # ------------------------------------------------------------------------------ training
 

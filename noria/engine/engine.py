@@ -403,7 +403,7 @@ class Engine(AdapterMethods):
         tokens come back in :meth:`_finish`); any other step runs and samples here."""
         reqs = [c.req for c in chunks if c.sample]
         routed = any(r.routes is not None for r in reqs)
-        if self.speculator is not None and feed is None and self.speculator.propose(chunks):  # verify chunks
+        if self.speculator is not None and feed is None and self.speculator.propose(chunks, self._generator):  # verify chunks
             return _Step(chunks, done=self.speculator.run(self.runner, chunks, self._generator, self.config.deterministic))
         if self.runner.samples_in_graph(chunks):
             params = [r.request.sampling for r in reqs]
@@ -457,7 +457,7 @@ class Engine(AdapterMethods):
         notify = self.scheduler.process(step.chunks, ids, logprobs, top, self.weight_version, step.routes())
         self._stats.record(sum(len(r.output_ids) for r in reqs) - before)
         if self.speculator is not None:
-            self.speculator.after_step()
+            self.speculator.after_step(step.chunks)
         self._notify(notify)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]):

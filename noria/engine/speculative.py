@@ -12,11 +12,14 @@ Verification. The decode chunk of a drafted request grows into a *verify chunk*
 (``Chunk.draft``): its last sampled token followed by the k draft tokens, computed in one forward
 like a prefill chunk (causal attention over the request's cache and the chunk). Its k + 1 logit
 rows are all read: row i is the model's distribution for the position of draft token i + 1, row k
-that of the token after the whole draft. Acceptance is exact rejection sampling for a point-mass
-draft: draft token d at row i is accepted with probability p_i(d), p_i the request's sampling
-distribution (temperature, then top-k/top-p/min-p); at the first rejection the token is drawn from
-p_i with d removed and renormalised, which makes the row's token exactly p_i-distributed
-(P(d) = p(d), P(x ≠ d) = (1 - p(d)) p(x) / (1 - p(d))). If all k are accepted, a bonus token is
+that of the token after the whole draft. Acceptance is exact speculative sampling: draft token d
+at row i, drawn from the drafter's distribution q_i, is accepted with probability
+min(1, p_i(d) / q_i(d)), p_i the request's sampling distribution (temperature, then
+top-k/top-p/min-p); at the first rejection the token is drawn from max(0, p_i - q_i),
+renormalised, which makes the row's token exactly p_i-distributed. The n-gram drafter's drafts
+(and the mlp drafter's for greedy requests) are point masses, q_i = [d]: accepted with probability
+p_i(d), resampled from p_i with d removed (P(d) = p(d), P(x ≠ d) = (1 - p(d)) p(x) / (1 - p(d))); a
+sampled request's mlp draft carries its q (``Chunk.draft_q``). If all k are accepted, a bonus token is
 drawn from row k. Greedy rows accept d iff it is the row's argmax, and take the argmax otherwise:
 the tokens of greedy decoding. Each row draws its uniforms from the request's own generator when
 seeded (so a seeded request does not depend on the batch), else from the engine's.
@@ -49,6 +52,7 @@ verify chunk runs the prefill path, whose rounding may differ from decode's).
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 
@@ -57,7 +61,7 @@ import torch
 from noria.config.engine import SpeculativeConfig
 from noria.engine import scoring
 from noria.engine.sampling import inverse_cdf, log_softmax_rows, processed_weights, sample
-from noria.engine.drafter import MlpDrafter
+from noria.engine.drafter import Draft, MlpDrafter
 from noria.engine.scheduler import Chunk, Req, ReqState, Scheduler
 
 log = logging.getLogger(__name__)
@@ -93,6 +97,83 @@ class NgramIndex:
         return []
 
 
+class SpeedPolicy:
+    """``engine.speculative.policy: measured``: per batch size, whether speculating steps or plain
+    ones advance rows faster on this engine, from its own steps.
+
+    Steps run in stretches of one kind (speculating or plain) within one batch-size bucket
+    (``(rows - 1).bit_length()``: 1, 2, 3-4, 5-8, ...), ``STRETCH`` steps at most. A stretch's first
+    ``TRANSITION`` steps are not timed (the engine switches step overlap on or off there); the rest
+    give the rows' tokens per second, sum(tokens) / sum(seconds x rows), a step's seconds being the
+    time between the ends of it and the step before. Each (bucket, kind) keeps an exponential moving
+    average. A bucket runs a kind not yet measured first; then the faster kind, except that after
+    ``explore`` steps of it a stretch of the other kind runs again (``explore`` doubles from 32 up to
+    2048 while the other kind stays slower, and is 32 again when it wins). Engine thread only."""
+
+    STRETCH = 8
+    TRANSITION = 2
+    ALPHA = 0.3
+    EXPLORE = (32, 2048)
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.rate: dict[tuple[int, bool], float] = {}
+        """(bucket, speculating) -> the rows' tokens per second (moving average)."""
+        self._explore: dict[int, int] = {}
+        self._since: dict[int, int] = {}  # steps of the faster kind since the other was last measured
+        self._stretch: tuple[int, bool] | None = None
+        self._exploring = False
+        self._steps, self._tokens, self._row_seconds = 0, 0.0, 0.0
+        self._last: float | None = None
+
+    def speculate(self, rows: int) -> bool:
+        """Whether a step of ``rows`` decoding rows speculates (the running stretch's kind, or a new
+        stretch's when it ended or the batch changed bucket)."""
+        bucket = (rows - 1).bit_length()
+        if self._stretch is not None and self._stretch[0] == bucket and self._steps < self.STRETCH:
+            return self._stretch[1]
+        self._close()
+        fast, plain = self.rate.get((bucket, True)), self.rate.get((bucket, False))
+        if fast is None or plain is None:
+            kind, self._exploring = fast is None, False
+        else:
+            winner = fast > plain
+            self._exploring = self._since.get(bucket, 0) >= self._explore.get(bucket, self.EXPLORE[0])
+            kind = winner != self._exploring
+        self._stretch, self._steps, self._tokens, self._row_seconds = (bucket, kind), 0, 0.0, 0.0
+        return kind
+
+    def record(self, rows: int, tokens: int) -> None:
+        """A decode step ended: ``rows`` rows gave ``tokens`` tokens (``rows`` = 0: a step with
+        prefill, which only restarts the clock). It counts for the running stretch's kind when in its
+        bucket, drafts or not (a speculating stretch's step without a draft is part of its cost)."""
+        now = self.clock()
+        last, self._last = self._last, now
+        if not rows or self._stretch is None or self._stretch[0] != (rows - 1).bit_length():
+            return
+        self._steps += 1
+        if self._steps > self.TRANSITION and last is not None:
+            self._tokens += tokens
+            self._row_seconds += (now - last) * rows
+
+    def _close(self) -> None:
+        """Fold the ended stretch's measurement into its kind's average."""
+        if self._stretch is None or self._row_seconds <= 0:
+            return
+        bucket, kind = self._stretch
+        rate = self._tokens / self._row_seconds
+        old = self.rate.get((bucket, kind))
+        self.rate[(bucket, kind)] = rate if old is None else old + self.ALPHA * (rate - old)
+        fast, plain = self.rate.get((bucket, True)), self.rate.get((bucket, False))
+        if self._exploring and fast is not None and plain is not None:
+            lost = (fast > plain) != kind
+            low, high = self.EXPLORE
+            self._explore[bucket] = min(2 * self._explore.get(bucket, low), high) if lost else low
+            self._since[bucket] = 0
+        elif not self._exploring:
+            self._since[bucket] = self._since.get(bucket, 0) + self._steps
+
+
 class Speculator:
     """Drafts for a step's decode chunks, and the verification of a step with verify chunks."""
 
@@ -120,6 +201,9 @@ class Speculator:
             if runner.graphs is None:  # with CUDA graphs it would learn from the eager steps alone, and draft at few
                 runner.on_hidden = self.observe
         self._version = version
+        self.policy = SpeedPolicy() if config.policy == "measured" else None
+        """Measures which kind of step is faster per batch size (None: ``policy: always``)."""
+        self._step_accepted = 0  # draft tokens the last verify step accepted
         self._fell_back: tuple[int, int] | None = None
         """(weight version, drafter rounds) when speculation fell back to plain decoding, else None."""
         self._window = [0, 0]  # drafted, accepted since the acceptance was last judged
@@ -145,7 +229,9 @@ class Speculator:
         """Whether the step after ``chunks`` may speculate (:meth:`small_batch`, a drafter that can
         draft, no fallback): then the engine schedules it on the host rather than overlapping it."""
         ready = self.drafter is None or self.drafter.ready
-        return ready and self.small_batch() and not self.falling_back()
+        if not (ready and self.small_batch() and not self.falling_back()):
+            return False
+        return self.policy is None or self.policy.speculate(len(self.scheduler.running))
 
     def small_batch(self) -> bool:
         """At most ``max_batch`` requests running or waiting: a batch that is still being admitted
@@ -166,9 +252,10 @@ class Speculator:
             self._fell_back = None  # and after 512 steps without speculation, try again
         return self._fell_back is not None
 
-    def propose(self, chunks: list[Chunk]) -> bool:
+    def propose(self, chunks: list[Chunk], generator: torch.Generator | None = None) -> bool:
         """Turn the step's eligible decode chunks into verify chunks (drafts attached, blocks
-        allocated); True when at least one was."""
+        allocated); True when at least one was. ``generator``: the engine's, for the draws of a
+        sampled mlp draft of an unseeded request."""
         decoding = self._decoding(chunks)
         if self._fell_back is not None:
             self._skipped += 1
@@ -178,20 +265,25 @@ class Speculator:
             return False
         if scoring.score_rows(chunks):
             return False
+        if self.policy is not None and not self.policy.speculate(len(decoding)):
+            return False
         budget = min(self.max_batch_tokens - sum(c.n for c in chunks), self.config.draft_budget)
-        drafts = self._mlp_drafts(decoding) if self.drafter is not None else None
+        drafts = self._mlp_drafts(decoding, generator) if self.drafter is not None else None
         drafted = False
         for c in decoding:
             if budget <= 0:
                 break
             k = self._room(c.req, budget)
+            proposal = drafts.get(id(c.req)) if drafts is not None else None
             if drafts is not None:
-                draft = drafts.get(id(c.req), [])[:k]
+                draft = proposal.tokens[:k] if proposal is not None else []
             else:
                 draft = self._ngram_draft(c.req, k) if k > 0 else []
             draft = self._fit(c, draft)
             if draft:
                 c.draft = draft
+                if proposal is not None and proposal.q is not None:
+                    c.draft_q = (proposal.q[: len(draft)], proposal.vocab)
                 c.n = 1 + len(draft)
                 budget -= len(draft)
                 drafted = True
@@ -222,9 +314,10 @@ class Speculator:
 
     # ------------------------------------------------------------------------------ the mlp drafter
 
-    def _mlp_drafts(self, decoding: list[Chunk]) -> dict[int, list[int]]:
+    def _mlp_drafts(self, decoding: list[Chunk], generator: torch.Generator | None) -> dict[int, Draft]:
         """mlp: ``num_tokens`` drafts per decoding request whose last token's hidden state is known,
-        in one batched call of the drafter; by id(request)."""
+        in one batched call of the drafter; by id(request). A sampled request's draft is drawn with
+        uniforms from its own generator when seeded, else from ``generator``."""
         if not self.drafter.ready:
             return {}
         reqs, hidden = [], []
@@ -236,7 +329,10 @@ class Speculator:
                 hidden.append(h)
         if not reqs:
             return {}
-        drafts = self.drafter.propose(torch.stack(hidden), [r.all_ids[-1] for r in reqs], self.config.num_tokens)
+        k = self.config.num_tokens
+        uniforms = torch.tensor([self._uniforms(r, k, generator) for r in reqs])
+        drafts = self.drafter.propose(torch.stack(hidden), [r.all_ids[-1] for r in reqs], k, [r.request.sampling for r in reqs],
+                                      uniforms)
         return {id(r): d for r, d in zip(reqs, drafts)}
 
     def observe(self, chunks: list[Chunk], hidden: torch.Tensor) -> None:
@@ -258,9 +354,13 @@ class Speculator:
             extra += len(c.draft)
             row += 1
 
-    def after_step(self) -> None:
-        """After the engine recorded a step's tokens (weights live): every finished request's
-        output goes to the drafter's training buffer."""
+    def after_step(self, chunks: list[Chunk]) -> None:
+        """After the engine recorded a step's tokens (weights live): the step's speed goes to the
+        policy, and every finished request's output to the drafter's training buffer."""
+        if self.policy is not None:
+            decode = all(c.sample and (c.n == 1 or c.draft) for c in chunks)
+            accepted = self._step_accepted if any(c.draft for c in chunks) else 0
+            self.policy.record(len(chunks) if decode else 0, len(chunks) + accepted)
         if self.drafter is None:
             return
         for key, (req, positions) in list(self._hidden.items()):
@@ -320,7 +420,10 @@ class Speculator:
 
     def _verify(self, chunks: list[Chunk], last: torch.Tensor, last_rows: list[int], drafts: torch.Tensor,
                 generator: torch.Generator | None) -> list[tuple[list[int], list[float]]]:
-        """Accept or reject each verify chunk's draft; (tokens, logprobs) per chunk."""
+        """Accept or reject each verify chunk's draft; (tokens, logprobs) per chunk. A draft token d
+        drawn from q (``Chunk.draft_q``; a point mass for n-gram and greedy drafts) is accepted with
+        probability min(1, p(d) / q(d)); at the first rejection the token is drawn from
+        max(0, p - q), renormalised: exact speculative sampling (Leviathan et al., 2023)."""
         pieces, params, offset = [], [], 0
         for c, row in zip(chunks, last_rows):
             k = len(c.draft)
@@ -334,13 +437,14 @@ class Speculator:
         argmax = logits.argmax(dim=-1)
         targets = torch.tensor([t for c in chunks for t in c.draft + [0]], device=device)
         p_draft = (weights.gather(1, targets.unsqueeze(1)).squeeze(1) / weights.sum(dim=-1)).tolist()
+        q_draft = self._draft_probabilities(chunks)
         argmax_h = argmax.tolist()
         uniforms = [self._uniforms(c.req, len(c.draft) + 1, generator) for c in chunks]
         finals, final_rows, rejected, start = [], [], [], 0
         for c, u in zip(chunks, uniforms):
             greedy, k = c.req.request.sampling.greedy, len(c.draft)
             a = 0
-            while a < k and (argmax_h[start + a] == c.draft[a] if greedy else u[a] < p_draft[start + a]):
+            while a < k and (argmax_h[start + a] == c.draft[a] if greedy else u[a] * q_draft[start + a] < p_draft[start + a]):
                 a += 1
             finals.append(a)
             final_rows.append(start + a)
@@ -348,11 +452,19 @@ class Speculator:
             start += k + 1
         rows = torch.tensor(final_rows, device=device)
         w = weights.index_select(0, rows)
-        drop = [(i, d) for i, d in enumerate(rejected) if d >= 0]
-        if drop:  # the rejected draft token has no mass in its row's resample
-            w[[i for i, _ in drop], [d for _, d in drop]] = 0.0
+        for i, (c, a) in enumerate(zip(chunks, finals)):
+            if a == len(c.draft):
+                continue  # all accepted: the bonus token comes from p itself
+            if c.draft_q is None:  # the rejected draft token has no mass in its row's resample
+                w[i, rejected[i]] = 0.0
+            else:
+                q, vocab = c.draft_q
+                residual = (w[i] / w[i].sum()).index_add(0, vocab, -q[a].to(device)).clamp_(min=0.0)
+                if residual.sum() > 0:  # zero only where p == q to rounding, when rejecting had no chance
+                    w[i] = residual
         drawn = inverse_cdf(w, torch.tensor([u[-1] for u in uniforms], device=device)).tolist()
         out, start = [], 0
+        self._step_accepted = sum(finals)
         for j, (c, a) in enumerate(zip(chunks, finals)):
             last_token = argmax_h[final_rows[j]] if c.req.request.sampling.greedy else drawn[j]
             tokens = c.draft[:a] + [last_token]
@@ -365,6 +477,20 @@ class Speculator:
             self.verify_rows += 1
             self.verify_tokens += a + 1
             start += len(c.draft) + 1
+        return out
+
+    @staticmethod
+    def _draft_probabilities(chunks: list[Chunk]) -> list[float]:
+        """q(d) of every draft token, flattened as the verify rows are (a point mass's is 1; each
+        chunk's bonus row gets 1 too, never read)."""
+        out = []
+        for c in chunks:
+            if c.draft_q is None:
+                out += [1.0] * (len(c.draft) + 1)
+                continue
+            q, vocab = c.draft_q
+            slot = torch.searchsorted(vocab, torch.tensor(c.draft, device=vocab.device))  # the vocabulary is sorted
+            out += q.gather(1, slot.to(q.device).unsqueeze(1)).squeeze(1).tolist() + [1.0]
         return out
 
     def _judge(self, drafted: int, accepted: int) -> None:

@@ -17,13 +17,15 @@ import torch
 from noria.config import ConfigError, EngineConfig
 from noria.config.engine import SpeculativeConfig
 from noria.engine import Engine, GenerateRequest, SamplingParams
-from noria.engine.drafter import MlpDrafter
+from noria.engine.drafter import Draft, MlpDrafter
+from noria.engine.sampling import inverse_cdf
 
 from test_speculative import VOCAB, _greedy, _joint, _model, _prompts, _run, joint_pvalue, trainer_gap
 
 
 def _spec(**kw) -> SpeculativeConfig:
-    base = dict(method="mlp", num_tokens=3, train_every_tokens=64, train_steps=25, draft_confidence=0.0, min_acceptance=0.0)
+    base = dict(method="mlp", num_tokens=3, train_every_tokens=64, train_steps=25, draft_confidence=0.0, min_acceptance=0.0,
+                policy="always")
     base.update(kw)
     return SpeculativeConfig(**base)
 
@@ -85,24 +87,60 @@ def _first_loss(model) -> float:
         engine.shutdown(1)
 
 
-def test_sampled_distribution_is_the_models_at_temperature_1(model):
-    """The first two tokens after a fixed prompt, 2000 seeded samples, the second drafted by a
-    trained drafter and verified, against the exact joint distribution (chi-square)."""
+def _half_vocabulary(drafter: MlpDrafter):
+    """``drafter.propose`` replaced by one whose q is uniform over the even token ids, whatever the
+    state: far from the model's p (about uniform over all 64), so a rejected draft's token must come
+    from max(0, p - q), which holds no even id; drawing it from p with the draft token removed, as
+    for a point mass, would put about 1.5x p on even ids and 0.5x on odd ones."""
+    vocab = torch.arange(VOCAB)
+    q = (vocab % 2 == 0).float() / (VOCAB // 2)
+
+    def propose(hidden, tokens, k, params=None, uniforms=None):
+        drafter._set_vocab(vocab)
+        out = []
+        for row in range(len(tokens)):
+            draws = inverse_cdf(q.expand(k, -1), uniforms[row]).tolist()
+            out.append(Draft(draws, q.expand(k, -1).clone(), drafter.vocab))
+        return out
+
+    drafter.propose = propose
+
+
+@pytest.mark.parametrize("drafter_kind", ["trained", "skewed", "half"])
+def test_sampled_distribution_is_the_models_at_temperature_1(model, drafter_kind):
+    """The first two tokens after a fixed prompt, 2000 (half: 6000) seeded samples, the second drawn from the
+    drafter's q and verified (accepted with min(1, p/q), else drawn from max(0, p - q)), against the
+    exact joint distribution (chi-square). The drafter: ``trained``; ``skewed``, its stage weights
+    scaled up after training, so q is sharper than p; ``half``, q uniform over half the vocabulary
+    (:func:`_half_vocabulary`), where a wrong residual draw shows at once."""
+    skewed = drafter_kind == "skewed"
     prompt = _prompts()[1]
     joint = _joint(model, prompt, 1.0)
     spec = _engine(model, _spec(num_tokens=2, draft_budget=2048), max_running_requests=256, max_batch_tokens=2048)
     try:
         sampled = [SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=1000 + i) for i in range(64)]
         _trained(spec, [GenerateRequest(input_ids=prompt, sampling=p) for p in sampled], rounds=3)
+        drafter = spec.speculator.drafter
+        if skewed:
+            spec.speculator.config.draft_confidence = 0.0  # every draft goes out, however unsure
+            with torch.no_grad():
+                drafter.stage.norm.mul_(4.0)  # logits x4: q is p's shape at T = 1/4
+        drafter.config.online_training = False  # q stays what it is while sampling
+        hidden = torch.randn(2, model.args.hidden_size)
+        uniforms = torch.rand(2, 2, generator=torch.Generator().manual_seed(0))
+        for draft in drafter.propose(hidden, [5, 6], 2, [SamplingParams(temperature=1.0)] * 2, uniforms):
+            assert draft.q is not None and torch.allclose(draft.q.sum(-1), torch.ones(len(draft.tokens)))
+        if drafter_kind == "half":
+            _half_vocabulary(drafter)
         spec.speculator.config.max_batch = 4096  # every row speculates
-        n = 2000
+        n = 6000 if drafter_kind == "half" else 2000  # half: a wrong residual draw read p = 3e-4 at 2000, 5e-8 at 6000
         params = [SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True, seed=i) for i in range(n)]  # x2 drafted
         before = spec.metrics()
         outs = _run(spec, [GenerateRequest(input_ids=prompt, sampling=p) for p in params])
         m = spec.metrics()
     finally:
         spec.shutdown(1)
-    assert m["spec_verify_rows"] - before["spec_verify_rows"] >= n
+    assert m["spec_verify_rows"] - before["spec_verify_rows"] >= n // 2  # a row decodes plainly in a step whose prefills leave no room
     accepted = m["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     assert 0 < accepted < m["spec_proposed_tokens"] - before["spec_proposed_tokens"]
     assert joint_pvalue(outs, joint) > 1e-3

@@ -15,7 +15,7 @@ import torch
 from noria.config import ConfigError, EngineConfig, TrainConfig
 from noria.config.engine import SpeculativeConfig
 from noria.engine import Engine, GenerateRequest, SamplingParams
-from noria.engine.speculative import NgramIndex
+from noria.engine.speculative import NgramIndex, SpeedPolicy
 from noria.models import DecoderLM, save_model
 from noria.models.config import ModelArgs, RopeScaling
 from noria.train.fsdp import FSDPBackend
@@ -59,7 +59,7 @@ def _prompts() -> list[list[int]]:
 
 def _engine(model, method: str, **overrides) -> Engine:
     spec = SpeculativeConfig(method=method, num_tokens=4, max_batch=overrides.pop("max_batch", 8),
-                             draft_budget=overrides.pop("draft_budget", 16))
+                             draft_budget=overrides.pop("draft_budget", 16), policy=overrides.pop("policy", "always"))
     settings = dict(kv_cache_tokens=8192, block_size=4, chunked_prefill_size=16, max_batch_tokens=128)
     settings.update(overrides)
     return Engine(model, None, EngineConfig(speculative=spec, **settings))
@@ -123,6 +123,47 @@ def test_speculation_is_off_above_max_batch(model):
         assert spec.metrics()["spec_verify_steps"] > 0
     finally:
         spec.shutdown(1)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _steps(policy: SpeedPolicy, clock: _Clock, rows: int, n: int, seconds: dict[bool, float], tokens: dict[bool, int]) -> list[bool]:
+    """n decode steps of ``rows`` rows under ``policy``; a speculating step takes seconds[True]
+    and gives tokens[True] tokens, a plain one seconds[False] and tokens[False]; the kinds run."""
+    kinds = []
+    for _ in range(n):
+        kind = policy.speculate(rows)
+        clock.now += seconds[kind]
+        policy.record(rows, tokens[kind])
+        kinds.append(kind)
+    return kinds
+
+
+def test_the_measured_policy_speculates_where_it_is_faster_and_measures_the_other_kind_again():
+    clock = _Clock()
+    policy = SpeedPolicy(clock)
+    # batch 1: a speculating step 1.5x a plain step's time for 3 tokens: speculation wins
+    kinds = _steps(policy, clock, 1, 400, {True: 0.03, False: 0.02}, {True: 3, False: 1})
+    assert kinds[:8] == [True] * 8 and kinds[8:16] == [False] * 8  # each kind measured first
+    assert policy.rate[(0, True)] == pytest.approx(100.0) and policy.rate[(0, False)] == pytest.approx(50.0)  # rows' tokens/s
+    assert kinds.count(False) < 0.15 * len(kinds)  # then plain only to measure it again
+    # batch 4: 1.2 tokens per row for 1.5x the time: plain wins; the explorations back off
+    kinds = _steps(policy, clock, 4, 3000, {True: 0.06, False: 0.04}, {True: 5, False: 4})
+    spec_runs = [i for i in range(1, len(kinds)) if kinds[i] and not kinds[i - 1]]
+    assert kinds[:8] == [True] * 8 and sum(kinds) < 0.05 * len(kinds)
+    gaps = [b - a for a, b in zip(spec_runs, spec_runs[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > 1000  # 32, 64, ... steps of plain between two tries
+    # the batch-1 bucket kept its own figures
+    assert _steps(policy, clock, 1, 1, {True: 0.03, False: 0.02}, {True: 3, False: 1}) == [True]
+    # batch 2, every draft rejected: each kind measured, plain wins, speculation tried after 32 then 64 steps
+    kinds = _steps(policy, clock, 2, 200, {True: 0.05, False: 0.04}, {True: 2, False: 2})
+    assert kinds == [True] * 8 + [False] * 24 + [True] * 8 + [False] * 64 + [True] * 8 + [False] * 88
 
 
 def test_the_step_line_shows_each_steps_own_acceptance(model):
@@ -213,7 +254,7 @@ def test_deterministic_speculated_logprobs_equal_the_trainers_bitwise(folder, dt
     engine = Engine(
         load_model(folder, dtype=getattr(torch, dtype)), None,
         EngineConfig(kv_cache_tokens=4096, block_size=4, chunked_prefill_size=24, max_batch_tokens=96, attention="torch",
-                     deterministic=True, speculative=SpeculativeConfig(method="ngram", num_tokens=3)),
+                     deterministic=True, speculative=SpeculativeConfig(method="ngram", num_tokens=3, policy="always")),
     )
     try:
         prompts = _prompts()

@@ -20,7 +20,7 @@ def _engine(folder, dtype, method, **kw):
     from noria.engine import Engine
     from noria.models import load_model
 
-    spec = SpeculativeConfig(method=method, num_tokens=4, max_batch=8)
+    spec = SpeculativeConfig(method=method, num_tokens=4, max_batch=8, policy="always")
     settings = {"kv_cache_tokens": 8192, "block_size": 4, "chunked_prefill_size": 16, "max_batch_tokens": 128, **kw}
     return Engine(load_model(folder, dtype=dtype, device="cuda"), None, EngineConfig(speculative=spec, **settings))
 
