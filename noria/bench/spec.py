@@ -2,10 +2,10 @@
 
 Engines, one per side, all with the same model: ``no_spec`` (``engine.speculative.method: none``)
 and one per drafter of ``--methods`` (``ngram``: prompt lookup; ``mlp``: the draft model trained
-online, ``noria.engine.drafter``), each with the default policy (speculation only while at most
-``engine.speculative.max_batch`` requests decode together). With ``--always``, also each drafter
-with ``max_batch`` above every batch (every step speculates; run only at batches above the default
-``max_batch``, below it that is the default engine): the figures the default was chosen from.
+online, ``noria.engine.drafter``), each with the defaults (speculation only while at most
+``engine.speculative.max_batch`` requests decode together, and there only at batch sizes where the
+engine measured its speculating steps faster: ``policy: measured``). With ``--always``, also each
+drafter with ``policy: always`` (every step within ``max_batch`` speculates), in every case.
 
 The mlp drafter learns from the engine's own samples: before anything is measured its engine
 generates ``--warmup-steps`` main-job rollout steps (below) and trains between them as in an RL run
@@ -62,7 +62,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lines", type=int, default=12, help="copy workload: JSON lines of tool output per prompt")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--num-tokens", type=int, default=4, help="engine.speculative.num_tokens (draft length k)")
-    parser.add_argument("--always", action="store_true", help="also each drafter speculating at every batch size")
+    parser.add_argument("--always", action="store_true",
+                        help="also each drafter with engine.speculative.policy: always (every step within max_batch speculates)")
     parser.add_argument("--rollout-steps", type=int, default=6, help="main-job rollout steps measured per engine (0: none)")
     parser.add_argument("--warmup-steps", type=int, default=8, help="mlp: rollout steps its drafter trains on before measuring")
     parser.add_argument("--rollout-prompts", type=int, default=8, help="rollout: prompts per step (the main job's)")
@@ -131,9 +132,8 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
     sides = {"no_spec": SpeculativeConfig(method="none")}
     for m in methods:
         sides[m] = SpeculativeConfig(method=m, num_tokens=num_tokens)
-        if always and any(b > default_max_batch for b in batches):
-            sides[f"{m}_always"] = SpeculativeConfig(method=m, num_tokens=num_tokens, max_batch=max(batches) + 1,
-                                                           policy="always")
+        if always:
+            sides[f"{m}_always"] = SpeculativeConfig(method=m, num_tokens=num_tokens, policy="always")
     prompts = {w: _prompts(folder, w, max(batches), new_tokens, lines) for w in workloads} if batches else {}
     train_prompts = _arithmetic(folder, "train", (rollout.warmup + rollout.steps) * rollout.prompts) if rollout.steps + rollout.warmup else []
     figures = _measure(folder, sides, prompts, batches, new_tokens, temperature, dtype, device, rollout, train_prompts,
@@ -145,7 +145,7 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
                 on, off = figures[m]["batch"][workload][batch], figures["no_spec"]["batch"][workload][batch]
                 peers = {"no_spec": off["tokens_per_s"]}
                 if f"{m}_always" in figures:
-                    peers["always"] = figures[f"{m}_always"]["batch"][workload].get(batch, on)["tokens_per_s"]
+                    peers["always"] = figures[f"{m}_always"]["batch"][workload][batch]["tokens_per_s"]
                 results.append({
                     "case": f"{model} {device} {dtype} {m} {workload} batch={batch} new={new_tokens} T={temperature} k={num_tokens}",
                     "metric": "tokens_per_s", "noria": on["tokens_per_s"], "peers": peers, "bound": None,
@@ -157,7 +157,9 @@ def run(model: str, batches: list[int], new_tokens: int, workloads: list[str], t
             on, off = figures[m]["rollout"], figures["no_spec"]["rollout"]
             results.append({
                 "case": f"{model} {device} {dtype} {m} {rollout.describe()} k={num_tokens}",
-                "metric": "rollout_s_per_step", "noria": on["s_per_step"], "peers": {"no_spec": off["s_per_step"]},
+                "metric": "rollout_s_per_step", "noria": on["s_per_step"], "peers": {
+                    "no_spec": off["s_per_step"], **({"always": figures[f"{m}_always"]["rollout"]["s_per_step"]}
+                                                     if f"{m}_always" in figures else {})},
                 "bound": None, "lower_is_better": True, "method": m,
                 "acceptance": on["acceptance"], "tokens_per_verify": on["tokens_per_verify"],
                 "tokens_per_step": on["tokens_per_step"], "no_spec_tokens_per_step": off["tokens_per_step"],
@@ -216,7 +218,7 @@ def _measure(folder: Path, sides: dict, prompts: dict[str, list[list[int]]], bat
         for step in range(rollout.warmup):  # the mlp drafters learn from the main job's rollout first
             for name in [n for n in sides if sides[n].method == "mlp"]:
                 out[name]["warmup"].append(turn(name, rollout.requests(train_prompts, step))[2]["acceptance"])
-        plain = [n for n in sides if not n.endswith("_always")]  # the rollout's batch is large: _always is the default there
+        plain = list(sides)
         if rollout.steps:
             steps = {n: [] for n in plain}
             lengths = []
@@ -239,7 +241,7 @@ def _measure(folder: Path, sides: dict, prompts: dict[str, list[list[int]]], bat
             for name in engines:
                 engines[name].generate_batch(requests(rows_[:2], 8))  # warm-up: kernels built, caches touched
             for i, batch in enumerate(batches):
-                names = [n for n in rotated(list(sides), i) if not n.endswith("_always") or batch > default_max_batch]
+                names = rotated(list(sides), i)
                 for name in names:
                     engines[name].generate_batch(requests(rows_[:batch], 8))  # this batch size's first use
                     engines[name].flush_cache()
@@ -314,13 +316,14 @@ def _tool_task(seed: int, lines: int = 24) -> tuple[str, str]:
 
 
 def _print(results: list[dict]) -> None:
-    header = ["case", "noria", "no_spec", "noria/no_spec", "always/no_spec", "acceptance", "tok/verify"]
+    header = ["case", "noria", "no_spec", "noria vs no_spec", "always vs no_spec", "acceptance", "tok/verify"]
     rows = []
     for r in results:
         off = r["peers"]["no_spec"]
         always = r["peers"].get("always")
         ratio = off / r["noria"] if r.get("lower_is_better") else r["noria"] / off
-        rows.append([r["case"], r["noria"], off, ratio, None if always is None else always / off, r["acceptance"],
+        always = None if always is None else off / always if r.get("lower_is_better") else always / off
+        rows.append([r["case"], r["noria"], off, ratio, always, r["acceptance"],
                      r["tokens_per_verify"]])
     print_table("speculative decoding: tokens/s (higher is better) or rollout s/step (lower is better; the ratio is "
                 "no_spec / noria: > 1 is faster)", header, rows)
