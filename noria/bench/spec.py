@@ -226,6 +226,7 @@ def _measure(folder: Path, sides: dict, prompts: dict[str, list[list[int]]], bat
                 # The step's answer lengths, from plain decoding stopping at EOS (untimed); then every
                 # engine generates exactly those: the same tail for each, whatever its draws.
                 probe = engines["no_spec"].generate_batch(rollout.requests(train_prompts, step))
+                engines["no_spec"].flush_cache()  # its timed turn prefills the step's prompts as every other engine does
                 lengths.append([max(1, len(o.output_ids)) for o in probe])
                 for name in rotated(plain, step):
                     steps[name].append(turn(name, rollout.requests(train_prompts, step, lengths[-1])))

@@ -19,7 +19,8 @@ class SpeculativeConfig:
         "occurrence of the row's last n-gram, prompt and output; no draft model); or mlp (a small draft model on the "
         "policy's last hidden state, sharing its embeddings and head, trained online on the engine's own samples: "
         "noria.engine.drafter). A CPU engine's option for now: on CUDA a verify step runs eagerly beside "
-        "graph-captured decode steps, 0.07x at batch 1 on an H100 (docs/engines.md)."
+        "graph-captured decode steps, 0.07x at batch 1 on an H100 (docs/engines.md), so policy: measured decodes "
+        "plainly there after measuring it."
     )
     num_tokens: int = option(4, "Draft tokens proposed per verify step (k); a verify step computes k + 1 tokens.")
     ngram_max: int = option(3, "Longest n-gram looked up (tried first).")

@@ -195,7 +195,8 @@ class Speculator:
         elif runner is not None and runner.graphs is not None:
             log.warning("engine.speculative.method %s on CUDA: its verify steps run eagerly while plain decode steps replay CUDA graphs, "
                         "so speculating rows (at most engine.speculative.max_batch=%d running) decode slower, not faster (0.07-0.18x "
-                        "at batch 1 on an H100, docs/engines.md); it is a CPU engine's option for now", config.method, config.max_batch)
+                        "at batch 1 on an H100 with policy: always, docs/engines.md; policy: measured stops speculating there once "
+                        "measured); it is a CPU engine's option for now", config.method, config.max_batch)
         if config.method == "mlp":
             self.drafter = MlpDrafter(runner.model, config, tokenizer)
             if runner.graphs is None:  # with CUDA graphs it would learn from the eager steps alone, and draft at few
@@ -357,8 +358,8 @@ class Speculator:
     def after_step(self, chunks: list[Chunk]) -> None:
         """After the engine recorded a step's tokens (weights live): the step's speed goes to the
         policy, and every finished request's output to the drafter's training buffer."""
-        if self.policy is not None:
-            decode = all(c.sample and (c.n == 1 or c.draft) for c in chunks)
+        if self.policy is not None:  # (the tokens are appended now: a decode chunk is one past the prompt)
+            decode = all(c.start >= c.req.prompt_len and (c.n == 1 or c.draft) for c in chunks)
             accepted = self._step_accepted if any(c.draft for c in chunks) else 0
             self.policy.record(len(chunks) if decode else 0, len(chunks) + accepted)
         if self.drafter is None:

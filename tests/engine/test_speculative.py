@@ -166,6 +166,22 @@ def test_the_measured_policy_speculates_where_it_is_faster_and_measures_the_othe
     assert kinds == [True] * 8 + [False] * 24 + [True] * 8 + [False] * 64 + [True] * 8 + [False] * 88
 
 
+def test_a_measured_engine_times_both_kinds_of_step_and_keeps_the_output(model):
+    """policy: measured on a real engine: its decode steps are timed into both kinds' figures for
+    the batch size, and greedy output stays what plain decoding gives."""
+    plain, spec = _engine(model, "none"), _engine(model, "ngram", policy="measured")
+    try:
+        requests = [GenerateRequest(input_ids=p, sampling=_greedy(80)) for p in _prompts()[:1]]
+        got, expected = _run(spec, requests), _run(plain, requests)
+        rate = spec.speculator.policy.rate
+    finally:
+        plain.shutdown(1)
+        spec.shutdown(1)
+    assert [o.output_ids for o in got] == [o.output_ids for o in expected]
+    assert rate.get((0, True), 0) > 0 and rate.get((0, False), 0) > 0  # batch 1: speculating and plain stretches measured
+    assert spec.metrics()["spec_verify_steps"] > 0
+
+
 def test_the_step_line_shows_each_steps_own_acceptance(model):
     """``rollout/spec_acceptance`` and ``rollout/spec_tokens_per_verify`` on a step's line are the
     step's own (the engine keeps running totals): a step without traffic shows 0."""
