@@ -43,10 +43,11 @@ class SpeculativeConfig:
         "of 32 tokens 29 ms and of 64 tokens 43 ms, so up to 16 drafted tokens cost a step almost nothing."
     )
     min_acceptance: float = option(
-        0.1, "Fall back to plain decoding while the share of drafted tokens accepted, over the last "
+        0.1, "policy: always: fall back to plain decoding while the share of drafted tokens accepted, over the last "
         "window of at least 64 drafted tokens, is below this; speculation is tried again after the drafter's next "
-        "training round or the next weight update. 0: never fall back. 0.1 is about break-even for k = 4 on the CPU "
-        "(a verify step of 5 tokens costs 1.2-1.4 decode steps at batch 1; docs/engines.md)."
+        "training round, the next weight update or 512 steps. 0: never fall back. 0.1 is about break-even for k = 4 on "
+        "the CPU (a verify step of 5 tokens costs 1.2-1.4 decode steps at batch 1; docs/engines.md). policy: measured "
+        "weighs each request's own acceptance against the measured cost instead, and ignores this."
     )
     model_path: str | None = option(
         None, "mlp: a drafter saved by an earlier run (drafter.pt of a checkpoint or run folder) to start from; null: "

@@ -98,80 +98,90 @@ class NgramIndex:
 
 
 class SpeedPolicy:
-    """``engine.speculative.policy: measured``: per batch size, whether speculating steps or plain
-    ones advance rows faster on this engine, from its own steps.
+    """``engine.speculative.policy: measured``: speculate a step only where this engine's own
+    measurements say it pays for the rows it holds.
 
-    Steps run in stretches of one kind (speculating or plain) within one batch-size bucket
-    (``(rows - 1).bit_length()``: 1, 2, 3-4, 5-8, ...), ``STRETCH`` steps at most. A stretch's first
-    ``TRANSITION`` steps are not timed (the engine switches step overlap on or off there); the rest
-    give the rows' tokens per second, sum(tokens) / sum(seconds x rows), a step's seconds being the
-    time between the ends of it and the step before. Each (bucket, kind) keeps an exponential moving
-    average. A bucket runs a kind not yet measured first; then the faster kind, except that after
-    ``explore`` steps of it a stretch of the other kind runs again (``explore`` doubles from 32 up to
-    2048 while the other kind stays slower, and is 32 again when it wins). Engine thread only."""
+    Costs (hardware and model): steps run in stretches of one kind, speculating or plain, within one
+    batch-size bucket (``(rows - 1).bit_length()``: 1, 2, 3-4, 5-8, ...), ``STRETCH`` steps at most.
+    A stretch's first ``TRANSITION`` steps are not timed (the engine switches step overlap on or off
+    there); the rest give its seconds per step, a step's seconds being the time between the ends of
+    it and the step before, and each (bucket, kind) keeps a moving average.
+
+    Gains (content): each request keeps a moving average of the drafts it had accepted per
+    speculating step (0 for a step it got no draft in), ``PRIOR`` before it first speculated; after
+    each plain stretch it moves ``RECOVER`` of the way back to ``PRIOR``, so a request whose text
+    turns copyable is tried again (one stretch in about 128 steps where a speculating step costs 1.5
+    plain ones and drafts are never accepted: 6% of the steps).
+
+    A stretch's kind: a kind whose cost is not measured yet in the bucket, else speculating when the
+    rows' mean expected tokens per step, 1 + gain, exceed the cost ratio, speculating seconds over
+    plain seconds per step. Engine thread only."""
 
     STRETCH = 8
     TRANSITION = 2
     ALPHA = 0.3
-    EXPLORE = (32, 2048)
+    GAIN_ALPHA = 0.1
+    """A request's gain moves this share toward each speculating step's count: slowly, since a run
+    of rejected drafts is common inside copyable text, and wrongly stopping costs more than wrongly
+    going on (on 2 Zen 4 cores a speculating step of SmolLM2 cost 1.14 plain ones at batch 1)."""
+    PRIOR = 1.0
+    RECOVER = 0.03
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
-        self.rate: dict[tuple[int, bool], float] = {}
-        """(bucket, speculating) -> the rows' tokens per second (moving average)."""
-        self._explore: dict[int, int] = {}
-        self._since: dict[int, int] = {}  # steps of the faster kind since the other was last measured
+        self.seconds: dict[tuple[int, bool], float] = {}
+        """(bucket, speculating) -> seconds per decode step (moving average)."""
+        self._gain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stretch: tuple[int, bool] | None = None
-        self._exploring = False
-        self._steps, self._tokens, self._row_seconds = 0, 0.0, 0.0
+        self._steps, self._timed, self._seconds = 0, 0, 0.0
         self._last: float | None = None
 
-    def speculate(self, rows: int) -> bool:
-        """Whether a step of ``rows`` decoding rows speculates (the running stretch's kind, or a new
+    def gain(self, req) -> float:
+        """Drafts ``req`` is expected to have accepted per speculating step."""
+        return self._gain.get(req, self.PRIOR)
+
+    def accepted(self, req, n: int) -> None:
+        """``req`` had ``n`` drafts accepted in a speculating step (0: it got no draft)."""
+        old = self._gain.get(req, self.PRIOR)
+        self._gain[req] = old + self.GAIN_ALPHA * (n - old)
+
+    def speculate(self, reqs: list) -> bool:
+        """Whether a step decoding ``reqs`` speculates (the running stretch's kind, or a new
         stretch's when it ended or the batch changed bucket)."""
-        bucket = (rows - 1).bit_length()
+        bucket = (len(reqs) - 1).bit_length()
         if self._stretch is not None and self._stretch[0] == bucket and self._steps < self.STRETCH:
             return self._stretch[1]
         self._close()
-        fast, plain = self.rate.get((bucket, True)), self.rate.get((bucket, False))
+        fast, plain = self.seconds.get((bucket, True)), self.seconds.get((bucket, False))
         if fast is None or plain is None:
-            kind, self._exploring = fast is None, False
+            kind = fast is None
         else:
-            winner = fast > plain
-            self._exploring = self._since.get(bucket, 0) >= self._explore.get(bucket, self.EXPLORE[0])
-            kind = winner != self._exploring
-        self._stretch, self._steps, self._tokens, self._row_seconds = (bucket, kind), 0, 0.0, 0.0
+            kind = sum(1 + self.gain(r) for r in reqs) / len(reqs) * plain > fast
+        if not kind:
+            for r in reqs:
+                self._gain[r] = self.gain(r) + self.RECOVER * (self.PRIOR - self.gain(r))
+        self._stretch, self._steps, self._timed, self._seconds = (bucket, kind), 0, 0, 0.0
         return kind
 
-    def record(self, rows: int, tokens: int) -> None:
-        """A decode step ended: ``rows`` rows gave ``tokens`` tokens (``rows`` = 0: a step with
-        prefill, which only restarts the clock). It counts for the running stretch's kind when in its
-        bucket, drafts or not (a speculating stretch's step without a draft is part of its cost)."""
+    def record(self, rows: int) -> None:
+        """A decode step of ``rows`` rows ended (``rows`` = 0: a step with prefill, which only
+        restarts the clock). It counts for the running stretch when in its bucket."""
         now = self.clock()
         last, self._last = self._last, now
         if not rows or self._stretch is None or self._stretch[0] != (rows - 1).bit_length():
             return
         self._steps += 1
         if self._steps > self.TRANSITION and last is not None:
-            self._tokens += tokens
-            self._row_seconds += (now - last) * rows
+            self._timed += 1
+            self._seconds += now - last
 
     def _close(self) -> None:
-        """Fold the ended stretch's measurement into its kind's average."""
-        if self._stretch is None or self._row_seconds <= 0:
+        """Fold the ended stretch's seconds per step into its kind's average."""
+        if self._stretch is None or not self._timed:
             return
-        bucket, kind = self._stretch
-        rate = self._tokens / self._row_seconds
-        old = self.rate.get((bucket, kind))
-        self.rate[(bucket, kind)] = rate if old is None else old + self.ALPHA * (rate - old)
-        fast, plain = self.rate.get((bucket, True)), self.rate.get((bucket, False))
-        if self._exploring and fast is not None and plain is not None:
-            lost = (fast > plain) != kind
-            low, high = self.EXPLORE
-            self._explore[bucket] = min(2 * self._explore.get(bucket, low), high) if lost else low
-            self._since[bucket] = 0
-        elif not self._exploring:
-            self._since[bucket] = self._since.get(bucket, 0) + self._steps
+        seconds = self._seconds / self._timed
+        old = self.seconds.get(self._stretch)
+        self.seconds[self._stretch] = seconds if old is None else old + self.ALPHA * (seconds - old)
 
 
 class Speculator:
@@ -204,7 +214,6 @@ class Speculator:
         self._version = version
         self.policy = SpeedPolicy() if config.policy == "measured" else None
         """Measures which kind of step is faster per batch size (None: ``policy: always``)."""
-        self._step_accepted = 0  # draft tokens the last verify step accepted
         self._fell_back: tuple[int, int] | None = None
         """(weight version, drafter rounds) when speculation fell back to plain decoding, else None."""
         self._window = [0, 0]  # drafted, accepted since the acceptance was last judged
@@ -232,7 +241,7 @@ class Speculator:
         ready = self.drafter is None or self.drafter.ready
         if not (ready and self.small_batch() and not self.falling_back()):
             return False
-        return self.policy is None or self.policy.speculate(len(self.scheduler.running))
+        return self.policy is None or self.policy.speculate(list(self.scheduler.running))
 
     def small_batch(self) -> bool:
         """At most ``max_batch`` requests running or waiting: a batch that is still being admitted
@@ -266,7 +275,7 @@ class Speculator:
             return False
         if scoring.score_rows(chunks):
             return False
-        if self.policy is not None and not self.policy.speculate(len(decoding)):
+        if self.policy is not None and not self.policy.speculate([c.req for c in decoding]):
             return False
         budget = min(self.max_batch_tokens - sum(c.n for c in chunks), self.config.draft_budget)
         drafts = self._mlp_drafts(decoding, generator) if self.drafter is not None else None
@@ -288,6 +297,8 @@ class Speculator:
                 c.n = 1 + len(draft)
                 budget -= len(draft)
                 drafted = True
+            elif self.policy is not None and k > 0:
+                self.policy.accepted(c.req, 0)  # speculating, and nothing to verify for it
         return drafted
 
     def _room(self, req: Req, budget: int) -> int:
@@ -360,8 +371,7 @@ class Speculator:
         policy, and every finished request's output to the drafter's training buffer."""
         if self.policy is not None:  # (the tokens are appended now: a decode chunk is one past the prompt)
             decode = all(c.start >= c.req.prompt_len and (c.n == 1 or c.draft) for c in chunks)
-            accepted = self._step_accepted if any(c.draft for c in chunks) else 0
-            self.policy.record(len(chunks) if decode else 0, len(chunks) + accepted)
+            self.policy.record(len(chunks) if decode else 0)
         if self.drafter is None:
             return
         for key, (req, positions) in list(self._hidden.items()):
@@ -465,7 +475,6 @@ class Speculator:
                     w[i] = residual
         drawn = inverse_cdf(w, torch.tensor([u[-1] for u in uniforms], device=device)).tolist()
         out, start = [], 0
-        self._step_accepted = sum(finals)
         for j, (c, a) in enumerate(zip(chunks, finals)):
             last_token = argmax_h[final_rows[j]] if c.req.request.sampling.greedy else drawn[j]
             tokens = c.draft[:a] + [last_token]
@@ -475,6 +484,8 @@ class Speculator:
             self.proposed += len(c.draft)
             self.accepted += a
             self._judge(len(c.draft), a)
+            if self.policy is not None:
+                self.policy.accepted(c.req, a)
             self.verify_rows += 1
             self.verify_tokens += a + 1
             start += len(c.draft) + 1
@@ -496,7 +507,10 @@ class Speculator:
 
     def _judge(self, drafted: int, accepted: int) -> None:
         """Fall back to plain decoding when a window of >= 64 drafted tokens accepted fewer than
-        ``min_acceptance`` of them."""
+        ``min_acceptance`` of them. Only with ``policy: always``: the measured policy weighs each
+        request's own acceptance against the measured cost of a step instead."""
+        if self.policy is not None:
+            return
         self._window[0] += drafted
         self._window[1] += accepted
         if self._window[0] >= 64:

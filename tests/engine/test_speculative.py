@@ -133,37 +133,47 @@ class _Clock:
         return self.now
 
 
-def _steps(policy: SpeedPolicy, clock: _Clock, rows: int, n: int, seconds: dict[bool, float], tokens: dict[bool, int]) -> list[bool]:
-    """n decode steps of ``rows`` rows under ``policy``; a speculating step takes seconds[True]
-    and gives tokens[True] tokens, a plain one seconds[False] and tokens[False]; the kinds run."""
+class _Row:
+    """A request as the policy sees it (a key with its gain)."""
+
+
+def _steps(policy: SpeedPolicy, clock: _Clock, rows: list, n: int, seconds: dict[bool, float], accepted: int) -> list[bool]:
+    """n decode steps of ``rows`` under ``policy``: a speculating step takes seconds[True] and each
+    row has ``accepted`` drafts accepted in it, a plain one takes seconds[False]; the kinds run."""
     kinds = []
     for _ in range(n):
         kind = policy.speculate(rows)
         clock.now += seconds[kind]
-        policy.record(rows, tokens[kind])
+        if kind:
+            for r in rows:
+                policy.accepted(r, accepted)
+        policy.record(len(rows))
         kinds.append(kind)
     return kinds
 
 
-def test_the_measured_policy_speculates_where_it_is_faster_and_measures_the_other_kind_again():
+def test_the_measured_policy_speculates_where_the_rows_gain_pays_for_the_step():
     clock = _Clock()
     policy = SpeedPolicy(clock)
-    # batch 1: a speculating step 1.5x a plain step's time for 3 tokens: speculation wins
-    kinds = _steps(policy, clock, 1, 400, {True: 0.03, False: 0.02}, {True: 3, False: 1})
-    assert kinds[:8] == [True] * 8 and kinds[8:16] == [False] * 8  # each kind measured first
-    assert policy.rate[(0, True)] == pytest.approx(100.0) and policy.rate[(0, False)] == pytest.approx(50.0)  # rows' tokens/s
-    assert kinds.count(False) < 0.15 * len(kinds)  # then plain only to measure it again
-    # batch 4: 1.2 tokens per row for 1.5x the time: plain wins; the explorations back off
-    kinds = _steps(policy, clock, 4, 3000, {True: 0.06, False: 0.04}, {True: 5, False: 4})
-    spec_runs = [i for i in range(1, len(kinds)) if kinds[i] and not kinds[i - 1]]
-    assert kinds[:8] == [True] * 8 and sum(kinds) < 0.05 * len(kinds)
-    gaps = [b - a for a, b in zip(spec_runs, spec_runs[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] > 1000  # 32, 64, ... steps of plain between two tries
-    # the batch-1 bucket kept its own figures
-    assert _steps(policy, clock, 1, 1, {True: 0.03, False: 0.02}, {True: 3, False: 1}) == [True]
-    # batch 2, every draft rejected: each kind measured, plain wins, speculation tried after 32 then 64 steps
-    kinds = _steps(policy, clock, 2, 200, {True: 0.05, False: 0.04}, {True: 2, False: 2})
-    assert kinds == [True] * 8 + [False] * 24 + [True] * 8 + [False] * 64 + [True] * 8 + [False] * 88
+    cost = {True: 0.03, False: 0.02}  # a speculating step costs 1.5 plain ones
+    copying = [_Row()]
+    kinds = _steps(policy, clock, copying, 200, cost, accepted=2)  # 3 tokens a step for 1.5x the time
+    assert kinds[:8] == [True] * 8 and kinds[8:16] == [False] * 8  # each kind's cost measured first
+    assert policy.seconds[(0, True)] == pytest.approx(0.03) and policy.seconds[(0, False)] == pytest.approx(0.02)
+    assert kinds[16:] == [True] * 184
+    # its text stops being copyable: within a few stretches its gain is gone and it decodes plainly,
+    # tried again once the gain has recovered far enough, each time for one stretch
+    kinds = _steps(policy, clock, copying, 800, cost, accepted=0)
+    stop = kinds.index(False)
+    assert 8 <= stop <= 24 and 0 < sum(kinds[stop:]) <= 7 * 8 and sum(kinds[stop:]) % 8 == 0  # one stretch per ~128 steps
+    tries = [i for i in range(stop + 1, len(kinds)) if kinds[i] and not kinds[i - 1]]
+    assert all(b - a >= 100 for a, b in zip(tries, tries[1:]))  # then one stretch per 100+ steps
+    # a new request in the same bucket is tried at once: its gain is not known to be low
+    assert _steps(policy, clock, [_Row()], 8, cost, accepted=2) == [True] * 8
+    # batch 4 (another bucket): measured on its own; 1.2 tokens a row for 1.5x the time does not pay
+    batch = [_Row() for _ in range(4)]
+    kinds = _steps(policy, clock, batch, 300, {True: 0.06, False: 0.04}, accepted=0)
+    assert kinds[:16] == [True] * 8 + [False] * 8 and sum(kinds) <= 32  # then two or three tries in 300 steps
 
 
 def test_a_measured_engine_times_both_kinds_of_step_and_keeps_the_output(model):
@@ -173,12 +183,12 @@ def test_a_measured_engine_times_both_kinds_of_step_and_keeps_the_output(model):
     try:
         requests = [GenerateRequest(input_ids=p, sampling=_greedy(80)) for p in _prompts()[:1]]
         got, expected = _run(spec, requests), _run(plain, requests)
-        rate = spec.speculator.policy.rate
+        seconds = spec.speculator.policy.seconds
     finally:
         plain.shutdown(1)
         spec.shutdown(1)
     assert [o.output_ids for o in got] == [o.output_ids for o in expected]
-    assert rate.get((0, True), 0) > 0 and rate.get((0, False), 0) > 0  # batch 1: speculating and plain stretches measured
+    assert seconds.get((0, True), 0) > 0 and seconds.get((0, False), 0) > 0  # batch 1: speculating and plain stretches timed
     assert spec.metrics()["spec_verify_steps"] > 0
 
 
