@@ -32,10 +32,11 @@ class SpeculativeConfig:
         "speculation, 0.76x at 16 and 0.59x at 64 with it always on (noria bench spec, docs/engines.md)."
     )
     policy: Literal["measured", "always"] = option(
-        "measured", "Within max_batch: measured speculates at a batch size only while its speculating steps, measured on "
-        "this engine, advance each row faster than plain decoding steps (rows' tokens per second; batch sizes 1, 2, 3-4, "
-        "5-8, ... apart; the losing side is measured again for 8 steps after 32 steps, then 64, ... up to 2048); always: "
-        "every step within max_batch speculates."
+        "measured", "Within max_batch: measured speculates a step only when the rows' expected tokens per step (1 + "
+        "each request's own moving average of drafts accepted per speculating step; 1 before it first speculated) "
+        "exceed the cost of a speculating step over a plain one, measured on this engine per batch size (1, 2, 3-4, "
+        "5-8, ...) in stretches of 8 steps of each kind; always: every step within max_batch speculates (and "
+        "min_acceptance applies)."
     )
     draft_budget: int = option(
         16, "Draft tokens one step verifies at most, over all its rows (a verify step computes them beside its rows' own "
