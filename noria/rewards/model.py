@@ -238,7 +238,8 @@ def start_judge_engine(config: Any, folder: Path) -> tuple[Any, ModelReward]:
     cfg = config.reward.model
     path = model_path(cfg.engine)
     device = cfg.engine_device or engine_device(config)
-    child, url, key = start_engine_server(path, config, folder, device, "judge.log", threads=cfg.engine_threads)
+    child, url, key = start_engine_server(path, config, folder, device, "judge.log", threads=cfg.engine_threads,
+                                          passive_wait=device.startswith("cpu"))  # it shares the cores with the policy's engine
     try:
         scorer = bind_judge(cfg, url, key, judge_tokenizer(cfg, url, key) if cfg.api == "sglang" or cfg.kind == "scalar" else None)
     except BaseException:

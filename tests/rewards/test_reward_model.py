@@ -235,10 +235,12 @@ def test_real_judge_engine_batches_then_dies_and_the_run_stops_naming_it(tiny_mo
         "--reward.model.engine_threads", "1",
     ])  # fmt: skip
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # set, it would win over engine_threads
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     (child,) = start_judge(config, tmp_path)
     try:
         environ = (Path("/proc") / str(child.pid) / "environ").read_bytes().split(b"\0")
         assert b"OMP_NUM_THREADS=1" in environ  # reward.model.engine_threads
+        assert b"OMP_WAIT_POLICY=PASSIVE" in environ  # a CPU judge sleeps between parallel regions
         scorer = model_reward(config.reward.model)
         url, headers = scorer.client.url, scorer.client.headers
         reward = dataclasses.replace(config.reward, name="exact_match")
