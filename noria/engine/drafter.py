@@ -60,11 +60,10 @@ from noria.engine.sampling import inverse_cdf, processed_weights
 
 class Draft(NamedTuple):
     """One row's draft: its tokens and, for a sampled row, the distributions they were drawn from
-    (``q`` [len(tokens), Vd] over the draft vocabulary ``vocab``, normalised); None for a point mass."""
+    (``q`` [len(tokens), Vd] over the drafter's ``vocab``, normalised); None for a point mass."""
 
     tokens: list[int]
     q: torch.Tensor | None = None
-    vocab: torch.Tensor | None = None
 
 
 class MlpDraftStage(nn.Module):
@@ -193,7 +192,7 @@ class MlpDrafter:
         if sampled:
             q = torch.stack(dists, dim=1)  # [sampled rows, k, Vd]
             for j, i in enumerate(sampled):
-                out[i] = Draft(out[i].tokens, q[j, : len(out[i].tokens)], self.vocab)
+                out[i] = Draft(out[i].tokens, q[j, : len(out[i].tokens)])
         return out
 
     # ------------------------------------------------------------------------------ training

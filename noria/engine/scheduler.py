@@ -184,9 +184,9 @@ class Chunk:
     draft: list[int] = field(default_factory=list)
     """Speculative decoding (``noria.engine.speculative``): tokens proposed after the request's
     last one, computed in this chunk (its last ``len(draft)`` tokens) and verified by its logits."""
-    draft_q: tuple | None = None
-    """A sampled draft's distributions (q [len(draft), Vd], the draft vocabulary's ids [Vd]): each
-    draft token was drawn from its row of q (``noria.engine.drafter``); None for a point-mass draft."""
+    draft_q: Any = None
+    """A sampled draft's distributions, q [len(draft), Vd] over the mlp drafter's vocabulary: each
+    draft token was drawn from its row (``noria.engine.drafter``); None for a point-mass draft."""
 
     @property
     def sample(self) -> bool:

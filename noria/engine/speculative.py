@@ -293,7 +293,7 @@ class Speculator:
             if draft:
                 c.draft = draft
                 if proposal is not None and proposal.q is not None:
-                    c.draft_q = (proposal.q[: len(draft)], proposal.vocab)
+                    c.draft_q = proposal.q[: len(draft)]
                 c.n = 1 + len(draft)
                 budget -= len(draft)
                 drafted = True
@@ -469,8 +469,7 @@ class Speculator:
             if c.draft_q is None:  # the rejected draft token has no mass in its row's resample
                 w[i, rejected[i]] = 0.0
             else:
-                q, vocab = c.draft_q
-                residual = (w[i] / w[i].sum()).index_add(0, vocab, -q[a].to(device)).clamp_(min=0.0)
+                residual = (w[i] / w[i].sum()).index_add(0, self.drafter.vocab, -c.draft_q[a].to(device)).clamp_(min=0.0)
                 if residual.sum() > 0:  # zero only where p == q to rounding, when rejecting had no chance
                     w[i] = residual
         drawn = inverse_cdf(w, torch.tensor([u[-1] for u in uniforms], device=device)).tolist()
@@ -491,8 +490,7 @@ class Speculator:
             start += len(c.draft) + 1
         return out
 
-    @staticmethod
-    def _draft_probabilities(chunks: list[Chunk]) -> list[float]:
+    def _draft_probabilities(self, chunks: list[Chunk]) -> list[float]:
         """q(d) of every draft token, flattened as the verify rows are (a point mass's is 1; each
         chunk's bonus row gets 1 too, never read)."""
         out = []
@@ -500,9 +498,9 @@ class Speculator:
             if c.draft_q is None:
                 out += [1.0] * (len(c.draft) + 1)
                 continue
-            q, vocab = c.draft_q
+            vocab = self.drafter.vocab
             slot = torch.searchsorted(vocab, torch.tensor(c.draft, device=vocab.device))  # the vocabulary is sorted
-            out += q.gather(1, slot.to(q.device).unsqueeze(1)).squeeze(1).tolist() + [1.0]
+            out += c.draft_q.gather(1, slot.to(c.draft_q.device).unsqueeze(1)).squeeze(1).tolist() + [1.0]
         return out
 
     def _judge(self, drafted: int, accepted: int) -> None:

@@ -100,7 +100,7 @@ def _half_vocabulary(drafter: MlpDrafter):
         out = []
         for row in range(len(tokens)):
             draws = inverse_cdf(q.expand(k, -1), uniforms[row]).tolist()
-            out.append(Draft(draws, q.expand(k, -1).clone(), drafter.vocab))
+            out.append(Draft(draws, q.expand(k, -1).clone()))
         return out
 
     drafter.propose = propose
