@@ -40,6 +40,7 @@ def add_arguments(parser) -> None:
                           "trained tokens/s for each N side by side, with the ratio.")  # fmt: skip
     parser.add_argument("--model", default="smollm2-135m-instruct", help="catalog name or folder: the service's base model")
     parser.add_argument("--dtype", default="auto", help="the service's model.dtype (float32 for the tiny model)")
+    parser.add_argument("--device", default="cpu", help="the service's model.device (cpu, cuda): its trainer and its sampling engine")
     parser.add_argument("--tenants", default="1,4", help="comma-separated numbers of concurrent tenants, run in turn")
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps of each loop")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -74,7 +75,7 @@ def main(args) -> int:
         keys = {f"n{n}-t{i}": f"tml-bench-{secrets.token_hex(12)}" for n in counts for i in range(n)}
         where = work / placement
         where.mkdir(exist_ok=True)
-        service, url = start_service(model, args.dtype, keys, where, placement)
+        service, url = start_service(model, args.dtype, keys, where, placement, args.device)
         try:
             runs = {n: run_tenants(url, {t: k for t, k in keys.items() if t.startswith(f"n{n}-")}, args, where) for n in counts}
         finally:
@@ -97,7 +98,7 @@ def main(args) -> int:
     return 0
 
 
-def start_service(model: str, dtype: str, keys: dict[str, str], work: Path, placement: str = "colocated") -> tuple[Any, str]:
+def start_service(model: str, dtype: str, keys: dict[str, str], work: Path, placement: str = "colocated", device: str = "cpu") -> tuple[Any, str]:
     """``noria service`` on a free loopback port with these tenants and its sampler at ``placement``, ready."""
     from noria.net import free_port
     from noria.process import Child
@@ -108,7 +109,7 @@ def start_service(model: str, dtype: str, keys: dict[str, str], work: Path, plac
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "noria", "service", "--model", model, "--port", str(port), "--model.dtype", dtype,
-           "--service.keys_file", str(keys_file), "--service.state_dir", str(work / "state"), "--service.placement", placement]  # fmt: skip
+           "--service.keys_file", str(keys_file), "--service.state_dir", str(work / "state"), "--service.placement", placement, "--model.device", device]  # fmt: skip
     service = Child.start(cmd, name=f"noria service at {url}", log_path=work / "service.log", env={"TOKENIZERS_PARALLELISM": "false"})
     try:
         service.wait_http(f"{url}/api/v1/healthz", 600)
