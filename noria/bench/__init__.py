@@ -91,6 +91,23 @@ class DefaultsHelp(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def work_folder(work_dir: str | Path | None, prefix: str) -> Path:
+    """A benchmark's folder for configs and run folders: ``work_dir`` (``--work-dir``; created, kept),
+    else a new temporary folder removed when the process exits. Run folders hold checkpoints and
+    engine weights, GBs each: left in the temporary directory, a few runs filled a disk."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if work_dir:
+        folder = Path(work_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def machine_name() -> str:
     """Where the figures were taken: the GPU, or the CPU with the instruction set its paths used."""
     try:

@@ -41,7 +41,6 @@ import dataclasses
 import json
 import random
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +147,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-limit", type=int, default=32, help="held-out prompts per evaluation (eval column)")
     parser.add_argument("--eval-max-in-flight", type=int, default=1, help="eval.max_in_flight of the eval column's runs")
     parser.add_argument("--eval-overflow", default="wait", choices=["wait", "skip"], help="eval.overflow of the eval column's runs")
-    parser.add_argument("--work-dir", help="folder for the configs and run folders (default a new temp folder)")
+    parser.add_argument("--work-dir", help="folder for the configs and run folders (kept; default: a new temporary folder, removed at exit)")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
@@ -175,10 +174,9 @@ def run(
     eval_modes: list[str] | None = None,
     eval_settings: dict[str, Any] | None = None,
 ) -> list[dict]:
-    from noria.bench import write_json
+    from noria.bench import work_folder, write_json
 
-    work = Path(work_dir or tempfile.mkdtemp(prefix="noria-bench-async-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(work_dir, "noria-bench-async-")
     sides: dict[str, dict[str, float]] = {}
     for name, k in (("sync", 0), ("async", staleness)):
         cfg = config(model, steps, prompts_per_step, n_samples, max_new_tokens, k)

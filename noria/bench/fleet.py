@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,17 +56,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed pushes per engine count")
     parser.add_argument("--cases", default="launcher,engines,push", help="which cases to run")
     parser.add_argument("--tiny", action="store_true", help="a smoke test: tiny-llama everywhere, 2 steps, push to 1 and 2")
-    parser.add_argument("--work-dir", help="folder for configs and run folders (default a new temp folder)")
+    parser.add_argument("--work-dir", help="folder for configs and run folders (kept; default: a new temporary folder, removed at exit)")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
 def main(args) -> int:
-    from noria.bench import print_table, write_json
+    from noria.bench import print_table, work_folder, write_json
 
     if args.tiny:
         args.push_model, args.steps, args.push_engines, args.repeats = args.model, 2, "1,2", 1
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="noria-bench-fleet-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(args.work_dir, "noria-bench-fleet-")
     cases = args.cases.split(",")
     results: list[dict[str, Any]] = []
     if "launcher" in cases:

@@ -31,7 +31,6 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +72,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lr", type=float, help="override the recipe's train.optim.lr (every system)")
     parser.add_argument("--n-train", type=int, help="override the task's n_train (every system; epochs follow, so a small "
                         "set is revisited: where difficulty pools can act)")
-    parser.add_argument("--work-dir", help="folder for configs and run folders (default a new temp folder)")
+    parser.add_argument("--work-dir", help="folder for configs and run folders (kept; default: a new temporary folder, removed at exit)")
     parser.add_argument("--json", help="write the figures here (and the plot beside it, .png); systems already there are kept")
 
 
@@ -147,6 +146,7 @@ def run(
 ) -> dict[str, Any]:
     """Train and evaluate each system in turn; print the table; write the JSON and plot after each one."""
     from noria.bench import learn_systems as ls
+    from noria.bench import work_folder
     from noria.models.catalog import model_path
 
     if steps < 1 or eval_every < 1 or (max_minutes is not None and max_minutes <= 0):
@@ -163,7 +163,7 @@ def run(
         raise ValueError("n_samples must be >= 2 (GRPO needs a group)")
     doc = previous(json_path, settings)
     folder = model_path(model)
-    work = Path(work_dir or tempfile.mkdtemp(prefix="noria-bench-learn-"))
+    work = work_folder(work_dir, "noria-bench-learn-")
     max_seconds = None if max_minutes is None else 60 * max_minutes
     for system in systems:
         why = missing(system)
@@ -187,7 +187,7 @@ def run(
     for system in doc["systems"].values():
         system["reached"] = reached(system["curve"], thresholds)
     print_table(doc, thresholds)
-    print(f"run folders under {work}")
+    print(f"run folders under {work}" + ("" if work_dir else " (removed at exit: --work-dir keeps them)"))
     return doc
 
 

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from noria.bench import print_table, write_json
+from noria.bench import print_table, work_folder, write_json
 
 
 def add_arguments(parser) -> None:
@@ -67,7 +67,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--step-rounds", type=int, default=1, help="whole-step cases: rounds of the cases, interleaved (medians)")
     parser.add_argument("--judge-threads", type=int, default=None,
                         help="whole-step cases: reward.model.engine_threads of the judge's own engine (default: as the run)")
-    parser.add_argument("--work-dir", default=None, help="whole-step cases: folder for the configs and run folders")
+    parser.add_argument("--work-dir", default=None, 
+                        help="whole-step cases: folder for the configs and run folders (kept; default: a new temporary folder, removed at exit)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
 
 
@@ -283,8 +284,7 @@ def whole_steps(
     ``vs_rule`` the median over rounds of its step time over the baseline's in the same round."""
     import statistics
 
-    work = Path(work_dir or tempfile.mkdtemp(prefix="noria-bench-reward-steps-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(work_dir, "noria-bench-reward-steps-")
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     for r in range(rounds):
         for case in cases:

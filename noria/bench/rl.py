@@ -69,7 +69,6 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -104,7 +103,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--peers", default="trl", help="comma-separated peers: trl; vllm (Noria's loop with a vLLM server as "
                         "the rollout engine, disk sync); noria_serve (the built-in engine as its own process, disk sync); "
                         "empty for Noria alone")
-    parser.add_argument("--work-dir", help="folder for the config, run folders and eval outputs (default a new temp folder)")
+    parser.add_argument("--work-dir", help="folder for the config, run folders and eval outputs (kept; default: a new temporary folder, removed at exit)")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
@@ -130,13 +129,12 @@ def run(
     task_args: dict[str, Any] | None = None,
 ) -> list[dict]:
     """Run Noria, then each peer, evaluate every final model, print the table, write the JSON."""
-    from noria.bench import write_json
+    from noria.bench import work_folder, write_json
     from noria.models.catalog import model_path
 
     check_arguments(steps, prompts_per_step, n_samples, peers)
     folder = model_path(model)
-    work = Path(work_dir or tempfile.mkdtemp(prefix="noria-bench-rl-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(work_dir, "noria-bench-rl-")
     settings = {"steps": steps, "prompts_per_step": prompts_per_step, "n_samples": n_samples,
                 "max_new_tokens": max_new_tokens, "lr": lr, "temperature": temperature}
     config = write_config(work / "config.yaml", folder, settings, reward, eval_limit, task_args)
@@ -149,7 +147,7 @@ def run(
     accuracy = run_worker("eval", {"config": str(config), "out": str(work / "eval"), "folders": finals})
     results = build_results(model, settings, sides, accuracy)
     print_results(results, [p for p in PEERS if p in peers])
-    print(f"run folders under {work}")
+    print(f"run folders under {work}" + ("" if work_dir else " (removed at exit: --work-dir keeps them)"))
     if json_path:
         write_json(json_path, "rl", results)
     return results

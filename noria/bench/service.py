@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import secrets
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +53,12 @@ def add_arguments(parser) -> None:
                         "(the sampling engine in the service's process), disaggregated (a noria serve child)")
     parser.add_argument("--async", dest="async_loop", action="store_true", help="run examples/service_grpo_async.py")
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds one N's loops may take")
-    parser.add_argument("--work-dir", help="folder for the keys, states, logs and figures (default a new temp folder)")
+    parser.add_argument("--work-dir", help="folder for the keys, states, logs and figures (kept; default: a new temporary folder, removed at exit)")
     parser.add_argument("--json", help="write the figures to this JSON file")
 
 
 def main(args) -> int:
-    from noria.bench import print_table, write_json
+    from noria.bench import print_table, work_folder, write_json
     from noria.models.catalog import model_path
 
     counts = [int(n) for n in args.tenants.split(",")]
@@ -68,8 +67,7 @@ def main(args) -> int:
     if unknown:
         raise SystemExit(f"--placement: unknown {unknown}; known: colocated, disaggregated")
     model = str(model_path(args.model))  # a catalog model is built now, not on the clock
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="noria-bench-service-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(args.work_dir, "noria-bench-service-")
     figures, every = [], {}
     for placement in placements:
         keys = {f"n{n}-t{i}": f"tml-bench-{secrets.token_hex(12)}" for n in counts for i in range(n)}

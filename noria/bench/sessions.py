@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import replace
@@ -131,7 +130,7 @@ def flush_and_warm(urls: list[str], tokenizer: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from noria.bench import print_table, write_json
+    from noria.bench import print_table, work_folder, write_json
     from noria.models import load_tokenizer
     from noria.models.catalog import model_path
     from noria.rollout import HttpEngineClient
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     folder = str(model_path(args.model))
     tokenizer = load_tokenizer(folder)
-    logs = Path(tempfile.mkdtemp(prefix="noria-bench-sessions-"))
+    logs = work_folder(None, "noria-bench-sessions-")
     engines: list[tuple[Child, str]] = []
     figures = {}
     try:

@@ -46,7 +46,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,18 +74,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--engines", type=int, default=2, help="rollout engines (2 or more: behind sglang-router)")
     parser.add_argument("--eval-every", type=int, default=5, help="steps between evaluations on the fleet")
     parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (0: none)")
-    parser.add_argument("--work-dir", help="folder for the config and the run folder (default a new temp folder)")
+    parser.add_argument("--work-dir", help="folder for the config and the run folder (kept; default: a new temporary folder, removed at exit)")
     parser.add_argument("--json", help="write the figures and samples to this JSON file")
     parser.add_argument("--plot", help="draw the series to this PNG file")
 
 
 def main(args) -> int:
-    from noria.bench import print_table, write_json
+    from noria.bench import print_table, work_folder, write_json
     from noria.models.catalog import model_path
 
     model = str(model_path(args.model))  # a catalog model is built now, not on the soak's clock
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="noria-bench-soak-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(args.work_dir, "noria-bench-soak-")
     soak = Soak(work, soak_config(model, args.engines, args.eval_every, args.save_every))
     soak.run(args.minutes * 60, args.interval)
     figures = [analyse(name, soak.samples, args.warmup, soak.bounds.get(name)) for name in SERIES]
