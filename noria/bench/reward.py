@@ -67,7 +67,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--step-rounds", type=int, default=1, help="whole-step cases: rounds of the cases, interleaved (medians)")
     parser.add_argument("--judge-threads", type=int, default=None,
                         help="whole-step cases: reward.model.engine_threads of the judge's own engine (default: as the run)")
-    parser.add_argument("--work-dir", default=None, 
+    parser.add_argument("--work-dir", default=None,
                         help="whole-step cases: folder for the configs and run folders (kept; default: a new temporary folder, removed at exit)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
 
