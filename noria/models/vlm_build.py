@@ -16,11 +16,12 @@ so ``AutoModelForImageTextToText`` and ``AutoProcessor`` load the folder:
    image token nearest to the LM's input embedding of the digit in its slot (``_`` for a blank
    slot; cross-entropy over minus squared distances), so image tokens start out as words the LM
    already reads;
-4. stage B, the SFT warm start (:data:`SFT_STEPS`, every weight trained, bf16 autocast where the CPU
-   computes bf16 natively): chats asking what digits an image holds (``The digits are 3, 7.``) and,
-   in :data:`SUM_SHARE` of them, the ``digits_sum`` question answered ``The digits are 3, 7, so the
-   sum is 10.``; the other sum questions are answered with the digits alone (so the model must learn
-   to add them up: that is what RL on ``digits_sum`` raises).
+4. stage B, the SFT warm start (:data:`SFT_STEPS`, the LM's top layers trained, bf16 autocast where
+   the CPU computes bf16 natively): chats asking what digits an image holds (``The digits are 3, 7.``)
+   and the ``digits_sum`` question, answered in :data:`SUM_SHARE` of them with the sum worked out one
+   digit at a time (``The digits are 3, 7, 1, so the sum is 3 + 7 = 10, 10 + 1 = 11.``) and with the
+   digits alone otherwise (so greedy answers mostly stop at the digits: making the model add them up
+   is what RL on ``digits_sum`` raises).
 
 Pictures come from the ``digits_sum`` task's train pool only (``noria.data.digits_images``); its
 held-out split is never seen. ``heldout_answers`` answers the held-out split greedily with a built folder.
@@ -37,7 +38,7 @@ from typing import Any
 
 from noria.console import say
 
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 """Raised whenever the built folder changes (the catalog rebuilds cached folders of other versions)."""
 IMAGE_SIZE = 64
 PATCH = 8
@@ -212,9 +213,17 @@ def align(model, processor, steps: int, batch: int = ALIGN_BATCH) -> None:
 
 
 def answer_text(digits: list[int], with_sum: bool) -> str:
-    """The warm start's answer: the digits left to right, then their sum if ``with_sum``."""
+    """The warm start's answer: the digits left to right, then, if ``with_sum``, their sum worked out
+    one digit at a time (``The digits are 4, 7, 9, so the sum is 4 + 7 = 11, 11 + 9 = 20.``): a
+    135M-parameter LM adds two small numbers far more reliably than it sums four digits in one token."""
     listed = ", ".join(str(d) for d in digits)
-    return f"The digits are {listed}, so the sum is {sum(digits)}." if with_sum else f"The digits are {listed}."
+    if not with_sum:
+        return f"The digits are {listed}."
+    steps, total = [], digits[0]
+    for d in digits[1:]:
+        steps.append(f"{total} + {d} = {total + d}")
+        total += d
+    return f"The digits are {listed}, so the sum is {', '.join(steps) if steps else total}."
 
 
 def _chat(rng: random.Random, digits: list[int]) -> tuple[str, str]:

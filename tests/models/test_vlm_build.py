@@ -68,4 +68,5 @@ def test_alignment_puts_image_tokens_near_their_digits_embedding(tiny_model_dir)
 
 def test_warm_start_answers_list_the_digits_and_sometimes_the_sum():
     assert vlm_build.answer_text([3, 7], with_sum=False) == "The digits are 3, 7."
-    assert vlm_build.answer_text([3, 7, 1], with_sum=True) == "The digits are 3, 7, 1, so the sum is 11."
+    assert vlm_build.answer_text([3, 7, 1], with_sum=True) == "The digits are 3, 7, 1, so the sum is 3 + 7 = 10, 10 + 1 = 11."
+    assert vlm_build.answer_text([8], with_sum=True) == "The digits are 8, so the sum is 8."
