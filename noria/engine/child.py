@@ -103,7 +103,8 @@ def launch_engine_server(
     ``passive_wait``: its OpenMP threads sleep between parallel regions (``OMP_WAIT_POLICY=PASSIVE``,
     unless that variable is set here) instead of spinning, for a server that shares the CPU cores
     with another busy process (a judge beside the policy's engine: spinning teams of two processes
-    on 2 cores took ``bench reward``'s judge_each rollout from 5.8 s to 12.7 s). Not waited for: ``ready()`` of the result waits until it answers /health."""
+    on 2 cores took ``bench reward``'s judge_each rollout from 5.8 s to 12.7 s).
+    Not waited for: ``ready()`` of the result waits until it answers /health."""
     from noria.net import free_port
 
     port = free_port(host)

@@ -30,6 +30,7 @@ Seeded; not guaranteed: the same weights across CPUs (rounding) or the accuracy 
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import time
@@ -219,11 +220,9 @@ def answer_text(digits: list[int], with_sum: bool) -> str:
     listed = ", ".join(str(d) for d in digits)
     if not with_sum:
         return f"The digits are {listed}."
-    steps, total = [], digits[0]
-    for d in digits[1:]:
-        steps.append(f"{total} + {d} = {total + d}")
-        total += d
-    return f"The digits are {listed}, so the sum is {', '.join(steps) if steps else total}."
+    totals = list(itertools.accumulate(digits))
+    steps = [f"{a} + {d} = {b}" for a, d, b in zip(totals, digits[1:], totals[1:])]
+    return f"The digits are {listed}, so the sum is {', '.join(steps) if steps else totals[0]}."
 
 
 def _chat(rng: random.Random, digits: list[int]) -> tuple[str, str]:
@@ -292,9 +291,10 @@ def warm_start(model, processor, steps: int, batch: int = SFT_BATCH) -> None:
     model.eval()
 
 
-def heldout_answers(folder: str | Path, n: int = 200, batch: int = 16, max_new_tokens: int = 32) -> tuple[list, list[str]]:
+def heldout_answers(folder: str | Path, n: int = 200, batch: int = 16, max_new_tokens: int = 64) -> tuple[list, list[str]]:
     """The first ``n`` held-out ``digits_sum`` prompts and the folder's greedy answers to them, with
-    transformers' ``generate`` in fp32 (score them with the ``numeric`` reward)."""
+    transformers' ``generate`` in fp32 (score them with the ``numeric`` reward). A worked sum of four
+    digits is about 51 tokens: ``max_new_tokens`` 64 keeps it whole."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
